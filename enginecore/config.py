@@ -1,0 +1,279 @@
+"""Frozen engine configuration, grouped and defaulted as vLLM does.
+
+`EngineArgs` holds every flag the engine honours (named as the CLI flags with
+underscores); `EngineArgs.create_engine_config()` validates and splits them
+into the frozen groups below. Values derived at run time (number of KV
+blocks, buckets) do not live here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
+
+
+class ConfigError(ValueError):
+    """An invalid flag or combination of flags; the message names the flag."""
+
+
+Platform = Literal["auto", "tpu", "cuda", "cpu"]
+Backend = Literal["auto", "jax", "torch"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # None: the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max positions
+    seed: int = 0
+    served_model_name: tuple[str, ...] | None = None
+    generation_config: str = "auto"  # "auto" (from the model) or "vllm" (ignore it)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp32", "fp16"):
+            raise ConfigError(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}.")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ConfigError(f"--generation-config must be 'auto', 'vllm' or a folder; got {self.generation_config!r}.")
+        if self.load_format not in ("auto", "safetensors", "gguf", "orbax"):
+            raise ConfigError(f"--load-format must be one of auto, safetensors, gguf, orbax; got {self.load_format!r}.")
+
+    @property
+    def canonical_dtype(self) -> str:
+        return {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(
+            self.dtype, self.dtype
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_dtype: str = "auto"
+    # CPU: bytes of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE, in bytes here).
+    kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, 256; got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(f"--num-gpu-blocks-override must be at least 2, got {self.num_gpu_blocks_override}.")
+        if self.prefix_caching_hash_algo not in ("sha256", "xxhash", "builtin", "sha256_cbor"):
+            raise ConfigError(
+                f"--prefix-caching-hash-algo must be sha256, sha256_cbor, xxhash or builtin; got {self.prefix_caching_hash_algo!r}."
+            )
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported (auto, bfloat16, float16, float32).")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    max_model_len: int = 8192  # copied from the model config once resolved
+    # Bound of the waiting queue; beyond it new requests get 503 (xlaserve flag).
+    max_waiting_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-num-seqs ({self.max_num_seqs})."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
+                f"({self.max_model_len}) with chunked prefill disabled: long prompts could never be scheduled. "
+                "Raise --max-num-batched-tokens, lower --max-model-len, or enable chunked prefill."
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}.")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError(f"--max-num-partial-prefills must be at least 1, got {self.max_num_partial_prefills}.")
+        if self.max_waiting_requests < 1:
+            raise ConfigError(f"--max-waiting-requests must be at least 1, got {self.max_waiting_requests}.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} is not supported yet; use "
+                "--tensor-parallel-size."
+            )
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size must be at least 1.")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    platform: str = "cpu"  # resolved: tpu, cuda or cpu
+    backend: str = "jax"  # resolved: jax or torch
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | reference | pallas | triton | torch
+    compilation_config: dict = field(default_factory=dict)
+    compilation_cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All groups together (vLLM's VllmConfig)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: list[str] | str | None = None
+    generation_config: str = "auto"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    load_format: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    max_waiting_requests: int = 4096
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    platform: str = "auto"
+    backend: str = "auto"
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    compilation_config: dict | None = None
+    compilation_cache_dir: str | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise ConfigError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
+        """Validate and freeze. `model_max_len` is the model's own limit, if known."""
+        from enginecore.platforms import resolve_platform_and_backend
+
+        platform, backend = resolve_platform_and_backend(self.platform, self.backend)
+        max_model_len = self.max_model_len or model_max_len or 8192
+        if model_max_len is not None and self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} is larger than the model's maximum "
+                f"({model_max_len} positions)."
+            )
+        served = self.served_model_name
+        if isinstance(served, str):
+            served = [served]
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            served_model_name=tuple(served) if served else None,
+            generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
+            load_format=self.load_format,
+        )
+        # vLLM's defaults: CPU gets a smaller batch.
+        max_num_seqs = self.max_num_seqs or (256 if platform != "cpu" else 64)
+        if self.max_num_batched_tokens is not None:
+            mnbt = self.max_num_batched_tokens
+        elif self.enable_chunked_prefill:
+            mnbt = 8192 if platform != "cpu" else 2048
+        else:
+            mnbt = max(max_model_len, 2048)
+        mnbt = max(mnbt, max_num_seqs) if self.max_num_batched_tokens is None else mnbt
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=mnbt,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            scheduling_policy=self.scheduling_policy,
+            max_model_len=max_model_len,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+        )
+        if self.attention_backend not in ("auto", "reference", "pallas", "triton", "torch"):
+            raise ConfigError(
+                f"--attention-backend must be auto, reference, pallas, triton or torch; got {self.attention_backend!r}."
+            )
+        if self.attention_backend == "pallas" and backend != "jax":
+            raise ConfigError("--attention-backend pallas needs --backend jax.")
+        if self.attention_backend in ("triton", "torch") and backend != "torch":
+            raise ConfigError(f"--attention-backend {self.attention_backend} needs --backend torch.")
+        device_config = DeviceConfig(
+            platform=platform,
+            backend=backend,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            compilation_config=dict(self.compilation_config or {}),
+            compilation_cache_dir=self.compilation_cache_dir,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)

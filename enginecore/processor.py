@@ -1,0 +1,288 @@
+"""Input and output processing around the engine core (in the API process).
+
+`InputProcessor`: prompt -> token ids, validation against the model, seeds,
+and the split of an `n > 1` request into n child `Request`s.
+`OutputProcessor`: `EngineCoreOutput`s -> `RequestOutput`s: incremental
+detokenization, stop strings, logprobs, aggregation of children.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from enginecore.config import EngineConfig
+from enginecore.detokenizer import IncrementalDetokenizer
+from enginecore.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
+from enginecore.request import Request
+from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from enginecore.tokenizer import Tokenizer
+
+
+class PromptError(ValueError):
+    """An invalid prompt (HTTP 400); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = "prompt"):
+        super().__init__(message)
+        self.param = param
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = config.scheduler_config.max_model_len
+        self._rng = np.random.default_rng(config.model_config.seed)
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise PromptError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def process(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, list[int], list[Request]]:
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise PromptError("the prompt is empty: it must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is out of vocabulary (vocab size is {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{len(ids)} input tokens. Please reduce the length of the input."
+            )
+        params.verify_for_model(self.vocab_size, self.config.model_config.max_logprobs)
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise SamplingParamsError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{params.max_tokens + len(ids)} tokens ({len(ids)} in the input, {params.max_tokens} in the "
+                "completion). Please reduce the length of the input or the completion.",
+                "max_tokens",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        eos = tuple(self.tokenizer.eos_token_ids)
+        if params.bad_words:
+            params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        params._all_stop_token_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(eos))
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
+        arrival = arrival_time or time.monotonic()
+        reqs = [
+            Request(
+                request_id=child_request_id(request_id, i, params.n),
+                prompt_token_ids=ids,
+                sampling_params=params,
+                eos_token_ids=eos,
+                arrival_time=arrival,
+                priority=priority,
+                seed=seed,
+                sample_index=i,
+                max_tokens=max_tokens,
+            )
+            for i in range(params.n)
+        ]
+        return text, ids, reqs
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        out = []
+        for w in words:
+            for variant in (w, " " + w.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+
+@dataclass
+class _Child:
+    index: int
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # for DELTA output
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child]
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt, prompt_ids: list[int], params: SamplingParams, child_ids: list[str],
+                    arrival_time: float | None = None) -> None:
+        children = {}
+        for i, cid in enumerate(child_ids):
+            detok = (
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                )
+                if params.detokenize
+                else None
+            )
+            children[cid] = _Child(
+                i, detok, logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            self.child_to_parent[cid] = request_id
+        self.states[request_id] = _RequestState(
+            request_id, prompt, prompt_ids, params, children,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            arrival_time=arrival_time or time.monotonic(),
+        )
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def child_ids(self, request_id: str) -> list[str]:
+        st = self.states.get(request_id)
+        return list(st.children) if st else []
+
+    def abort(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st:
+            for cid in st.children:
+                self.child_to_parent.pop(cid, None)
+
+    def _decode_one(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def _to_logprob_dict(self, lp: LogprobsLists, k: int) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for j, (t, v) in enumerate(zip(lp.token_ids[1 : k + 1], lp.logprobs[1 : k + 1])):
+            d[t] = Logprob(v, j + 1, self._decode_one(t))
+        if lp.token_ids[0] not in d:
+            d[lp.token_ids[0]] = Logprob(lp.logprobs[0], lp.rank, self._decode_one(lp.token_ids[0]))
+        # the chosen token first, like vLLM
+        first = lp.token_ids[0]
+        return {first: d[first], **{t: v for t, v in d.items() if t != first}}
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs to deliver and the child ids the core must abort (stop strings)."""
+        updated: dict[str, set[str]] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for o in outputs:
+            pid = self.child_to_parent.get(o.request_id)
+            if pid is None:
+                continue
+            st = self.states[pid]
+            ch = st.children[o.request_id]
+            if ch.finish_reason is not None:
+                continue
+            st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            if o.prompt_logprobs is not None and st.prompt_logprobs is not None and ch.index == 0:
+                k = st.params.prompt_logprobs
+                st.prompt_logprobs.extend(self._to_logprob_dict(lp, k) if lp else None for lp in o.prompt_logprobs)
+            if o.new_token_ids and st.first_token_time is None:
+                st.first_token_time = now
+            st.num_generation_tokens += len(o.new_token_ids)
+            ch.token_ids.extend(o.new_token_ids)
+            if ch.logprobs is not None and o.new_logprobs:
+                for lp in o.new_logprobs:
+                    ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
+                    ch.cumulative_logprob += lp.logprobs[0]
+            stop_hit = None
+            if ch.detok is not None:
+                stop_hit = ch.detok.add_tokens(o.new_token_ids)
+            if stop_hit is not None:
+                ch.finish_reason, ch.stop_reason = "stop", stop_hit
+                if o.finish_reason is None:
+                    to_abort.append(o.request_id)
+            elif o.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+                if ch.detok is not None and o.finish_reason != "abort":
+                    ch.detok.flush_text()
+            updated.setdefault(pid, set()).add(o.request_id)
+        results = []
+        for pid, cids in updated.items():
+            st = self.states[pid]
+            ro = self._make_output(st, cids)
+            if ro is not None:
+                results.append(ro)
+            if st.finished:
+                self.abort(pid)
+        return results, to_abort
+
+    def _make_output(self, st: _RequestState, updated: set[str]) -> RequestOutput | None:
+        kind = st.params.output_kind
+        finished = st.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outs = []
+        for cid, ch in st.children.items():
+            if kind == RequestOutputKind.DELTA and cid not in updated:
+                continue
+            done = ch.finish_reason is not None
+            if kind == RequestOutputKind.DELTA:
+                text = ch.detok.get_delta(done) if ch.detok else ""
+                toks = ch.token_ids[ch.sent_tokens :]
+                lps = ch.logprobs[ch.sent_logprobs :] if ch.logprobs is not None else None
+                ch.sent_tokens = len(ch.token_ids)
+                ch.sent_logprobs = len(ch.logprobs) if ch.logprobs is not None else 0
+            else:
+                text = ch.detok.visible_text(done) if ch.detok else ""
+                toks, lps = list(ch.token_ids), (list(ch.logprobs) if ch.logprobs is not None else None)
+            outs.append(
+                CompletionOutput(ch.index, text, toks, ch.cumulative_logprob, lps, ch.finish_reason, ch.stop_reason)
+            )
+        if kind == RequestOutputKind.DELTA and not outs:
+            return None
+        outs.sort(key=lambda c: c.index)
+        metrics = {
+            "arrival_time": st.arrival_time,
+            "first_token_time": st.first_token_time,
+            "num_generation_tokens": st.num_generation_tokens,
+        }
+        return RequestOutput(
+            request_id=st.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            prompt_logprobs=st.prompt_logprobs,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=st.num_cached_tokens,
+            metrics=metrics,
+        )

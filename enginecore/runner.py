@@ -1,0 +1,60 @@
+"""The one protocol both backends implement, and their lazy lookup by name.
+
+enginecore never imports jax or torch: a backend is imported only when
+`get_runner_class` is asked for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+from enginecore.config import ConfigError, EngineConfig
+from enginecore.model_loader import ModelSource
+from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
+
+_RUNNERS = {
+    "jax": ("jaxengine.runner", "JaxModelRunner"),
+    "torch": ("torchengine.runner", "TorchModelRunner"),
+}
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """A backend: owns the model weights and the paged KV cache on its device.
+
+    Lifecycle: ``load_model()`` -> ``determine_num_blocks()`` ->
+    ``init_kv_cache(num_blocks)`` -> ``warmup()`` -> ``execute()`` per step.
+    Block ids stay on the host; each runner copies its own block table to the
+    device. ``execute`` must honour ``scheduler_output.finished_req_ids`` and
+    ``preempted_req_ids`` (drop those rows) even when nothing is scheduled.
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelSource) -> None: ...
+
+    def load_model(self) -> None: ...
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit the memory budget (gpu_memory_utilization / kv_cache_memory_bytes)."""
+        ...
+
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def warmup(self) -> dict:
+        """Compile / capture every bucket the server can hit; returns stats for the log."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def get_runner_class(backend: str):
+    if backend not in _RUNNERS:
+        raise ConfigError(f"--backend must be one of {', '.join(_RUNNERS)}; got {backend!r}.")
+    mod_name, cls_name = _RUNNERS[backend]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"the {backend} backend is not available: {e}") from None
+    return getattr(mod, cls_name)

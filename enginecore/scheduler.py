@@ -1,0 +1,367 @@
+"""The scheduler: one token budget per step, no prefill/decode phases.
+
+Each step: running requests first (each gets min(remaining, threshold, budget
+left) tokens), then waiting ones while `len(running) < max_num_seqs`. Chunked
+prefill falls out of this. When the pool runs dry a running request is
+preempted by recompute (blocks freed, `num_computed_tokens = 0`, back to the
+front of `waiting`): the last running one (fcfs) or the lowest priority one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from enginecore.config import CacheConfig, SchedulerConfig
+from enginecore.kv_cache import KVCacheManager
+from enginecore.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from enginecore.request import Request, RequestStatus
+
+
+class SchedulerOverloadedError(RuntimeError):
+    """The bounded waiting queue is full (HTTP 503)."""
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never run (HTTP 400)."""
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens, cumulative
+    prefix_cache_hits: int = 0  # tokens, cumulative
+    num_preemptions: int = 0  # cumulative
+    num_scheduled_tokens: int = 0  # last step
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._runner_num_tokens: dict[str, int] = {}  # tokens the runner holds per request
+        self._last_num_scheduled = 0
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejectedError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens == 0:
+            raise RequestRejectedError("the prompt is empty: it must contain at least one token")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{req.num_prompt_tokens} input tokens, which leaves no room for output. Please reduce the length "
+                "of the input."
+            )
+        need = -(-(req.num_prompt_tokens + 1) // self.block_size)
+        if need > self.kv.pool.num_usable_blocks:
+            raise RequestRejectedError(
+                f"the prompt needs {need} KV-cache blocks but the cache only has {self.kv.pool.num_usable_blocks}"
+            )
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise SchedulerOverloadedError(
+                f"the server is overloaded: {len(self.waiting)} requests are waiting "
+                f"(limit set by --max-waiting-requests={self.config.max_waiting_requests})"
+            )
+        self.requests[req.request_id] = req
+        self._enqueue_waiting(req)
+
+    def _enqueue_waiting(self, req: Request, front: bool = False) -> None:
+        if self.config.scheduling_policy == "priority":
+            # keep waiting sorted by (priority, arrival): lower value runs first
+            items = list(self.waiting)
+            items.append(req)
+            items.sort(key=Request.sort_key)
+            self.waiting = deque(items)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def finish_requests(self, req_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
+        """Abort (or otherwise finish) requests at any time; frees their blocks. Returns those found."""
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            req.status = status
+            self._free_request(req)
+            done.append(rid)
+        return done
+
+    def _free_request(self, req: Request) -> None:
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        self._runner_num_tokens.pop(req.request_id, None)
+        del self.requests[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._runner_num_tokens.pop(victim.request_id, None)
+        self._enqueue_waiting(victim, front=True)
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+
+        # 1. running requests
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            if threshold:
+                n = min(n, threshold)
+            n = min(n, budget, self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = self.kv.allocate_slots(req, n)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # un-schedule it
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                vi = self.running.index(victim)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if vi < i:
+                    i -= 1
+                if victim is req:
+                    break
+            if blocks is None:
+                continue  # req itself was preempted; running shrank
+            num_scheduled[req.request_id] = n
+            new_block_ids[req.request_id] = blocks
+            budget -= n
+            i += 1
+
+        # 2. waiting requests (not when we just had to preempt: memory is tight)
+        new_reqs: list[NewRequestData] = []
+        partial_prefills = sum(
+            1 for r in self.running if r.request_id in num_scheduled
+            and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_prompt_tokens
+        )
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = ([], 0)
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if threshold:
+                n = min(n, threshold)
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            partial = num_hit + n < req.num_tokens
+            if partial and partial_prefills >= cfg.max_num_partial_prefills:
+                break
+            blocks = self.kv.allocate_slots(req, n, hit_blocks)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            partial_prefills += partial
+            num_scheduled[req.request_id] = n
+            budget -= n
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    num_computed_tokens=num_hit,
+                    output_token_ids=list(req.output_token_ids),
+                    seed=req.seed,
+                    sample_index=req.sample_index,
+                )
+            )
+            self._runner_num_tokens[req.request_id] = req.num_tokens
+
+        # 3. cached requests: what changed since the runner last saw them
+        cached_reqs = []
+        new_ids = {d.req_id for d in new_reqs}
+        for req in self.running:
+            rid = req.request_id
+            if rid not in num_scheduled or rid in new_ids:
+                continue
+            known = self._runner_num_tokens.get(rid, req.num_tokens)
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=rid,
+                    new_token_ids=req.tokens_slice(known, req.num_tokens),
+                    new_block_ids=new_block_ids.get(rid, []),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+            self._runner_num_tokens[rid] = req.num_tokens
+
+        total = sum(num_scheduled.values())
+        assert total <= cfg.max_num_batched_tokens
+        assert len(self.running) <= cfg.max_num_seqs
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # advance now so the next schedule() sees the tokens as computed
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        self._last_num_scheduled = total
+        return out
+
+    # -- applying the runner's output -------------------------------------------------
+
+    def _check_stop(self, req: Request) -> bool:
+        sp = req.sampling_params
+        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if req.num_output_tokens < sp.min_tokens:
+            return False
+        last = req.output_token_ids[-1]
+        if not sp.ignore_eos and last in req.eos_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in sp.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = last
+            return True
+        return False
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for idx, rid in enumerate(runner_output.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            toks = runner_output.sampled_token_ids[idx]
+            plp = runner_output.prompt_logprobs.get(rid)
+            if not toks and plp is None:
+                continue
+            new_toks, new_lps = [], []
+            lps = runner_output.logprobs[idx] if runner_output.logprobs else None
+            stopped = False
+            for t in toks:
+                req.output_token_ids.append(int(t))
+                new_toks.append(int(t))
+                if lps is not None:
+                    new_lps.append(lps)
+                if self._check_stop(req):
+                    stopped = True
+                    break
+            if new_toks and req.first_token_time is None:
+                req.first_token_time = now
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=new_toks,
+                new_logprobs=new_lps if req.sampling_params.logprobs is not None else None,
+                prompt_logprobs=plp,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+            if stopped:
+                out.finish_reason = req.status.finish_reason
+                out.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._free_request(req)
+            outputs.append(out)
+        return outputs
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.usage(),
+            num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_total_blocks=pool.num_usable_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=self._last_num_scheduled,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        live = {r.request_id for r in self.running}
+        self.kv.check_invariants(live)
+        for r in self.waiting:
+            assert r.request_id not in self.kv.req_blocks, f"waiting request {r.request_id} holds blocks"

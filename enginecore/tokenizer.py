@@ -1,0 +1,206 @@
+"""Tokenizers: a Hugging Face folder's own, or one built straight from a GGUF's vocabulary.
+
+For GGUF files with a byte-level BPE vocabulary (`tokenizer.ggml.model ==
+"gpt2"`, SmolLM2, Qwen, Llama 3) the tokenizer is assembled with the
+`tokenizers` library from the file's tokens and merges in well under a second;
+transformers' own GGUF conversion takes ~15 s here and, for SmolLM2, sets the
+wrong EOS token. Other GGUF vocabularies (sentencepiece) fall back to
+transformers' conversion, cached on disk after the first time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from enginecore.model_loader import ModelLoadError, ModelSource
+
+# llama.cpp's pre-tokenizer names -> the regex split used before byte-level BPE
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+@dataclass
+class Tokenizer:
+    """A transformers tokenizer plus the ids the engine needs."""
+
+    hf: object  # transformers.PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    chat_template: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, chat_template: str | None = None, **kwargs) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                "this model has no chat template; pass --chat-template or use /v1/completions"
+            )
+        return self.hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
+
+
+def _gguf_fields(path: str, reader=None):
+    import gguf
+
+    r = reader or gguf.GGUFReader(path, "r")
+
+    def get(k, default=None):
+        f = r.fields.get(k)
+        if f is None:
+            return default
+        return f.contents()
+
+    return r, get
+
+
+def _build_bpe_from_gguf(path: str, reader=None):
+    from tokenizers import Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    r, get = _gguf_fields(path, reader)
+    tokens = get("tokenizer.ggml.tokens")
+    merges = get("tokenizer.ggml.merges") or []
+    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    pre = get("tokenizer.ggml.pre", "gpt2")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
+    tk = RawTokenizer(bpe)
+    if pre in ("llama3", "llama-bpe", "dbrx", "smaug-bpe"):
+        pattern = _LLAMA3_PATTERN
+    elif pre in ("qwen2", "deepseek-llm"):
+        pattern = _QWEN2_PATTERN
+    else:
+        pattern = _GPT2_PATTERN
+    splits = []
+    if pre == "smollm":  # llama.cpp splits every digit before the GPT-2 regex
+        splits.append(pre_tokenizers.Digits(individual_digits=True))
+    splits.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False))
+    splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    tk.decoder = decoders.ByteLevel()
+    # control (3) and user-defined (4) tokens are matched whole, before BPE
+    from tokenizers import AddedToken
+
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
+    tk.add_special_tokens(special)
+    if user:
+        tk.add_tokens(user)
+
+    def tok_str(key):
+        i = get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=tok_str("tokenizer.ggml.bos_token_id"),
+        eos_token=tok_str("tokenizer.ggml.eos_token_id"),
+        unk_token=tok_str("tokenizer.ggml.unknown_token_id"),
+        pad_token=tok_str("tokenizer.ggml.padding_token_id"),
+        clean_up_tokenization_spaces=False,
+    )
+    hf.chat_template = get("tokenizer.chat_template")
+    if get("tokenizer.ggml.add_bos_token", False):
+        # byte-level BPE models in GGUF rarely ask for it; honour it through a template
+        from tokenizers import processors
+
+        bos = tok_str("tokenizer.ggml.bos_token_id")
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    return hf
+
+
+def _cache_dir() -> str:
+    return os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "tokenizers")
+
+
+def _load_gguf_tokenizer(path: str, reader=None):
+    reader, get = _gguf_fields(path, reader)
+    if get("tokenizer.ggml.model") == "gpt2":
+        return _build_bpe_from_gguf(path, reader)
+    # sentencepiece vocabularies: transformers' converter, cached by file identity
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), key)
+    from transformers import AutoTokenizer
+
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)
+    os.makedirs(cached, exist_ok=True)
+    tok.save_pretrained(cached)
+    return tok
+
+
+def _eos_ids_from_folder(folder: str) -> list[int]:
+    ids: list[int] = []
+    for fn in ("generation_config.json", "config.json"):
+        p = os.path.join(folder, fn)
+        if os.path.isfile(p):
+            try:
+                with open(p) as f:
+                    v = json.load(f).get("eos_token_id")
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(v, int):
+                ids.append(v)
+            elif isinstance(v, list):
+                ids.extend(int(x) for x in v)
+    return ids
+
+
+def load_tokenizer(
+    src: ModelSource, tokenizer: str | None = None, use_generation_config: bool = True
+) -> Tokenizer:
+    """The tokenizer for `src` (or the folder/GGUF named by --tokenizer)."""
+    from transformers import AutoTokenizer
+
+    target = tokenizer or (src.path if src.kind == "hf" else None)
+    try:
+        if target is None:
+            hf = _load_gguf_tokenizer(src.path, src.gguf_reader)
+        elif os.path.isfile(target) and target.endswith(".gguf"):
+            hf = _load_gguf_tokenizer(target)
+        elif os.path.isdir(target):
+            hf = AutoTokenizer.from_pretrained(target, local_files_only=True)
+        else:
+            raise ModelLoadError(f"{target}: tokenizer not found (a local folder or .gguf file is needed)")
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{target or src.path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    eos: list[int] = []
+    if hf.eos_token_id is not None:
+        eos.append(int(hf.eos_token_id))
+    if src.kind == "gguf" and src.config.eos_token_id is not None:
+        eos.append(int(src.config.eos_token_id))
+    if use_generation_config and src.kind == "hf":
+        eos.extend(_eos_ids_from_folder(src.path))
+    seen = []
+    for e in eos:
+        if e not in seen:
+            seen.append(e)
+    return Tokenizer(
+        hf=hf,
+        eos_token_ids=tuple(seen),
+        bos_token_id=hf.bos_token_id,
+        chat_template=getattr(hf, "chat_template", None),
+    )
