@@ -65,8 +65,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 8, 16, 32, 64, 128, 256):
-            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, 256; got {self.block_size}.")
+        if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two up to 256 (16 is usual); got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
@@ -228,7 +228,7 @@ class EngineArgs:
             load_format=self.load_format,
         )
         # vLLM's defaults: CPU gets a smaller batch.
-        max_num_seqs = self.max_num_seqs or (256 if platform != "cpu" else 64)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if platform != "cpu" else 64)
         if self.max_num_batched_tokens is not None:
             mnbt = self.max_num_batched_tokens
         elif self.enable_chunked_prefill:

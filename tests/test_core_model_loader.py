@@ -1,0 +1,114 @@
+"""Model resolution and loading: GGUF, HF folders, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from enginecore.model_loader import ModelLoadError, resolve_model
+
+
+def test_embedded_gguf_config(smollm2_source):
+    c = smollm2_source.config
+    assert smollm2_source.kind == "gguf"
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (
+        "LlamaForCausalLM", 30, 576, 9, 3)
+    assert c.tie_word_embeddings and c.vocab_size == 49152 and c.head_dim == 64
+    assert c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+
+
+def test_gguf_and_saved_hf_folder_agree(smollm2_source, smollm2_hf_dir):
+    hf = resolve_model(smollm2_hf_dir)
+    assert hf.kind == "hf"
+    a, b = smollm2_source.config.as_dict(), hf.config.as_dict()
+    assert a == b
+    wa = smollm2_source.load_weights()
+    wb = hf.load_weights()
+    assert set(wa) == set(wb)
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_gguf_weights_match_transformers_gguf_loader(smollm2_source):
+    """Independent reference: transformers' own GGUF reader and rope un-permutation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_source.path
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               dtype=torch.float32, local_files_only=True)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    ours = smollm2_source.load_weights()
+    for k in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+              "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        np.testing.assert_allclose(ours[k], sd[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_hf_folder_tokenizer_and_eos(smollm2_hf_dir):
+    from enginecore.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(smollm2_hf_dir))
+    assert 2 in tok.eos_token_ids
+    assert tok.decode([2], skip_special_tokens=False) == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="no such file or folder"):
+        resolve_model("/nonexistent/model")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(ModelLoadError, match="BertModel.*not supported"):
+        resolve_model(str(tmp_path))
+
+
+def test_corrupt_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json: not valid JSON"):
+        resolve_model(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path, smollm2_hf_dir):
+    for fn in os.listdir(smollm2_hf_dir):
+        if fn != "model.safetensors":
+            shutil.copy(os.path.join(smollm2_hf_dir, fn), tmp_path)
+    src = os.path.join(smollm2_hf_dir, "model.safetensors")
+    with open(src, "rb") as f:
+        data = f.read(1_000_000)
+    (tmp_path / "model.safetensors").write_bytes(data)
+    m = resolve_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="model.safetensors: truncated"):
+        m.load_weights()
+
+
+def test_corrupt_and_truncated_gguf(tmp_path, smollm2_source):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOTAGGUF" + b"\0" * 100)
+    with pytest.raises(ModelLoadError, match="bad.gguf: not a readable GGUF"):
+        resolve_model(str(bad))
+    trunc = tmp_path / "trunc.gguf"
+    with open(smollm2_source.path, "rb") as f:
+        trunc.write_bytes(f.read(3_000_000))
+    with pytest.raises(ModelLoadError, match="trunc.gguf"):
+        m = resolve_model(str(trunc))
+        m.load_weights()
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "weights.bin"
+    p.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(str(p))
