@@ -112,3 +112,22 @@ def test_not_a_gguf_file(tmp_path):
     p.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
         resolve_model(str(p))
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_matches_transformers_conversion(smollm2_source, smollm2_tokenizer):
+    """Our fast GGUF tokenizer encodes exactly as transformers' (slow) GGUF conversion."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_source.path
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                        local_files_only=True)
+    texts = ["Hello world, 你好", "The year 2024 had 365 days!!", "  spaces\n\nnewlines\ttabs  ",
+             "<|im_start|>user\nHi<|im_end|>\n", "émoji 🎉 café naïve", "def f(x):\n    return x**2  # 12345",
+             "I'm sure they'll've done it", "URL: https://example.com/a?b=c&d=e"]
+    for t in texts:
+        assert smollm2_tokenizer.encode(t) == ref(t)["input_ids"], t
+        ids = smollm2_tokenizer.encode(t)
+        assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == t
+    # EOS comes from the GGUF metadata (<|im_end|>), not transformers' guess
+    assert smollm2_tokenizer.eos_token_ids == (2,)

@@ -1,0 +1,56 @@
+"""Triton kernels for the torch backend, each with a pure-torch reference.
+
+- `unified_attention`: ragged paged attention, decode and chunked prefill in
+  one launch (GQA, sliding window, logit soft-cap, split-KV for small batches).
+- `reshape_and_cache`: writes this step's K/V into the paged cache.
+- `ref_unified_attention`, `ref_reshape_and_cache`: the references.
+- `paged_attention_torch`: the attention contract in plain torch, fast on CPU.
+
+The package imports without triton: `HAS_TRITON` is then False and the two
+kernels raise ImportError when called. Triton decides once, when it is first
+imported, whether it compiles (CUDA tensors) or interprets (CPU tensors,
+TRITON_INTERPRET=1; tests only), so set that variable before importing this
+package.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from triton_kernels.reference import paged_attention_torch, ref_reshape_and_cache, ref_unified_attention
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+__all__ = [
+    "HAS_TRITON",
+    "paged_attention_torch",
+    "ref_reshape_and_cache",
+    "ref_unified_attention",
+    "reshape_and_cache",
+    "unified_attention",
+]
+
+
+def _needs_triton(name: str) -> Callable[..., Any]:
+    def launcher(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError(
+            f"triton_kernels.{name} needs triton; on CPU use paged_attention_torch / ref_reshape_and_cache"
+        )
+
+    launcher.__name__ = launcher.__qualname__ = name
+    return launcher
+
+
+if HAS_TRITON:
+    # Imported here so the names below are the functions, not the submodules
+    # of the same name (import binds a submodule on its package).
+    from triton_kernels.reshape_and_cache import reshape_and_cache
+    from triton_kernels.unified_attention import unified_attention
+else:
+    reshape_and_cache = _needs_triton("reshape_and_cache")
+    unified_attention = _needs_triton("unified_attention")
