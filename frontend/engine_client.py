@@ -1,0 +1,471 @@
+"""The API process's handle on the engine core: ZeroMQ + msgpack to its process (or thread).
+
+`AsyncEngineClient` tokenizes and validates (InputProcessor), sends the
+requests over a PUSH socket, and awaits the engine's messages on a PULL socket
+with zmq.asyncio: one task reads them, detokenizes (OutputProcessor), and puts
+each `RequestOutput` on its request's asyncio queue. Nothing polls.
+
+Both modes speak the same protocol (`frontend.wire`): the default runs
+`frontend.engine_proc` in a spawned process over `ipc://`; with
+`--disable-frontend-multiprocessing` the same loop runs in a thread over
+`inproc://`. A dead engine (process exit or a failed step) fails every
+in-flight request with `EngineDeadError` (HTTP 503) and calls `on_dead`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import zmq
+import zmq.asyncio
+
+from enginecore.config import EngineConfig
+from enginecore.engine import EngineCore
+from enginecore.model_loader import ModelSource
+from enginecore.outputs import EngineCoreOutput, RequestOutput
+from enginecore.processor import InputProcessor, OutputProcessor
+from enginecore.sampling_params import SamplingParams, SamplingParamsError
+from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError, SchedulerStats
+from enginecore.tokenizer import Tokenizer
+from frontend import wire
+
+logger = logging.getLogger("xlaserve.engine_client")
+
+_EXIT_GRACE_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone (HTTP 503)."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; the message says why."""
+
+
+class StatsObserver(Protocol):
+    """What the client reports per engine request (child) and per engine message (metrics, stats log)."""
+
+    def on_engine_stats(self, stats: SchedulerStats) -> None: ...
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+
+    def on_inter_token(self, latency_s: float) -> None: ...
+
+    def on_generation_tokens(self, n: int) -> None: ...
+
+    def on_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+
+@dataclass
+class _ChildTiming:
+    parent: str
+    arrival: float
+    prompt_len: int
+    first: float | None = None
+    last: float | None = None
+    generated: int = 0
+    done: bool = False
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestOutput`s. `abort()` is idempotent and safe in `finally`."""
+
+    def __init__(self, client: "AsyncEngineClient", request_id: str, queue: asyncio.Queue):
+        self._client = client
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._client._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._client._forget(self.request_id)
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._client._abort(self.request_id)
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer,
+                 observer: StatsObserver | None = None):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.observer = observer
+        self.input_processor = InputProcessor(config, tokenizer, max(model.config.vocab_size, 0))
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats = SchedulerStats()
+        self.num_blocks = 0
+        self.dead_reason: str | None = None
+        self.on_dead: list[Callable[[str], None]] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._children: dict[str, list[str]] = {}  # parent id -> child ids
+        self._timings: dict[str, _ChildTiming] = {}  # child id -> timing
+        self._pending_adds: dict[str, asyncio.Future] = {}
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._ready: asyncio.Future | None = None
+        self._closing = False
+        self._proc = None
+        self._thread: threading.Thread | None = None
+        self._ipc_dir: str | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._sync_ctx: zmq.Context | None = None
+        self._ctx: zmq.asyncio.Context | None = None  # shadows _sync_ctx (inproc needs one context)
+        self._in: zmq.Socket | None = None  # PUSH, API -> engine (sync: sends never block, HWM 0)
+        self._out: zmq.asyncio.Socket | None = None  # PULL, engine -> API
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def multiprocess(self) -> bool:
+        return self._proc is not None
+
+    async def start(self, multiprocess: bool = True,
+                    core_factory: Callable[[EngineConfig, ModelSource], EngineCore] | None = None) -> None:
+        """Launch the engine core and wait until it is ready (the runner is loaded and warm).
+
+        `core_factory(config, model)` builds the in-process core (a custom runner); default: EngineCore.
+        """
+        loop = asyncio.get_running_loop()
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+        if multiprocess:
+            self._ipc_dir = tempfile.mkdtemp(prefix="xlaserve-")
+            in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        else:
+            tag = f"{os.getpid()}-{id(self)}"
+            in_addr, out_addr = f"inproc://xlaserve-in-{tag}", f"inproc://xlaserve-out-{tag}"
+        self._in = self._sync_ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(in_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(out_addr)
+        self._ready = loop.create_future()
+        self._reader_task = asyncio.create_task(self._read_loop(), name="engine-output-reader")
+        if multiprocess:
+            if core_factory is not None:
+                raise ValueError("core_factory is only for the in-process engine")
+            self._start_process(in_addr, out_addr)
+        else:
+            self._start_thread(in_addr, out_addr, core_factory)
+        await self._ready
+
+    def _start_process(self, in_addr: str, out_addr: str) -> None:
+        from frontend.engine_proc import run_engine_process
+
+        ctx = multiprocessing.get_context("spawn")
+        level = logging.getLogger("xlaserve").getEffectiveLevel()
+        self._proc = ctx.Process(target=run_engine_process, name="EngineCore", daemon=False,
+                                 args=(self.config, in_addr, out_addr, level, os.getpid()))
+        self._proc.start()
+        logger.info("engine core process started (pid %d)", self._proc.pid)
+        asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_process_exit)
+
+    def _start_thread(self, in_addr: str, out_addr: str, core_factory) -> None:
+        from frontend.engine_proc import serve_engine_core
+
+        build = core_factory or EngineCore
+
+        def factory() -> EngineCore:
+            return build(self.config, self.model)
+
+        loop = asyncio.get_running_loop()
+
+        def main() -> None:
+            code = 1
+            try:
+                code = serve_engine_core(factory, self._sync_ctx, in_addr, out_addr)
+            finally:
+                if not loop.is_closed():
+                    # as for the process: let the reason the loop sent on its way out arrive first
+                    loop.call_soon_threadsafe(loop.call_later, _EXIT_GRACE_S, self._on_engine_exit,
+                                              f"the engine core thread exited (code {code})")
+
+        self._thread = threading.Thread(target=main, name="EngineCore", daemon=True)
+        self._thread.start()
+
+    def _on_process_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._proc.sentinel)
+        self._proc.join(0)
+        code = self._proc.exitcode
+        # a failing engine sends its reason just before exiting: give that message a moment to arrive
+        loop.call_later(_EXIT_GRACE_S, self._on_engine_exit,
+                        f"the engine core process exited unexpectedly (exit code {code})")
+
+    def _on_engine_exit(self, reason: str) -> None:
+        if self._closing:
+            return
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineStartupError(reason))
+        self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None or self._closing:
+            return
+        self.dead_reason = reason
+        logger.error("engine core is dead: %s", reason)
+        err = EngineDeadError(f"the engine is dead: {reason}")
+        for q in self._queues.values():
+            q.put_nowait(err)
+        for fut in list(self._pending_adds.values()) + list(self._pending_calls.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        for cb in list(self.on_dead):
+            try:
+                cb(reason)
+            except Exception:
+                logger.exception("on_dead callback failed")
+
+    def fail_all(self, reason: str) -> None:
+        """End every in-flight request with EngineDeadError(reason) (HTTP 503); their streams abort them."""
+        err = EngineDeadError(reason)
+        for q in self._queues.values():
+            q.put_nowait(err)
+        for fut in self._pending_adds.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine core (politely, then by force) and release the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._in is not None:
+            try:
+                self._in.send(wire.pack(("shutdown",)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        loop = asyncio.get_running_loop()
+        if self._proc is not None:
+            try:
+                loop.remove_reader(self._proc.sentinel)
+            except Exception:
+                pass
+            await loop.run_in_executor(None, self._proc.join, timeout)
+            if self._proc.is_alive():
+                logger.warning("engine core did not exit in %.0fs; terminating it", timeout)
+                self._proc.terminate()
+                await loop.run_in_executor(None, self._proc.join, 2.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+                await loop.run_in_executor(None, self._proc.join, 2.0)
+        if self._thread is not None:
+            await loop.run_in_executor(None, self._thread.join, timeout)
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError("the server is shutting down"))
+        for sock in (self._in, self._out):
+            if sock is not None:
+                sock.close(0)
+        engine_thread_gone = self._thread is None or not self._thread.is_alive()
+        if self._sync_ctx is not None and engine_thread_gone:
+            self._sync_ctx.term()
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _send(self, msg) -> None:
+        self._in.send(wire.pack(msg), zmq.NOBLOCK)
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Validate, tokenize and submit; returns once the engine accepted it.
+
+        Raises PromptError / SamplingParamsError (400), RequestRejectedError (400),
+        SchedulerOverloadedError (503) or EngineDeadError (503).
+        """
+        if self.is_dead or self._closing:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason or 'the server is shutting down'}")
+        if request_id in self._queues:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise SamplingParamsError(
+                f"got priority {priority}, but priority scheduling is off: start the server with "
+                "--scheduling-policy priority", "priority")
+        limit = self.config.scheduler_config.max_waiting_requests
+        if params.n > limit:  # its n sequences wait together: it could never be accepted
+            raise SamplingParamsError(
+                f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
+                f"{limit} (--max-waiting-requests): it could never be admitted", "n")
+        text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        fut = asyncio.get_running_loop().create_future()
+        self._queues[request_id] = queue
+        self._pending_adds[request_id] = fut
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs],
+                                          arrival_time=reqs[0].arrival_time)
+        self._children[request_id] = [r.request_id for r in reqs]
+        for r in reqs:
+            self._timings[r.request_id] = _ChildTiming(request_id, r.arrival_time, len(ids))
+        try:
+            self._send(("add", request_id, [wire.encode_request(r) for r in reqs]))
+            err = await fut
+        except BaseException:
+            self._abort(request_id)
+            raise
+        finally:
+            self._pending_adds.pop(request_id, None)
+        if err is not None:
+            self._forget(request_id)
+            self.output_processor.abort(request_id)
+            kind, message = err
+            raise (SchedulerOverloadedError if kind == "overloaded" else RequestRejectedError)(message)
+        return RequestStream(self, request_id, queue)
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        for cid in self._children.pop(request_id, ()):
+            self._timings.pop(cid, None)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort(request_id)
+        now = time.monotonic()
+        for cid in self._children.get(request_id, ()):
+            self._finish_child(self._timings.get(cid), "abort", now)
+        self._forget(request_id)
+        if child_ids and not self.is_dead and not self._closing:
+            try:
+                self._send(("abort", child_ids))
+            except zmq.ZMQError:
+                pass
+
+    async def call(self, method: str, *args, timeout: float = 60.0):
+        """A utility call into the engine core (e.g. reset_prefix_cache)."""
+        if self.is_dead:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+        cid = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending_calls[cid] = fut
+        try:
+            self._send(("call", cid, method, list(args)))
+            ok, value = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending_calls.pop(cid, None)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    @property
+    def engine_pid(self) -> int:
+        return self._proc.pid if self._proc is not None else os.getpid()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ---- the engine's messages ----------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._out.recv()
+                self._handle(wire.unpack(data))
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError as e:
+            if not self._closing:
+                self._mark_dead(f"engine socket error: {e}")
+        except Exception as e:
+            logger.exception("failed to process engine output")
+            self._mark_dead(f"output processing failed: {type(e).__name__}: {e}")
+
+    def _handle(self, msg: dict) -> None:
+        if "startup_error" in msg:
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(EngineStartupError(msg["startup_error"]))
+            self._mark_dead(msg["startup_error"])
+            return
+        if "stats" in msg:
+            self.stats = wire.decode_stats(msg["stats"])
+            if self.observer is not None:
+                self.observer.on_engine_stats(self.stats)
+        if "ready" in msg:
+            self.num_blocks = msg["ready"]["num_blocks"]
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg["ready"])
+        for parent_id, err in msg.get("acks", ()):
+            fut = self._pending_adds.get(parent_id)
+            if fut is not None and not fut.done():
+                fut.set_result(err)
+        for call_id, ok, value in msg.get("results", ()):
+            fut = self._pending_calls.get(call_id)
+            if fut is not None and not fut.done():
+                fut.set_result((ok, value))
+        if "outputs" in msg:
+            self._process_outputs([wire.decode_output(t) for t in msg["outputs"]])
+        if "dead" in msg:
+            self._mark_dead(msg["dead"])
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.monotonic()
+        op, obs = self.output_processor, self.observer
+        for o in outputs:
+            t = self._timings.get(o.request_id)
+            if t is None or t.done:
+                continue
+            n = len(o.new_token_ids)
+            if n and obs is not None:
+                if t.first is None:
+                    obs.on_first_token(now - t.arrival, t.prompt_len)
+                else:
+                    obs.on_inter_token(now - t.last)
+                obs.on_generation_tokens(n)
+            if n:
+                t.first = t.first if t.first is not None else now
+                t.last = now
+                t.generated += n
+            if o.finish_reason is not None:
+                self._finish_child(t, o.finish_reason, now)
+        results, to_abort = op.process_outputs(outputs)
+        if to_abort:  # stop strings matched in the API process: the engine must drop these
+            for cid in to_abort:
+                self._finish_child(self._timings.get(cid), "stop", now)
+            self._send(("abort", to_abort))
+        for ro in results:
+            q = self._queues.get(ro.request_id)
+            if q is not None:
+                q.put_nowait(ro)
+
+    def _finish_child(self, t: _ChildTiming | None, reason: str, now: float) -> None:
+        if t is None or t.done:
+            return
+        t.done = True
+        if self.observer is not None:
+            self.observer.on_finished(reason, now - t.arrival, t.prompt_len, t.generated)

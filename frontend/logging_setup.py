@@ -1,0 +1,22 @@
+"""One log format for the API process and the engine-core process (vLLM-like lines)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def configure_logging(level: int | str = logging.INFO, prefix: str | None = None) -> None:
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+        if not isinstance(level, int):
+            level = logging.INFO
+    tag = f"({prefix} pid={os.getpid()}) " if prefix else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{tag}%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                                           datefmt="%m-%d %H:%M:%S"))
+    root = logging.getLogger("xlaserve")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

@@ -1,0 +1,262 @@
+"""`xlaserve serve`: start the engine core, then the HTTP server; shut both down cleanly.
+
+Order: validate flags and resolve the model (fast failures first), bind the
+port (fail before minutes of warm-up if it is taken), start the engine core
+and wait until it is warm, then serve. SIGTERM / SIGINT: stop accepting, let
+in-flight requests finish for --shutdown-timeout seconds, abort the rest, stop
+the engine core, release the port. If the engine core dies the server exits
+(status 1) unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+from frontend.args import build_serve_parser, engine_args_from_namespace, parse_serve_args
+
+logger = logging.getLogger("xlaserve.serve")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", usage="xlaserve serve [MODEL] [options]", help="Start the OpenAI-compatible server.",
+        description="Start the OpenAI-compatible server (flags as `vllm serve`). "
+                    "`--help=<group|flag|keyword>` shows part of this help; groups: ModelConfig, CacheConfig, "
+                    "SchedulerConfig, ParallelConfig, DeviceConfig, Frontend, VllmCompat.")
+    build_serve_parser(p)
+    p.set_defaults(_run=run_serve)
+
+
+def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    ns = parse_serve_args(parser, argv)
+    return run_server(ns)
+
+
+def run_server(ns: argparse.Namespace, core_factory=None) -> int:
+    from enginecore.config import ConfigError
+    from enginecore.model_loader import ModelLoadError
+
+    try:
+        return _run_loop(_serve(ns, core_factory))
+    except (ConfigError, ModelLoadError) as e:
+        logger.error("%s", e)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run_loop(coro) -> int:
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
+    if uds:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(uds)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(uds)
+        except OSError as e:
+            sock.close()
+            raise SystemExit(f"cannot bind --uds {uds}: {e.strerror}")
+        return sock
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"cannot bind {host}:{port} ({e.strerror}); choose another --port / --host")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _http_options(ns: argparse.Namespace):
+    from frontend.api_server import HTTPOptions
+
+    keys = list(ns.api_key or [])
+    if not keys and os.environ.get("VLLM_API_KEY"):
+        keys = [os.environ["VLLM_API_KEY"]]
+    return HTTPOptions(
+        api_keys=keys, root_path=ns.root_path or "", allowed_origins=ns.allowed_origins,
+        allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
+        allow_credentials=ns.allow_credentials, disable_fastapi_docs=ns.disable_fastapi_docs,
+        enable_request_id_headers=ns.enable_request_id_headers,
+        enable_server_load_tracking=ns.enable_server_load_tracking,
+        max_request_body_bytes=ns.max_request_body_bytes, dev_mode=env_flag("VLLM_SERVER_DEV_MODE"),
+    )
+
+
+def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
+    from frontend.serving_common import FrontendOptions, load_sampling_defaults, resolve_chat_template
+
+    return FrontendOptions(
+        response_role=ns.response_role,
+        chat_template=resolve_chat_template(ns.chat_template),
+        chat_template_content_format=ns.chat_template_content_format,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        enable_force_include_usage=ns.enable_force_include_usage,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        log_requests=ns.enable_log_requests and not ns.disable_log_requests,
+        max_log_len=ns.max_log_len,
+        sampling_defaults=load_sampling_defaults(config, model),
+    )
+
+
+def _make_uvicorn_server(config, on_shutdown):
+    """uvicorn.Server that (1) calls `on_shutdown()` when shutdown starts (our grace-period timer) and
+    (2) does not re-raise the caught signal after serving: we still have cleanup to do."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in original.items():
+                    signal.signal(s, h)
+
+        async def shutdown(self, sockets=None):
+            on_shutdown()
+            await super().shutdown(sockets=sockets)
+
+    return Server(config)
+
+
+def _uvicorn_config(ns: argparse.Namespace, app):
+    import uvicorn
+
+    return uvicorn.Config(
+        app, log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
+        # our own timer aborts in-flight requests after --shutdown-timeout (their streams end with an error
+        # event); uvicorn's, a little later, is only the backstop
+        root_path=ns.root_path or "", timeout_graceful_shutdown=ns.shutdown_timeout + 5, timeout_keep_alive=5,
+        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs, h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
+        lifespan="off",
+    )
+
+
+async def _abort_after_grace(client, grace_s: float) -> None:
+    await asyncio.sleep(grace_s)
+    if client.num_in_flight:
+        logger.warning("aborting %d in-flight request(s) after the %.0fs grace period", client.num_in_flight, grace_s)
+    client.fail_all("the server is shutting down")
+
+
+async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
+    from enginecore.engine import build_engine_parts, served_model_names
+    from frontend.api_server import ServerState, build_app
+    from frontend.engine_client import AsyncEngineClient, EngineStartupError
+    from frontend.metrics import ServerMetrics, StatsLogger
+
+    engine_args = engine_args_from_namespace(ns)
+    config, model, tokenizer = build_engine_parts(engine_args)
+    names = served_model_names(config, model)
+    options = frontend_options(ns, config, model, tokenizer)
+    http_opts = _http_options(ns)
+    sock = bind_socket(ns.host, ns.port, ns.uds)
+    metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size)
+    client = AsyncEngineClient(config, model, tokenizer, observer=metrics)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    # until uvicorn takes the signals over: stop the start-up and clean up
+    if in_main_thread:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, main_task.cancel)
+    stats_task = None
+    grace_tasks: list[asyncio.Task] = []
+    try:
+        logger.info("starting the engine core (%s, backend %s on %s)", "own process"
+                    if not ns.disable_frontend_multiprocessing else "in-process thread",
+                    config.device_config.backend, config.device_config.platform)
+        try:
+            await client.start(multiprocess=not ns.disable_frontend_multiprocessing, core_factory=core_factory)
+        except EngineStartupError as e:
+            logger.error("the engine core failed to start: %s", e)
+            return 1
+        except asyncio.CancelledError:
+            logger.info("interrupted during start-up")
+            return 130
+        if in_main_thread:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        metrics.set_cache_info(client.num_blocks, config.cache_config.block_size)
+        metrics.on_engine_stats(client.stats)
+        state = ServerState(client, metrics, names, options)
+        app = build_app(state, http_opts)
+        server = _make_uvicorn_server(_uvicorn_config(ns, app),
+                                      on_shutdown=lambda: grace_tasks.append(
+                                          asyncio.create_task(_abort_after_grace(client, ns.shutdown_timeout))))
+        keep_alive = env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+
+        def on_dead(reason: str) -> None:
+            if keep_alive:
+                logger.error("engine core died (%s); VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set: the server stays up "
+                             "and answers 503", reason)
+            else:
+                logger.error("engine core died (%s); shutting the server down", reason)
+                server.should_exit = True
+
+        client.on_dead.append(on_dead)
+        if not ns.disable_log_stats:
+            interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+            stats_task = asyncio.create_task(StatsLogger(metrics, interval).run())
+        where = f"unix:{ns.uds}" if ns.uds else f"http{'s' if ns.ssl_certfile else ''}://{ns.host}:{ns.port}"
+        logger.info("xlaserve %s API server on %s serving %s (max_model_len %d, %d KV blocks of %d tokens)",
+                    _version(), where, ", ".join(names), config.scheduler_config.max_model_len, client.num_blocks,
+                    config.cache_config.block_size)
+        await server.serve(sockets=[sock])
+        return 1 if client.is_dead else 0
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        for t in grace_tasks:
+            t.cancel()
+        if in_main_thread:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(sig)
+        await client.shutdown()
+        sock.close()
+        if ns.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(ns.uds)
+        logger.info("server stopped")
+
+
+def _version() -> str:
+    from enginecore import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run_serve(build_serve_parser(argparse.ArgumentParser()), sys.argv[1:]))

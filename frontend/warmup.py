@@ -1,0 +1,63 @@
+"""`xlaserve warmup [MODEL] [serve flags]`: compile every bucket ahead of time (JAX backend).
+
+The work is done by `jaxengine.warmup.run_warmup(engine_args, level)`, owned by
+the JAX backend; this subcommand parses the same flags as `serve`, hands them
+over and prints one row per compiled bucket (a second run shows cache hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from frontend.args import build_serve_parser, engine_args_from_namespace, parse_serve_args
+
+logger = logging.getLogger("xlaserve.warmup")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "warmup", usage="xlaserve warmup [MODEL] [--level {all,decode}] [serve options]",
+        help="Compile the JAX engine's programs ahead of time (fills the compilation cache).",
+        description="Compile every bucket the server can hit, with the same flags as `serve`, into the persistent "
+                    "XLA cache (--compilation-cache-dir), so that a later `serve` with the same flags starts warm.")
+    p.add_argument("--level", default="all", choices=["all", "decode"],
+                   help="all: every (tokens, requests) bucket; decode: only pure-decode buckets (default: all).")
+    build_serve_parser(p)
+    p.set_defaults(_run=run_warmup_cli)
+
+
+def _load_run_warmup():
+    try:
+        from jaxengine.warmup import run_warmup
+    except ImportError as e:
+        raise SystemExit(f"xlaserve warmup: the JAX backend's warm-up (jaxengine.warmup.run_warmup) is not "
+                         f"available in this build ({e})") from None
+    return run_warmup
+
+
+def run_warmup_cli(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    from enginecore.config import ConfigError
+    from enginecore.model_loader import ModelLoadError
+
+    ns = parse_serve_args(parser, argv)
+    engine_args = engine_args_from_namespace(ns)
+    if engine_args.backend == "torch":
+        parser.error("xlaserve warmup compiles the JAX engine; --backend torch has nothing to warm up ahead of time")
+    run_warmup = _load_run_warmup()
+    try:
+        rows = run_warmup(engine_args, level=ns.level)
+    except (ConfigError, ModelLoadError) as e:
+        logger.error("%s", e)
+        return 2
+    print_rows(rows)
+    return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    cols = ("bucket", "seconds", "compiles", "cache_hits", "cache_misses", "status")
+    table = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths)))

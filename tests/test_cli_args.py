@@ -1,0 +1,212 @@
+"""`xlaserve serve` flags: vLLM spellings, --config YAML, dotted JSON flags, --help=, the vLLM-compat table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from enginecore.config import ConfigError, EngineArgs
+from frontend.args import ENGINE_FLAG_DOCS, engine_args_from_namespace, human_int, parse_serve_args
+from frontend.cli import build_parser
+from frontend.vllm_compat import VLLM_COMPAT_FLAGS
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return parse_serve_args(serve_parser(), list(argv))
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frontend.cli", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_every_engine_arg_has_a_documented_flag():
+    parser = serve_parser()
+    options = {s for a in parser._actions for s in a.option_strings}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in ENGINE_FLAG_DOCS, f"EngineArgs.{f.name} has no help text / group in frontend/args.py"
+        assert "--" + f.name.replace("_", "-") in options
+
+
+def test_defaults_match_engine_args():
+    ns = parse()
+    assert engine_args_from_namespace(ns) == EngineArgs()
+    assert ns.host == "127.0.0.1" and ns.port == 8000
+
+
+def test_vllm_spellings_parse_into_engine_args():
+    ns = parse("some/model", "--dtype", "bfloat16", "--max-model-len", "2K", "--served-model-name", "a", "b",
+               "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+               "--max-num-batched-tokens", "1k", "--scheduling-policy", "priority", "--tensor-parallel-size", "2",
+               "--enforce-eager", "--max-logprobs", "5", "--kv-cache-memory-bytes", "1GiB",
+               "--compilation-config", '{"level": 3}', "--backend", "torch", "--platform", "cpu",
+               "--max-waiting-requests", "7")
+    a = engine_args_from_namespace(ns)
+    assert a.model == "some/model"
+    assert (a.dtype, a.max_model_len, a.served_model_name) == ("bfloat16", 2048, ["a", "b"])
+    assert (a.block_size, a.enable_prefix_caching, a.max_num_seqs, a.max_num_batched_tokens) == (32, False, 8, 1000)
+    assert (a.scheduling_policy, a.tensor_parallel_size, a.enforce_eager, a.max_logprobs) == ("priority", 2, True, 5)
+    assert a.kv_cache_memory_bytes == 2**30 and a.compilation_config == {"level": 3}
+    assert (a.backend, a.platform, a.max_waiting_requests) == ("torch", "cpu", 7)
+
+
+def test_human_readable_ints():
+    assert human_int("512") == 512
+    assert human_int("1k") == 1000 and human_int("1K") == 1024
+    assert human_int("2M") == 2 * 2**20 and human_int("4GiB") == 4 * 2**30
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_int("lots")
+
+
+def test_dotted_json_flags_and_O():
+    assert parse("--compilation-config.level", "3").compilation_config == {"level": 3}
+    assert parse("-O3").compilation_config == {"level": 3}
+    assert parse("-O", "2").compilation_config == {"level": 2}
+    assert parse("-O.backend=inductor").compilation_config == {"backend": "inductor"}
+    ns = parse("--compilation-config", '{"level": 1, "x": {"y": 1}}', "--compilation-config.x.z", "true")
+    assert ns.compilation_config == {"level": 1, "x": {"y": 1, "z": True}}
+
+
+def test_dotted_form_only_for_json_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse("--max-model-len.x", "3")
+    assert "only for JSON flags" in capsys.readouterr().err
+
+
+def test_config_yaml_and_command_line_precedence(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: /m\nmax-model-len: 1024\nmax_num_seqs: 4\nenable-prefix-caching: false\n"
+                   "served-model-name: [x, y]\ncompilation-config: {level: 2}\nport: 9001\n"
+                   "api-key: [k1, k2]\nenforce-eager: true\n")
+    ns = parse("--config", str(cfg), "--max-num-seqs", "6")
+    a = engine_args_from_namespace(ns)
+    assert (a.model, a.max_model_len, a.max_num_seqs, a.enable_prefix_caching) == ("/m", 1024, 6, False)
+    assert a.served_model_name == ["x", "y"] and a.compilation_config == {"level": 2} and a.enforce_eager
+    assert ns.port == 9001 and ns.api_key == ["k1", "k2"]
+
+
+def test_config_yaml_unknown_key(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("max-model-lenn: 3\n")
+    with pytest.raises(SystemExit):
+        parse("--config", str(cfg))
+    assert "unknown flag 'max-model-lenn'" in capsys.readouterr().err
+
+
+def test_model_given_twice_differently(capsys):
+    with pytest.raises(SystemExit):
+        parse("a", "--model", "b")
+    assert "given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--quantization", "awq"], "--quantization awq: this vLLM flag is not supported"),
+    (["-q", "awq"], "--quantization awq"),
+    (["--speculative-config", "{}"], "speculative decoding"),
+    (["--enable-lora"], "LoRA"),
+    (["--cpu-offload-gb", "4"], "offloading"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow"),
+])
+def test_rejected_vllm_flags_name_the_flag(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--trust-remote-code"], ["--disable-custom-all-reduce"], ["--swap-space", "4"],
+                                  ["--cpu-offload-gb", "0"], ["--tokenizer-mode", "auto"]])
+def test_noop_vllm_flags_warn(argv, caplog):
+    with caplog.at_level(logging.WARNING, logger="xlaserve.cli"):
+        ns = parse(*argv)
+    assert "no-op" in caplog.text and argv[0] in caplog.text
+    assert not hasattr(ns, "_vllm_compat_seen")
+
+
+def test_unknown_flag_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        parse("--no-such-flag")
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_compat_table_has_no_clash_with_real_flags():
+    parser = serve_parser()
+    real = {s for a in parser._actions if a.dest != "_vllm_compat_seen" for s in a.option_strings}
+    for f in VLLM_COMPAT_FLAGS:
+        assert "--" + f.name not in real
+
+
+def test_pipeline_parallel_rejected_by_config():
+    a = engine_args_from_namespace(parse("--pipeline-parallel-size", "2", "--platform", "cpu"))
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
+        a.create_engine_config(model_max_len=2048)
+
+
+def test_cli_help_group_and_version():
+    r = run_cli("serve", "--help=CacheConfig")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("CacheConfig")
+    for flag in ("--block-size", "--gpu-memory-utilization", "--enable-prefix-caching", "--kv-cache-memory-bytes"):
+        assert flag in r.stdout
+    assert "--max-num-seqs" not in r.stdout  # SchedulerConfig
+    r = run_cli("serve", "--help=max-num-seqs")
+    assert "--max-num-seqs" in r.stdout and "--block-size" not in r.stdout
+    r = run_cli("serve", "--help=listgroup")
+    assert all(g in r.stdout for g in ("ModelConfig", "SchedulerConfig", "ParallelConfig", "DeviceConfig", "Frontend"))
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("xlaserve ")
+    r = run_cli("--help")
+    for cmd in ("serve", "chat", "complete", "run-batch", "collect-env", "warmup", "bench"):
+        assert cmd in r.stdout
+
+
+def test_cli_rejects_unsupported_vllm_flag_before_loading_anything():
+    r = run_cli("serve", "--quantization", "gptq")
+    assert r.returncode == 2
+    assert "--quantization gptq: this vLLM flag is not supported by xlaserve" in r.stderr
+
+
+def test_collect_env_runs():
+    r = run_cli("collect-env", "--no-devices", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    info = json.loads(r.stdout)
+    assert info["packages"]["fastapi"] and "detected_platform" in info
+
+
+def test_warmup_subcommand_hands_serve_flags_to_jaxengine(monkeypatch, capsys):
+    import types
+
+    seen = {}
+
+    def fake_run_warmup(engine_args, level="all"):
+        seen["args"], seen["level"] = engine_args, level
+        return [{"bucket": "model tokens=16 reqs=8", "seconds": 0.5, "compiles": 1, "cache_hits": 0,
+                 "cache_misses": 1, "status": "compiled"}]
+
+    monkeypatch.setitem(sys.modules, "jaxengine.warmup", types.SimpleNamespace(run_warmup=fake_run_warmup))
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["warmup"]
+    code = sub.get_default("_run")(sub, ["--max-model-len", "256", "--max-num-seqs", "4", "--level", "decode",
+                                         "--compilation-cache-dir", "/tmp/xc"])
+    assert code == 0
+    assert seen["level"] == "decode" and seen["args"].max_model_len == 256 and seen["args"].max_num_seqs == 4
+    assert seen["args"].compilation_cache_dir == "/tmp/xc"
+    out = capsys.readouterr().out
+    assert "model tokens=16 reqs=8" in out and "compiled" in out
+
+
+def test_bench_subcommand_is_mounted():
+    r = run_cli("bench", "--help")
+    assert r.returncode == 0 and "bench" in r.stdout
