@@ -231,7 +231,8 @@ class InputBatch:
         positions = np.zeros(Tp, np.int32)
         positions[:T] = pos
         block_tables = np.zeros((Rp, Bp), np.int32)
-        block_tables[:R] = self.block_table[rows, :Bp]
+        # the smallest bucket (8 columns) can be wider than max_blocks_per_req: pad with the null block
+        block_tables[:R, : min(Bp, self.max_blocks_per_req)] = self.block_table[rows, :Bp]
         slot = np.full(Tp, -1, np.int32)
         blk = block_tables[tok_req, pos // self.block_size]
         slot[:T] = blk * self.block_size + pos % self.block_size
