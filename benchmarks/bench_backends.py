@@ -1,0 +1,240 @@
+"""Offline throughput of jaxengine vs torchengine vs `transformers` generate, on the embedded model.
+
+    python -m benchmarks.bench_backends [--quick] [--dtype float32] [--json PATH]
+
+Same prompts (random token ids, same seed) and greedy decoding with exactly
+--output-len new tokens for every engine (each batch shape is run once with
+4 new tokens first, untimed, so lazily compiled programs are not timed), batches of 1, 8 and 32 requests of
+128 tokens in / 128 out (--quick: 1 and 4, 64 in / 32 out). Each engine runs
+in its own subprocess, one after the other, so their thread pools never
+compete and one failing engine does not hide the others. Prints ONE table:
+output tokens/s, the ratio to transformers, and the fraction of this
+machine's roofline (benchmarks.bench_roofline), plus how much CPU other
+processes took during each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ENGINES = ("jax", "torch", "transformers")
+HF_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "smollm2-hf-{dtype}")
+
+
+def hf_folder(dtype: str) -> str:
+    """The embedded model as a Hugging Face folder (written once, then reused)."""
+    from enginecore.model_loader import resolve_model, save_hf_folder
+
+    path = HF_CACHE.format(dtype=dtype)
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        save_hf_folder(resolve_model(None), path, dtype=dtype)
+    return path
+
+
+# ---- workers (run in a subprocess each) ---------------------------------------------------
+
+
+def _timed(fn):
+    from benchmarks._sysload import OtherCpu
+
+    with OtherCpu() as noise:
+        t0 = time.perf_counter()
+        n_out = fn()
+        dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "other_cpu": noise.share}
+
+
+def worker_engine(backend: str, spec: dict) -> dict:
+    from enginecore.llm import LLM
+    from enginecore.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    max_b = max(len(p) for p in spec["prompts"].values())
+    need = spec["input_len"] + spec["output_len"] + 1
+    max_len = 128
+    while max_len < need:
+        max_len *= 2
+    llm = LLM(backend=backend, dtype=spec["dtype"], max_model_len=max_len, max_num_seqs=max(max_b, 8),
+              enable_prefix_caching=False)
+    load = time.perf_counter() - t0
+    sp_warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
+    out = {"load_s": load, "dtype": llm.llm_engine.config.model_config.canonical_dtype, "runs": {}}
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=spec["output_len"])
+    for b, prompts in spec["prompts"].items():
+        # same shapes first, so buckets compiled lazily are not timed (prefix caching is off)
+        llm.generate(prompts, sp_warm, use_tqdm=False)
+
+        def run(prompts=prompts):
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            return sum(len(r.outputs[0].token_ids) for r in res)
+        out["runs"][b] = _timed(run)
+        print(f"  {backend} batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    folder = hf_folder("float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, spec["dtype"]))
+    model.eval()
+    load = time.perf_counter() - t0
+
+    def gen(prompts, n):
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            o = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return int((o.shape[1] - ids.shape[1]) * ids.shape[0])
+
+    out = {"load_s": load, "dtype": spec["dtype"], "runs": {}}
+    for b, prompts in spec["prompts"].items():
+        gen(prompts, 4)
+        out["runs"][b] = _timed(lambda prompts=prompts: gen(prompts, spec["output_len"]))
+        print(f"  transformers batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def worker_main(name: str, spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    res = worker_transformers(spec) if name == "transformers" else worker_engine(name, spec)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+def make_spec(batches: list[int], input_len: int, output_len: int, dtype: str, seed: int = 0) -> dict:
+    from enginecore.model_loader import resolve_model
+    from enginecore.tokenizer import load_tokenizer
+
+    from frontend.bench.common import special_token_ids
+    from frontend.bench.datasets import random_token_requests
+
+    src = resolve_model(None)
+    special = special_token_ids(load_tokenizer(src))
+    prompts = {
+        str(b): [r.prompt for r in random_token_requests(b, input_len, output_len, src.config.vocab_size,
+                                                          seed=seed + b, exclude_ids=special)]
+        for b in batches
+    }
+    return {"prompts": prompts, "input_len": input_len, "output_len": output_len, "dtype": dtype}
+
+
+def thread_env(threads: int) -> dict:
+    """The same thread count for every engine: OpenMP/MKL (torch) and XLA's CPU pool (jax)."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "JAX_PLATFORMS": "cpu"}
+    if threads == 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    return env
+
+
+def run_worker(name: str, spec_path: str, timeout: float, threads: int) -> dict:
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--worker", name, "--spec", spec_path, "--out", out]
+    try:
+        p = subprocess.run(cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=None, text=True,
+                           env={**os.environ, **thread_env(threads)})
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout:.0f} s"}
+    if p.returncode != 0:
+        return {"error": f"exited {p.returncode} (see its traceback above)"}
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_backends", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 4, 64 in / 32 out")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="CPU threads for every engine (default: all cores; on a busy shared machine 1 is "
+                         "often faster, because OpenMP threads spin waiting for each other)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.spec, args.out)
+
+    from benchmarks.bench_roofline import embedded_model_cost, get_roofline
+
+    batches = [int(x) for x in (args.batches or ("1,4" if args.quick else "1,8,32")).split(",")]
+    in_len = args.input_len or (64 if args.quick else 128)
+    out_len = args.output_len or (32 if args.quick else 128)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    spec = make_spec(batches, in_len, out_len, args.dtype)
+    spec_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    from benchmarks._sysload import OtherCpu
+
+    print("measuring the roofline ...", file=sys.stderr, flush=True)
+    with OtherCpu() as roof_noise:
+        roof = get_roofline(fresh=True)  # in this run, so every ratio below comes from one run
+    cost = embedded_model_cost()
+    results = {}
+    for e in engines:
+        print(f"running {e} ...", file=sys.stderr, flush=True)
+        results[e] = run_worker(e, spec_path, args.timeout, args.threads)
+
+    def tok_s(e, b):
+        r = results.get(e, {})
+        return r.get("runs", {}).get(str(b), {}).get("output_tok_s") if "error" not in r else None
+
+    headers = ["batch"] + [f"{e} tok/s" for e in engines]
+    base = "transformers" if "transformers" in engines else None
+    others = [e for e in engines if e != base]
+    if base:
+        headers += [f"{e}/HF" for e in others]
+    headers += ["roofline tok/s"] + [f"{e} % roof" for e in engines] + ["other CPU % (max)"]
+    rows = []
+    for b in batches:
+        limit = roof.generate_limit(cost, b, in_len, out_len, args.dtype)
+        row = [b] + [tok_s(e, b) for e in engines]
+        if base:
+            row += [(tok_s(e, b) / tok_s(base, b)) if tok_s(e, b) and tok_s(base, b) else None for e in others]
+        row += [limit] + [(100 * tok_s(e, b) / limit) if tok_s(e, b) else None for e in engines]
+        noise = [results[e]["runs"][str(b)]["other_cpu"] for e in engines if tok_s(e, b)]
+        row.append(100 * max(noise) if noise else None)
+        rows.append(row)
+
+    from frontend.bench.common import format_table
+
+    print(f"\n{cost.name}, {args.dtype}, {in_len} tokens in / {out_len} out, greedy, exact output length, "
+          f"{args.threads} thread(s) each; roofline {roof.peak_flops[args.dtype] / 1e9:.0f} GFLOP/s, "
+          f"{roof.mem_bw / 1e9:.1f} GB/s (other CPU {roof_noise.note()} while measuring it)")
+    for e in engines:
+        r = results[e]
+        print(f"  {e}: " + (r["error"] if "error" in r else f"load {r['load_s']:.1f} s, dtype {r['dtype']}"))
+    print(format_table(headers, rows, digits=1))
+    if args.json:
+        from frontend.bench.common import run_info, write_json
+
+        write_json(args.json, {"results": results, "batches": batches, "input_len": in_len, "output_len": out_len,
+                               "dtype": args.dtype, "table": {"headers": headers, "rows": rows}, "info": run_info()})
+    return 0 if all("error" not in results[e] for e in engines) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

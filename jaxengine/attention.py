@@ -1,0 +1,274 @@
+"""Ragged paged attention in plain XLA, tuned for the CPU serving path (and GPU through XLA).
+
+Same contract and cache layout as :func:`pallas_kernels.ragged_paged_attention`
+(so the two are interchangeable): one ragged batch of new tokens, requests
+sorted decode-only, prefill-only, mixed; a paged cache
+``[num_pages, page_size, 2 * Hkv, D]`` with K of kv head ``h`` at ``2h`` and
+V at ``2h + 1``; the new K/V written into the cache first, then every token
+attends causally to its request's cached positions.
+
+Two paths, because one vectorisation cannot serve both shapes well:
+
+* decode rows (``r < decode_end``, one query each) run batched over the
+  request axis: every step gathers a block of pages *per request* (not per
+  token) and folds it into an online softmax. The loop stops at the longest
+  decode ``kv_len``, so nobody pays for ``max_model_len``.
+* prefill and mixed rows are cut into work items of ``block_q`` consecutive
+  queries of one request; a while loop walks the items and, for each, the kv
+  blocks up to the causal limit of its last query. Large, dense matmuls per
+  iteration; no quadratic mask over the whole token bucket, and prefix-cached
+  context (mixed rows) is read from the cache like everything else.
+
+Both loops have dynamic trip counts, so the compiled program depends only on
+the token and request buckets, never on the block-table width or kv lengths.
+Logits, softmax and the weighted sum run in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Masked logits get this instead of -inf so exp(m_old - m_new) stays finite.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Elements of K+V gathered per decode block step (all rows together): bounds memory.
+_DECODE_GATHER_BUDGET = 1 << 22
+# Longest kv block of a decode step (tokens): the last block of a row is mostly padding.
+_DECODE_MAX_BLOCK = 512
+_PREFILL_BLOCK_Q = 128
+_PREFILL_BLOCK_KV = 512
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def write_kv(
+    k,             # [T, Hkv, D]
+    v,             # [T, Hkv, D]
+    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    req,           # [T] int32 request row of each token
+    pos,           # [T] int32 absolute position of each token
+    valid,         # [T] bool real (not padding) token
+    table,         # [R, pages_per_seq] int32
+):
+    """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped)."""
+    T, Hkv, D = k.shape
+    P, page_size = kv_cache.shape[:2]
+    page = table[req, jnp.clip(pos // page_size, 0, table.shape[1] - 1)]
+    page = jnp.where(valid, page, P)
+    new_kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D).astype(kv_cache.dtype)
+    return kv_cache.at[page, pos % page_size].set(new_kv, mode="drop")
+
+
+def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, sliding_window, soft_cap):
+    """One query per request row. q_rows [R, Hq, D] -> [R, Hq, D] (f32).
+
+    Laid out for XLA:CPU, where batched dots with a tiny M are slow: the cache
+    rows are used as gathered, ``[R, blk, 2 * Hkv * D]``, and q is expanded onto
+    that interleaved axis (q of head (h, g) in kv head h's K slot, zeros
+    elsewhere) so QK is one batched dot with the big operand first, and PV is a
+    reduction over the key axis. The extra multiply-by-zero is free: decode is
+    memory bound.
+    """
+    R, Hq, D = q_rows.shape
+    page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
+    Hkv = two_hkv // 2
+    G = Hq // Hkv
+    K = two_hkv * D
+    pps = table.shape[1]
+    bp = max(1, min(pps, _DECODE_MAX_BLOCK // page_size, _DECODE_GATHER_BUDGET // max(R * page_size * K, 1)))
+    blk = bp * page_size
+    nblk_max = _cdiv(pps, bp)
+    table = jnp.pad(table, ((0, 0), (0, nblk_max * bp - pps)))
+    lens = jnp.where(row_valid, kv_lens, 0)
+    qpos = lens - 1  # [R]
+    lo_blk = 0
+    if sliding_window is not None:
+        big = jnp.iinfo(jnp.int32).max
+        lo_blk = jnp.min(jnp.where(row_valid, jnp.maximum(qpos - sliding_window + 1, 0), big))
+        lo_blk = jnp.minimum(lo_blk, jnp.max(lens)) // blk
+    hi_blk = _cdiv(jnp.max(lens), blk)
+    # one row per page: XLA:CPU gathers whole contiguous rows ~3x faster than 4-D slices
+    pages_rows = kv_cache.reshape(kv_cache.shape[0], -1)
+    eye = jnp.eye(Hkv, dtype=jnp.float32)
+    qg = q_rows.reshape(R, Hkv, G, D).astype(jnp.float32) * sm_scale
+    qe = jnp.einsum("rhgd,hk->rhgkd", qg, eye)
+    qe = jnp.stack([qe, jnp.zeros_like(qe)], axis=4).reshape(R, Hq, K)  # [R, Hq, 2*Hkv*D]
+
+    def body(carry):
+        j, m, l, acc = carry
+        pages = lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)  # [R, bp]
+        kv = pages_rows[pages].reshape(R, blk, K).astype(jnp.float32)
+        s = jnp.einsum("rsk,rmk->rsm", kv, qe)  # [R, blk, Hq]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = j * blk + jnp.arange(blk, dtype=jnp.int32)
+        mask = kpos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - sliding_window
+        mask = mask[:, :, None]
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(1))  # [R, Hq]
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None, :]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        acc = alpha[..., None] * acc + (p[..., None] * kv[:, :, None, :]).sum(1)  # [R, Hq, K]
+        return j + 1, m_new, alpha * l + p.sum(1), acc
+
+    init = (
+        jnp.asarray(lo_blk, jnp.int32),
+        jnp.full((R, Hq), MASK_VALUE, jnp.float32),
+        jnp.zeros((R, Hq), jnp.float32),
+        jnp.zeros((R, Hq, K), jnp.float32),
+    )
+    _, _, l, acc = lax.while_loop(lambda c: c[0] < hi_blk, body, init)
+    pv = acc.reshape(R, Hkv, G, Hkv, 2, D)[..., 1, :]
+    out = jnp.einsum("rhgkd,hk->rhgd", pv, eye).reshape(R, Hq, D)
+    return out / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def _decode_rows_switch(q_rows, kv_cache, table, kv_lens, num_decode, **kw):
+    """Run the decode path on 1 row when only one request decodes, else on all rows of the bucket.
+
+    Batch-1 decode (the latency case) must not gather and score the 7 padded rows
+    of the smallest request bucket. More branches (every power of two) would
+    trim more padding but each costs about a second of XLA:CPU compile per bucket.
+    """
+    R = q_rows.shape[0]
+    if R == 1:
+        return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(1) < num_decode, **kw)
+
+    def one(q_rows, table, kv_lens, num_decode):
+        out = _decode_attention(q_rows[:1], kv_cache, table[:1], kv_lens[:1], num_decode > 0, **kw)
+        return jnp.pad(out, ((0, R - 1), (0, 0), (0, 0)))
+
+    def all_rows(q_rows, table, kv_lens, num_decode):
+        return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(R) < num_decode, **kw)
+
+    return lax.cond(num_decode <= 1, one, all_rows, q_rows, table, kv_lens, num_decode)
+
+
+def _prefill_attention(
+    q, kv_cache, table, kv_lens, cu_q_lens, distribution, out, *, sm_scale, sliding_window, soft_cap
+):
+    """Rows in [decode_end, mixed_end), block_q queries of one request per work item. Writes into out."""
+    T, Hq, D = q.shape
+    page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
+    Hkv = two_hkv // 2
+    G = Hq // Hkv
+    R, pps = table.shape
+    bq = min(_PREFILL_BLOCK_Q, _cdiv(T, 8) * 8)
+    bp = max(1, min(pps, _PREFILL_BLOCK_KV // page_size))
+    blk = bp * page_size
+    table = jnp.pad(table, ((0, 0), (0, _cdiv(pps, bp) * bp - pps)))
+
+    rows = jnp.arange(R, dtype=jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    is_pf = (rows >= distribution[0]) & (rows < distribution[2])
+    nblk = jnp.where(is_pf, _cdiv(q_lens, bq), 0)
+    ends = jnp.cumsum(nblk)
+    num_items = ends[-1]
+
+    pages_rows = kv_cache.reshape(kv_cache.shape[0], -1)  # see _decode_attention
+    q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))
+    out = jnp.pad(out, ((0, bq), (0, 0), (0, 0)))
+
+    def item(carry):
+        i, out = carry
+        r = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        j = i - (ends[r] - nblk[r])
+        qs = cu_q_lens[r] + j * bq
+        nq = jnp.minimum(bq, cu_q_lens[r + 1] - qs)
+        pos0 = kv_lens[r] - q_lens[r] + j * bq
+        qpos = pos0 + jnp.arange(bq, dtype=jnp.int32)  # [bq]
+        qvalid = jnp.arange(bq) < nq
+        qb = lax.dynamic_slice_in_dim(q_pad, qs, bq, axis=0)  # [bq, Hq, D]
+        # [Hkv, G * bq, D]: plain per-kv-head 2-D matmuls are what XLA:CPU runs fastest
+        qh = (qb.reshape(bq, Hkv, G, D).astype(jnp.float32) * sm_scale).transpose(1, 2, 0, 3)
+        qh = qh.reshape(Hkv, G * bq, D)
+        rpos = jnp.tile(qpos, G)  # [G * bq]
+        row_pages = table[r]
+        lo = 0
+        if sliding_window is not None:
+            lo = jnp.maximum(pos0 - sliding_window + 1, 0) // blk
+        hi = _cdiv(pos0 + nq, blk)
+
+        def kv_step(c):
+            kb_i, m, l, acc = c
+            pages = lax.dynamic_slice_in_dim(row_pages, kb_i * bp, bp)
+            kv = pages_rows[pages].reshape(blk, Hkv, 2, D).astype(jnp.float32)
+            kb = kv[:, :, 0, :].transpose(1, 0, 2)  # [Hkv, blk, D]
+            vb = kv[:, :, 1, :].transpose(1, 0, 2)
+            s = jnp.einsum("hmd,hbd->hmb", qh, kb)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kpos = kb_i * blk + jnp.arange(blk, dtype=jnp.int32)
+            mask = kpos[None, :] <= rpos[:, None]
+            if sliding_window is not None:
+                mask &= kpos[None, :] > rpos[:, None] - sliding_window
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            acc = alpha[..., None] * acc + jnp.einsum("hmb,hbd->hmd", p, vb)
+            return kb_i + 1, m_new, alpha * l + p.sum(-1), acc
+
+        shape = (Hkv, G * bq)
+        init = (
+            jnp.asarray(lo, jnp.int32),
+            jnp.full(shape, MASK_VALUE, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (D,), jnp.float32),
+        )
+        _, _, l, acc = lax.while_loop(lambda c: c[0] < hi, kv_step, init)
+        res = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [Hkv, G * bq, D]
+        res = res.reshape(Hkv, G, bq, D).transpose(2, 0, 1, 3).reshape(bq, Hq, D).astype(out.dtype)
+        old = lax.dynamic_slice_in_dim(out, qs, bq, axis=0)
+        new = jnp.where(qvalid[:, None, None], res, old)
+        return i + 1, lax.dynamic_update_slice_in_dim(out, new, qs, axis=0)
+
+    _, out = lax.while_loop(lambda c: c[0] < num_items, item, (jnp.int32(0), out))
+    return out[:T]
+
+
+def ragged_paged_attention_xla(
+    q,             # [T, Hq, D]
+    k,             # [T, Hkv, D]
+    v,             # [T, Hkv, D]
+    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    kv_lens,       # [R] int32: tokens in cache after this step; 0 for padded rows
+    page_indices,  # [R * pages_per_seq] int32: flattened block tables
+    cu_q_lens,     # [R + 1] int32
+    distribution,  # [3] int32: (decode_end, prefill_end, mixed_end)
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+):
+    """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0."""
+    T, Hq, D = q.shape
+    R = kv_lens.shape[0]
+    table = page_indices.reshape(R, -1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, R - 1)
+    valid = t < cu_q_lens[distribution[2]]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
+    kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
+
+    # decode rows: request r's only query is token cu_q_lens[r]
+    rows = jnp.arange(R, dtype=jnp.int32)
+    row_valid = rows < distribution[0]
+    tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
+    dec = _decode_rows_switch(
+        q[tok], kv_cache, table, kv_lens, distribution[0],
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    out = jnp.zeros((T, Hq, D), q.dtype)
+    out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(q.dtype), mode="drop")
+    out = _prefill_attention(
+        q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    return out, kv_cache

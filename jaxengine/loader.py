@@ -1,0 +1,150 @@
+"""Fill the abstract params from a ModelSource's numpy iterator, tensor by tensor, into their shards.
+
+Each Hugging Face tensor is reshaped to the param's head layout, cast to the
+serving dtype on the host and handed to ``jax.device_put`` with its
+NamedSharding: each device receives only its slice, and no full replicated copy
+of a sharded tensor is ever made on a device.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from enginecore.model_loader import ModelLoadError, ModelSource
+from jaxengine.model import DecoderConfig, LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+
+
+def param_path(hf_name: str) -> tuple | None:
+    """HF tensor name -> ("embed",) / ("layers", i, field); None for tensors we ignore."""
+    if hf_name in _TOP_NAMES:
+        return (_TOP_NAMES[hf_name],)
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return ("layers", int(m.group(1)), _LAYER_NAMES[m.group(2)])
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise ModelLoadError(f"unexpected weight {hf_name!r}: not part of a supported Llama-family decoder")
+
+
+def _get(tree: ModelParams, path: tuple):
+    if path[0] == "layers":
+        return getattr(tree.layers, path[2])
+    return getattr(tree, path[0])
+
+
+def _set(tree: ModelParams, path: tuple, value) -> None:
+    if path[0] == "layers":
+        setattr(tree.layers, path[2], value)
+    else:
+        setattr(tree, path[0], value)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked, x, l):
+    return jax.lax.dynamic_update_index_in_dim(stacked, x.astype(stacked.dtype), l, 0)
+
+
+def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The sharding of one layer's slice of a stacked [L, ...] param."""
+    return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+
+
+def load_params(
+    source: ModelSource,
+    cfg: DecoderConfig,
+    shardings: ModelParams,  # pytree of NamedSharding matching abstract_params(cfg)
+    log=None,
+) -> ModelParams:
+    """Read every tensor once and place it; raises ModelLoadError naming a missing or misshaped tensor.
+
+    Stacked per-layer params are allocated sharded on the device and filled one
+    layer at a time (a donated dynamic-update-slice): the host holds one tensor at
+    a time and no device ever holds more than its own shards.
+    """
+    t0 = time.perf_counter()
+    abstract = abstract_params(cfg)
+    out = abstract_params(cfg)  # same structure; leaves replaced as they arrive
+    filled: dict[tuple, set[int]] = {}
+    for name, arr in source.iter_weights():
+        path = param_path(name)
+        if path is None:
+            continue
+        if path == ("lm_head",) and cfg.tie_word_embeddings:
+            continue
+        spec = _get(abstract, path)
+        if spec is None:
+            raise ModelLoadError(f"{name}: the config does not expect this tensor (check attention_bias / qk_norm)")
+        sharding = _get(shardings, path)
+        if path[0] != "layers":
+            _check_size(name, arr, spec.shape, spec)
+            _set(out, path, _put(arr, spec.shape, spec.dtype, sharding))
+            filled[path] = {0}
+            continue
+        layer = path[1]
+        if layer >= cfg.num_layers:
+            raise ModelLoadError(f"{name}: layer {layer} but the config has {cfg.num_layers} layers")
+        key = ("layers", path[2])
+        stacked = _get(out, path)
+        if isinstance(stacked, ParamSpec):
+            stacked = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()
+        _check_size(name, arr, spec.shape[1:], spec)
+        x = _put(arr, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
+        _set(out, path, _set_layer(stacked, x, jnp.int32(layer)))
+        filled.setdefault(key, set()).add(layer)
+    missing = [
+        jax.tree_util.keystr(p)
+        for p, leaf in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_spec)[0]
+        if isinstance(leaf, ParamSpec)
+    ]
+    for key, layers in filled.items():
+        if key[0] == "layers" and len(layers) != cfg.num_layers:
+            gaps = sorted(set(range(cfg.num_layers)) - layers)
+            missing.append(f"{key[1]} of layer(s) {gaps[:5]}")
+    if missing:
+        raise ModelLoadError(
+            f"{source.path}: missing weights for {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        )
+    if log:
+        log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
+    return out
+
+
+def _check_size(name: str, arr: np.ndarray, shape: tuple, spec: ParamSpec) -> None:
+    if arr.size != int(np.prod(shape)):
+        raise ModelLoadError(
+            f"{name}: shape {tuple(arr.shape)} does not fit the expected {shape} (logical {spec.logical_axes})"
+        )
+
+
+def _put(arr: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
+    host = np.ascontiguousarray(np.asarray(arr).reshape(shape).astype(dtype, copy=False))
+    return jax.device_put(host, sharding)
+
+
+__all__ = ["LayerParams", "load_params", "param_path"]

@@ -1,0 +1,182 @@
+"""The JAX backend end to end (CPU, fp32): greedy tokens equal `transformers`, and scheduling never changes them.
+
+- SmolLM2 (the embedded model as an HF folder): 8 prompts x 32 tokens in one
+  `LLM.generate`, chunked prefill forced small, against `transformers`
+  `generate(do_sample=False)`.
+- The tiny random model of each architecture against `transformers`.
+- Prefix-cached, preempted-and-resumed, chunked and unchunked runs of the
+  tiny llama give the tokens of a plain run; seeded sampling is reproducible
+  alone and in a mixed batch of 16.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("VLLM_XLA_CACHE_PATH", os.path.join(tempfile.gettempdir(), "xlaserve_jax_test_xla_cache"))
+
+import pytest  # noqa: E402
+
+from enginecore import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    # long enough to be chunked by max_num_batched_tokens=64
+    "Here is a long story about a robot who learned to paint. " * 6,
+    "Q: What is the largest planet in the solar system?\nA:",
+]
+SMOL_TOKENS = 32
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers generate(do_sample=False), fp32, one padded batch; tokens after the first EOS dropped."""
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(1)  # 2 OpenMP threads on a shared 2-core box spin-wait: 6x slower
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    n = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompt_ids])
+    gc = tf.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             eos_token_id=sorted(eos) or None)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=gc)[:, n:].tolist()
+    res = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        res.append(row[:cut])
+    return res
+
+
+def jax_llm(model_dir, **kw) -> LLM:
+    args = dict(backend="jax", platform="cpu", dtype="float32", max_model_len=512, max_num_seqs=8,
+                max_num_batched_tokens=64, seed=0)
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_hf_dir):
+    llm = jax_llm(smollm2_hf_dir)
+    yield llm
+    llm.llm_engine.core.shutdown()
+
+
+def test_smollm2_greedy_matches_transformers_chunked(smol, smollm2_hf_dir):
+    tok = smol.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert max(map(len, ids)) > 64, "one prompt must be longer than the token budget (chunked prefill)"
+    outs = smol.generate([{"prompt_token_ids": p} for p in ids],
+                         SamplingParams(temperature=0.0, max_tokens=SMOL_TOKENS), use_tqdm=False)
+    ref = hf_greedy(smollm2_hf_dir, ids, SMOL_TOKENS)
+    got = token_ids(outs)
+    bad = [(i, got[i], ref[i]) for i in range(len(ids)) if got[i] != ref[i]]
+    assert not bad, f"jax vs transformers differ: {bad}"
+    # prefix caching: the long prompt again (plus two short ones) hits the cache, same tokens
+    again_ids = [ids[6], ids[0], ids[7]]
+    before = smol.llm_engine.core.get_stats().prefix_cache_hits
+    again = smol.generate([{"prompt_token_ids": p} for p in again_ids],
+                          SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert smol.llm_engine.core.get_stats().prefix_cache_hits > before
+    assert token_ids(again) == [got[6][:8], got[0][:8], got[7][:8]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_archs_greedy_match_transformers(arch, tiny_model_dir):
+    d = tiny_model_dir(arch)
+    prompts = [[1, 450, 4996, 17354, 1701], [1, 306, 763, 304], [1, 29871, 13, 1576, 278, 3303, 338]]
+    llm = jax_llm(d, max_num_batched_tokens=32, enable_prefix_caching=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert token_ids(outs) == hf_greedy(d, prompts, 12)
+
+
+# -- scheduling invariance on the tiny llama ----------------------------------------------------
+
+SCHED_PROMPTS = [[1] + [(37 * i + 11 * j) % 3000 + 100 for j in range(n)] for i, n in enumerate([40, 7, 75, 23, 55, 3])]
+SCHED_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_llama):
+    llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False)
+    yield llm
+    llm.llm_engine.core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(plain_engine):
+    outs = plain_engine.generate([{"prompt_token_ids": p} for p in SCHED_PROMPTS], SCHED_PARAMS, use_tqdm=False)
+    return token_ids(outs)
+
+
+def test_unchunked_requests_one_by_one_match_batched(plain_engine, plain_tokens):
+    for p, want in zip(SCHED_PROMPTS[:3], plain_tokens[:3]):
+        assert token_ids(plain_engine.generate([{"prompt_token_ids": p}], SCHED_PARAMS, use_tqdm=False)) == [want]
+
+
+def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_tokens):
+    # tiny token budget (every prompt chunked), prefix caching on, and a KV cache so small that
+    # requests get preempted and resumed by recompute
+    llm = jax_llm(tiny_llama, max_num_seqs=8, max_num_batched_tokens=16, num_gpu_blocks_override=14,
+                  enable_prefix_caching=True)
+    try:
+        prompts = [{"prompt_token_ids": p} for p in SCHED_PROMPTS]
+        first = token_ids(llm.generate(prompts, SCHED_PARAMS, use_tqdm=False))
+        stats = llm.llm_engine.core.get_stats()
+        assert stats.num_preemptions > 0, "the cache was meant to be too small to hold every request"
+        second = token_ids(llm.generate(prompts, SCHED_PARAMS, use_tqdm=False))
+        assert llm.llm_engine.core.get_stats().prefix_cache_hits > 0
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert first == plain_tokens
+    assert second == plain_tokens
+
+
+def test_seeded_sampling_same_alone_and_in_mixed_batch(plain_engine):
+    prompt = {"prompt_token_ids": SCHED_PROMPTS[0]}
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = token_ids(plain_engine.generate([prompt], seeded, use_tqdm=False))[0]
+    others = []
+    for i in range(15):
+        kind = i % 5
+        if kind == 0:
+            sp = SamplingParams(temperature=0.0, max_tokens=10 + i)
+        elif kind == 1:
+            sp = SamplingParams(temperature=1.2, min_p=0.05, seed=i, max_tokens=12, logprobs=2)
+        elif kind == 2:
+            sp = SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=9)
+        elif kind == 3:
+            sp = SamplingParams(temperature=1.0, top_k=5, logit_bias={100: 5.0}, max_tokens=14)
+        else:
+            sp = SamplingParams(temperature=0.8, top_p=0.5, frequency_penalty=0.3, max_tokens=11)
+        others.append(({"prompt_token_ids": SCHED_PROMPTS[i % len(SCHED_PROMPTS)][: 5 + i]}, sp))
+    batch = [p for p, _ in others[:7]] + [prompt] + [p for p, _ in others[7:]]
+    params = [s for _, s in others[:7]] + [seeded] + [s for _, s in others[7:]]
+    outs = plain_engine.generate(batch, params, use_tqdm=False)
+    assert outs[7].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=4321, max_tokens=16, ignore_eos=True)
+    assert token_ids(plain_engine.generate([prompt], other_seed, use_tqdm=False))[0] != alone
+    lp = outs[1].outputs[0].logprobs  # kind 1 asked for logprobs=2
+    assert lp and all(len(d) >= 2 for d in lp)

@@ -1,0 +1,87 @@
+"""The same requests on LLM(backend="jax") and LLM(backend="torch") give the same tokens (CPU, fp32, SmolLM2).
+
+Greedy requests and seeded sampled ones (temperature, top-p, top-k): the draw
+is the host's counter-based uniform on both backends, so only float-level
+differences between the two models could move a token. On a mismatch the
+message names the request, the first diverging position and both backends'
+top logprobs there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+try:
+    import jaxengine.runner  # noqa: F401
+except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
+    pytest.skip(f"jaxengine.runner cannot be imported ({type(e).__name__}: {e})", allow_module_level=True)
+
+from enginecore import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "def quicksort(xs):",
+    "Write a haiku about the sea.",
+    "1, 1, 2, 3, 5, 8,",
+    "In 1969, the first person to walk on the Moon was",
+    "Translate to French: I would like a cup of coffee.",
+]
+MAX_TOKENS = 16
+LOGPROBS = 3
+PARAMS = {
+    "greedy": [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROBS)] * len(TEXTS),
+    "seeded": [
+        SamplingParams(temperature=t, top_p=p, top_k=k, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                       logprobs=LOGPROBS)
+        for i, (t, p, k) in enumerate([(0.7, 0.9, 50), (1.0, 0.95, 0), (0.8, 1.0, 20), (0.5, 0.8, 0),
+                                        (1.0, 0.9, 40), (0.6, 1.0, 0)])
+    ],
+}
+
+
+def engine(backend: str, model_dir: str) -> LLM:
+    return LLM(model_dir, backend=backend, platform="cpu", dtype="float32", max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0)
+
+
+@pytest.fixture(scope="module")
+def outputs(smollm2_hf_dir):
+    prompts = [{"prompt": t} for t in TEXTS]
+    res = {}
+    for backend in ("jax", "torch"):
+        llm = engine(backend, smollm2_hf_dir)
+        res[backend] = {kind: llm.generate(prompts, params, use_tqdm=False) for kind, params in PARAMS.items()}
+        llm.llm_engine.core.shutdown()
+    return res
+
+
+def describe(i: int, j: int | None, jax_out, torch_out) -> str:
+    a, b = jax_out.outputs[0], torch_out.outputs[0]
+    msg = f"request {i} ({TEXTS[i]!r}): jax {a.token_ids} vs torch {b.token_ids}"
+    if j is not None:
+        top = lambda lps: sorted(((t, round(v.logprob, 5)) for t, v in lps[j].items()), key=lambda x: -x[1])  # noqa: E731
+        msg += f"; first divergence at token {j}: jax top logprobs {top(a.logprobs)}, torch {top(b.logprobs)}"
+    return msg
+
+
+@pytest.mark.parametrize("kind", list(PARAMS))
+def test_jax_and_torch_give_identical_tokens(outputs, kind):
+    problems = []
+    for i, (x, y) in enumerate(zip(outputs["jax"][kind], outputs["torch"][kind])):
+        a, b = x.outputs[0].token_ids, y.outputs[0].token_ids
+        if a != b:
+            j = next((j for j, (s, t) in enumerate(zip(a, b)) if s != t), None)
+            problems.append(describe(i, j, x, y))
+    assert not problems, "\n".join(problems)
+
+
+def test_logprobs_agree(outputs):
+    for x, y in zip(outputs["jax"]["greedy"], outputs["torch"]["greedy"]):
+        if x.outputs[0].token_ids != y.outputs[0].token_ids:
+            continue  # reported by the token test
+        for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            for tok in s.keys() & t.keys():
+                assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-3)

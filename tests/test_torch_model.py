@@ -1,0 +1,126 @@
+"""torch backend vs transformers (fp32, CPU): greedy tokens, logprobs and prompt logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from enginecore import LLM, SamplingParams  # noqa: E402
+
+NEW_TOKENS = 32
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time there was a little robot who",
+    # long enough to be split in chunks by a 64-token budget on its own
+    "Here is a list of the planets of the solar system, with one fact about each of them, written for "
+    "children who are learning astronomy at school for the first time and who want to remember them: "
+    "Mercury is the closest to the Sun, Venus is the hottest, Earth is our home, Mars is red, Jupiter is "
+    "the largest, Saturn has rings, Uranus rolls on its side, and Neptune",
+]
+
+
+def hf_model(model_dir: str):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, ids: list[int]) -> np.ndarray:
+    """log_softmax of transformers' logits at every position of `ids`: [len(ids), V]."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def check_greedy(model, prompt: list[int], got: list[int], what: str) -> None:
+    """`got` is transformers' greedy continuation: each token is its argmax given the tokens before it.
+
+    (One teacher-forced forward instead of a token-by-token generate: the same check, much cheaper.)
+    """
+    lp = hf_logprobs(model, prompt + got[:-1])[len(prompt) - 1 :]
+    want = lp.argmax(-1)
+    bad = np.nonzero(want != np.array(got))[0]
+    if len(bad):
+        j = int(bad[0])
+        top = np.argsort(-lp[j])[:3]
+        raise AssertionError(
+            f"{what}: first divergence from transformers at generated token {j}: got {got[j]} "
+            f"(hf logprob {lp[j, got[j]]:.5f}), transformers' top-3 {[(int(t), round(float(lp[j, t]), 5)) for t in top]}"
+        )
+
+
+def torch_llm(model_dir: str, **kw) -> LLM:
+    args = dict(backend="torch", platform="cpu", max_model_len=256, max_num_seqs=8,
+                max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20)
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    return [smollm2_tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_hf_dir):
+    return hf_model(smollm2_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_hf_dir):
+    return torch_llm(smollm2_hf_dir)
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_hf, prompts):
+    assert len(prompts[-1]) > 64, "the long prompt must be prefilled in several chunks"
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for i, (o, p) in enumerate(zip(outs, prompts)):
+        assert len(o.outputs[0].token_ids) == NEW_TOKENS
+        check_greedy(smollm2_hf, p, o.outputs[0].token_ids, f"prompt {i}")
+
+
+def test_smollm2_logprobs_match_transformers(smollm2_llm, smollm2_hf, prompts):
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3, prompt_logprobs=2)
+    outs = smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for o, p in zip(outs, prompts):
+        lp = hf_logprobs(smollm2_hf, p)
+        tok = o.outputs[0].token_ids[0]
+        assert tok == int(lp[-1].argmax())
+        # the sampled token with its rank, and the top 3
+        step = o.outputs[0].logprobs[0]
+        assert step[tok].rank == 1
+        np.testing.assert_allclose(step[tok].logprob, lp[-1, tok], atol=2e-4)
+        assert set(step) == {int(t) for t in np.argsort(-lp[-1], kind="stable")[:3]}
+        # prompt logprobs: none for the first token, then each prompt token given its prefix
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        for j in range(1, len(p)):
+            entry = o.prompt_logprobs[j]
+            np.testing.assert_allclose(entry[p[j]].logprob, lp[j - 1, p[j]], atol=2e-4)
+            assert entry[p[j]].rank == int((lp[j - 1] > lp[j - 1, p[j]]).sum()) + 1
+            assert len(entry) in (2, 3)  # the prompt token and the top 2 (it may be one of them)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_arch_greedy_matches_transformers(arch, tiny_model_dir, prompts):
+    d = tiny_model_dir(arch)
+    llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    model = hf_model(d)
+    for i, (o, p) in enumerate(zip(outs, prompts)):
+        check_greedy(model, p, o.outputs[0].token_ids, f"{arch} prompt {i}")
+
+
+def test_bfloat16_checkpoint_weights_load_exactly():
+    """safetensors bf16 arrays arrive as ml_dtypes.bfloat16; they must become the same torch bf16 values."""
+    import ml_dtypes
+
+    from torchengine.model import _to_tensor
+
+    x = np.array([1.0, -2.5, 3.140625, 1e-3, 65280.0], np.float32)
+    t = _to_tensor(x.astype(ml_dtypes.bfloat16))
+    assert t.dtype == torch.bfloat16
+    assert torch.equal(t, torch.from_numpy(x).to(torch.bfloat16))

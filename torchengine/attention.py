@@ -1,0 +1,232 @@
+"""Paged attention for the torch backend: metadata, the per-step attention function, backends.
+
+The KV cache is one pair of tensors per layer, `key_cache, value_cache:
+[num_blocks, block_size, Hkv, D]` (block 0 is the null block). A backend
+writes this step's k/v into their slots and attends over the ragged batch:
+
+- `TorchAttention` ("torch"): plain torch, the CPU serving path. Requests are
+  split into groups, decodes (one new token) by kv length and the rest by
+  query length; each group is padded to [n requests, L queries] and attends
+  with one masked SDPA over its requests' pages, gathered only up to the
+  group's longest kv length (never max_model_len). The plan (index tensors and masks) is built once per step
+  on the host from the numpy batch and shared by every layer. Not capturable
+  in a CUDA graph (its shapes depend on the lengths).
+- `TritonAttention` ("triton"): `triton_kernels.reshape_and_cache` +
+  `unified_attention`; reads lengths on the device only, so decode steps can
+  be captured in CUDA graphs. The default on CUDA.
+- `ReferenceAttention` ("reference"): `triton_kernels.reference` (slow, for
+  debugging a kernel against its definition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from enginecore.batch import StepBatch
+from enginecore.config import ConfigError
+
+
+@dataclass(frozen=True)
+class RequestGroup:
+    """Requests attended together, padded to [n, L] query rows over S = P * block_size cache slots."""
+
+    token_index: torch.Tensor  # [n, L] i64 flat token of each query row (padding rows repeat a real one)
+    pages: torch.Tensor  # [n, P] i64 block ids
+    mask: torch.Tensor  # [n, 1, G*L, S] bool: query row (g, l) may see cache slot s
+    out_rows: torch.Tensor  # [m] i64 rows of the [n*L] padded queries that are real
+    out_tokens: torch.Tensor  # [m] i64 their flat token index
+    whole_batch: bool = False  # the [n, L] rows are exactly tokens 0..T-1 in order (no gather or scatter needed)
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's ragged batch on the device (shapes padded to the batch's buckets)."""
+
+    slot_mapping: torch.Tensor  # [Tp] i64 cache slot of each token, -1 for padding
+    cu_q_lens: torch.Tensor  # [Rp+1] i32
+    kv_lens: torch.Tensor  # [Rp] i32 cache length after this step
+    block_tables: torch.Tensor  # [Rp, Bp] i32
+    num_reqs: int  # requests the kernels look at (real ones eagerly, Rp in a CUDA graph)
+    num_tokens: int  # real tokens (the first num_tokens rows of the batch)
+    groups: tuple[RequestGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
+
+
+class AttentionBackend:
+    """Writes k/v into the paged cache and attends. Subclasses state whether CUDA graphs may capture them."""
+
+    name = "base"
+    supports_cuda_graphs = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.sm_scale = head_dim**-0.5
+
+    def plan(self, batch: StepBatch, device: torch.device, block_size: int) -> tuple[RequestGroup, ...]:
+        """Host-side per-step precomputation shared by all layers (none by default)."""
+        return ()
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        key_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        value_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        raise NotImplementedError
+
+
+class PagedAttention:
+    """The model's `AttentionFn` for one step: binds a backend, the per-layer caches and the metadata."""
+
+    def __init__(self, backend: AttentionBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata):
+        self.backend, self.kv_caches, self.meta = backend, kv_caches, meta
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        key_cache, value_cache = self.kv_caches[layer_idx]
+        return self.backend.forward(q, k, v, key_cache, value_cache, self.meta)
+
+
+# ---------------------------------------------------------------------------------
+# plain torch (CPU)
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+    supports_cuda_graphs = False
+
+    # a request joins a group when its padded size (queries for prefills, kv length for decodes) is at least
+    # 1/GROUP_SPREAD of the group's largest: bounded padding waste, few SDPA calls per layer
+    GROUP_SPREAD = 4
+
+    def plan(self, batch: StepBatch, device: torch.device, block_size: int) -> tuple[RequestGroup, ...]:
+        R = batch.num_reqs
+        cu = batch.cu_q_lens[: R + 1].astype(np.int64)
+        q_lens = np.diff(cu)
+        kv = batch.kv_lens[:R].astype(np.int64)
+        decode = q_lens == 1
+        groups = self._split(np.nonzero(decode)[0], kv) + self._split(np.nonzero(~decode)[0], q_lens)
+        return tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device) for idx in groups)
+
+    def _split(self, reqs: np.ndarray, size: np.ndarray) -> list[np.ndarray]:
+        """`reqs` cut into groups of similar `size` (largest first)."""
+        order = reqs[np.argsort(-size[reqs], kind="stable")]
+        groups, start = [], 0
+        for i in range(1, len(order) + 1):
+            if i == len(order) or size[order[i]] * self.GROUP_SPREAD < size[order[start]]:
+                groups.append(np.sort(order[start:i]))  # batch order inside a group
+                start = i
+        return groups
+
+    def _group(self, batch, reqs, starts, q_lens, kv, block_size, device) -> RequestGroup:
+        group = self.num_heads // self.num_kv_heads
+        n, L = len(reqs), int(q_lens.max())
+        P = int(-(-kv.max() // block_size))
+        S = P * block_size
+        l_idx = np.arange(L)[None, :]  # [1, L]
+        valid = l_idx < q_lens[:, None]  # [n, L]
+        token_index = starts[:, None] + np.minimum(l_idx, q_lens[:, None] - 1)  # [n, L]
+        q_pos = (kv - q_lens)[:, None] + l_idx  # [n, L]
+        s = np.arange(S)[None, None, :]
+        visible = s <= q_pos[:, :, None]  # [n, L, S]
+        if self.sliding_window is not None:
+            visible &= q_pos[:, :, None] - s < self.sliding_window
+        visible |= ~valid[:, :, None] & (s == 0)  # padding rows see one slot: no NaN from an empty softmax
+        mask = np.tile(visible, (1, group, 1))[:, None]  # [n, 1, G*L, S] rows ordered (g, l)
+        flat_valid = valid.reshape(-1)
+        flat_tokens = token_index.reshape(-1)
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        whole = bool(flat_valid.all()) and len(flat_tokens) == batch.num_tokens and bool(
+            np.array_equal(flat_tokens, np.arange(len(flat_tokens))))
+        return RequestGroup(
+            token_index=to(token_index.astype(np.int64)),
+            pages=to(batch.block_tables[reqs, :P].astype(np.int64)),
+            mask=to(mask),
+            out_rows=to(np.nonzero(flat_valid)[0].astype(np.int64)),
+            out_tokens=to(flat_tokens[flat_valid].astype(np.int64)),
+            whole_batch=whole,
+        )
+
+    def forward(self, q, k, v, key_cache, value_cache, meta):
+        T = meta.num_tokens
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        G = Hq // Hkv
+        slots = meta.slot_mapping[:T]
+        key_cache.view(-1, Hkv, D).index_copy_(0, slots, k[:T].to(key_cache.dtype))
+        value_cache.view(-1, Hkv, D).index_copy_(0, slots, v[:T].to(value_cache.dtype))
+        out = None
+        for g in meta.groups:
+            n, L = g.token_index.shape
+            qg = q[:T] if g.whole_batch else q[g.token_index]
+            qg = qg.view(n, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * L, D)
+            kg = key_cache[g.pages].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
+            vg = value_cache[g.pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.sm_scale)
+            o = o.view(n, Hkv, G, L, D).permute(0, 3, 1, 2, 4).reshape(n * L, Hq, D)
+            if g.whole_batch and q.shape[0] == T:
+                return o
+            if out is None:
+                out = torch.zeros_like(q)
+            out[g.out_tokens] = o[g.out_rows]
+        return torch.zeros_like(q) if out is None else out
+
+
+# ---------------------------------------------------------------------------------
+# Triton (CUDA) and the reference
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import triton_kernels  # lazily: CPU runs never need triton
+
+        if not triton_kernels.HAS_TRITON:
+            raise ImportError("--attention-backend triton needs the triton package")
+        self._write = triton_kernels.reshape_and_cache
+        self._attend = triton_kernels.unified_attention
+
+    def forward(self, q, k, v, key_cache, value_cache, meta):
+        self._write(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self._attend(
+            q, key_cache, value_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
+            sm_scale=self.sm_scale, sliding_window=self.sliding_window, num_reqs=meta.num_reqs,
+        )
+
+
+class ReferenceAttention(AttentionBackend):
+    name = "reference"
+    supports_cuda_graphs = False
+
+    def forward(self, q, k, v, key_cache, value_cache, meta):
+        from triton_kernels.reference import ref_reshape_and_cache, ref_unified_attention
+
+        ref_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return ref_unified_attention(
+            q, key_cache, value_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
+            sm_scale=self.sm_scale, sliding_window=self.sliding_window, num_reqs=meta.num_reqs,
+        )
+
+
+_BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "reference": ReferenceAttention}
+
+
+def make_attention_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    """`--attention-backend`: auto is triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in _BACKENDS:
+        raise ConfigError(f"--attention-backend {name!r} is not available on the torch backend "
+                         f"(choose from auto, {', '.join(_BACKENDS)})")
+    if name == "triton" and device.type != "cuda":
+        raise ConfigError("--attention-backend triton needs --platform cuda (on CPU use torch)")
+    return _BACKENDS[name](**kwargs)

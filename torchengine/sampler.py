@@ -1,0 +1,178 @@
+"""The torch sampler: `enginecore.sampling_ref` semantics, batched, on the device.
+
+Per row, in order: additive token masks, penalties (repetition, frequency,
+presence), then greedy argmax for rows with temperature < 1e-5; other rows
+are divided by their temperature, filtered (min-p, top-k with ties kept,
+top-p with ties at the cut kept) and drawn by inverse CDF in vocabulary order
+with the host-provided uniform `u` (the seeded counter-based draw), so a
+seeded request gives the same tokens on either backend and in any batch.
+Logprobs are those of the raw logits (top-N, ties by lower id, plus the
+sampled token's logprob and rank).
+
+Nothing here reads a value back to the host: the runner copies the results
+once at the end of the step. Cumulative sums are taken in float64 and rounded
+to float32 (the reference accumulates in float32; both are within a few ulps
+of the running total, so a draw can only differ when `u` lands that close to
+a token boundary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from enginecore.batch import SamplingBatch
+from enginecore.sampling_ref import GREEDY_EPS
+
+
+@dataclass
+class SamplingTensors:
+    """`SamplingBatch` on the device (row count Rp, padded rows greedy)."""
+
+    temperature: torch.Tensor  # [Rp] f32
+    top_k: torch.Tensor  # [Rp] i64, 0 = off
+    top_p: torch.Tensor  # [Rp] f32
+    min_p: torch.Tensor  # [Rp] f32
+    uniform: torch.Tensor  # [Rp] f32
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    max_top_k: int
+    num_logprobs: int
+    bias: torch.Tensor | None = None  # [Rp, V] f32
+    output_counts: torch.Tensor | None = None  # [Rp, V] f32
+    prompt_mask: torch.Tensor | None = None  # [Rp, V] bool
+    presence: torch.Tensor | None = None  # [Rp] f32
+    frequency: torch.Tensor | None = None  # [Rp] f32
+    repetition: torch.Tensor | None = None  # [Rp] f32
+
+    @classmethod
+    def from_batch(cls, sb: SamplingBatch, device: torch.device, to_device=None,
+                   num_rows: int | None = None) -> "SamplingTensors":
+        """The first `num_rows` rows (default all) on `device`.
+
+        `to_device(name, array) -> tensor` lets the runner stage copies through pinned memory.
+        """
+        n = len(sb.temperature) if num_rows is None else num_rows
+        copy = to_device or (lambda name, a: torch.from_numpy(np.ascontiguousarray(a)).to(device))
+        put = lambda name, a: copy(name, a[:n])  # noqa: E731
+        sampling = ~(sb.temperature[:n] < GREEDY_EPS)
+
+        def opt(name):
+            a = getattr(sb, name)
+            return None if a is None else put(name, a)
+
+        return cls(
+            temperature=put("temperature", sb.temperature),
+            top_k=put("top_k", sb.top_k.astype(np.int64)),
+            top_p=put("top_p", sb.top_p),
+            min_p=put("min_p", sb.min_p),
+            uniform=put("uniform", sb.uniform),
+            all_greedy=sb.all_greedy,
+            use_top_k=bool(np.any(sampling & (sb.top_k[:n] > 0))),
+            use_top_p=bool(np.any(sampling & (sb.top_p[:n] < 1.0))),
+            use_min_p=bool(np.any(sampling & (sb.min_p[:n] > 0.0))),
+            max_top_k=int(sb.top_k[:n].max(initial=0)),
+            num_logprobs=sb.num_logprobs,
+            bias=opt("bias"),
+            output_counts=opt("output_counts"),
+            prompt_mask=opt("prompt_mask"),
+            presence=opt("presence"),
+            frequency=opt("frequency"),
+            repetition=opt("repetition"),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [Rp] i64
+    topk_ids: torch.Tensor | None = None  # [Rp, N] i64
+    topk_logprobs: torch.Tensor | None = None  # [Rp, N] f32
+    sampled_logprobs: torch.Tensor | None = None  # [Rp] f32
+    sampled_ranks: torch.Tensor | None = None  # [Rp] i64
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise, written as `sampling_ref.log_softmax` (rows of -inf give NaN there too)."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return x - m - torch.log(torch.exp(x - m).sum(dim=-1, keepdim=True))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_softmax(x))
+
+
+def _cumsum(p: torch.Tensor) -> torch.Tensor:
+    return p.double().cumsum(dim=-1).float()
+
+
+def apply_penalties(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    counts, r = st.output_counts, st.repetition[:, None]
+    seen = st.prompt_mask | (counts > 0)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    x = x - st.frequency[:, None] * counts
+    return x - st.presence[:, None] * (counts > 0).float()
+
+
+def filter_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Temperature-scaled logits [Rp, V] -> the same with dropped tokens at -inf (rows with a filter off pass)."""
+    neg_inf = float("-inf")
+    if st.use_min_p:
+        p = softmax(x)
+        x = x.masked_fill(p < st.min_p[:, None] * p.amax(dim=-1, keepdim=True), neg_inf)
+    if st.use_top_k:
+        top = torch.topk(x, st.max_top_k, dim=-1).values  # [Rp, kmax] descending
+        kth = top.gather(1, (st.top_k - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill(st.top_k[:, None] <= 0, neg_inf)
+        x = x.masked_fill(x < kth, neg_inf)
+    if st.use_top_p:
+        p = softmax(x)
+        ps = torch.sort(p, dim=-1, descending=True).values
+        cum = _cumsum(ps)
+        # first index where the sorted mass reaches top_p (np.searchsorted side="left")
+        cut = (cum < st.top_p[:, None]).sum(dim=-1, keepdim=True).clamp(max=x.shape[-1] - 1)
+        drop = (p < ps.gather(1, cut)) & (st.top_p[:, None] < 1.0)
+        x = x.masked_fill(drop, neg_inf)
+    return x
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [Rp, V], u [Rp] -> [Rp] i64: the first token whose cumulative mass exceeds u * total."""
+    cum = _cumsum(probs)
+    target = (u * cum[:, -1])[:, None]
+    idx = torch.searchsorted(cum, target, right=True)[:, 0]
+    V = probs.shape[-1]
+    last_nonzero = V - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.where(idx >= V, last_nonzero, idx)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """logits [Rp, V] float32 (raw) -> sampled tokens and, if asked for, logprobs."""
+    x = logits
+    if st.bias is not None:
+        x = x + st.bias
+    if st.output_counts is not None:
+        x = apply_penalties(x, st)
+    greedy_tokens = x.argmax(dim=-1)
+    if st.all_greedy:
+        sampled = greedy_tokens
+    else:
+        greedy = st.temperature < GREEDY_EPS
+        temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+        x = x / temp[:, None]
+        if st.use_top_k or st.use_top_p or st.use_min_p:
+            x = filter_logits(x, st)
+        drawn = inverse_cdf(softmax(x), st.uniform)
+        sampled = torch.where(greedy, greedy_tokens, drawn)
+    out = SamplerOutput(sampled=sampled)
+    if st.num_logprobs > 0:
+        lp = log_softmax(logits)
+        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
+        out.topk_ids, out.topk_logprobs = ids[:, : st.num_logprobs], vals[:, : st.num_logprobs]
+        out.sampled_logprobs = lp.gather(1, sampled[:, None])[:, 0]
+        out.sampled_ranks = (lp > out.sampled_logprobs[:, None]).sum(dim=-1) + 1
+    return out

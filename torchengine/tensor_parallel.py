@@ -1,0 +1,82 @@
+"""Tensor parallelism as a transform of a built, loaded model (gpt-fast style).
+
+`apply_tensor_parallel(model, rank, world_size, group)` keeps rank's share of
+every attention and MLP projection, Megatron's split:
+
+- column-parallel (output rows split): the fused q/k/v projection (q, k and v
+  each split by heads, then fused again) and the fused gate/up projection;
+- row-parallel (input columns split): the attention output and the down
+  projection, followed by an all-reduce (sum) over `group`.
+
+Each rank then holds Hq/N query heads and Hkv/N KV heads (its KV cache is
+that much smaller), and the model code itself stays single-device: the
+all-reduce is a forward hook. Embeddings, norms and the LM head are
+replicated, so every rank computes the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchengine.model import Transformer
+
+
+def _shard_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return w.chunk(world_size, dim=0)[rank]
+
+
+def _column_parallel(linear: nn.Linear, sizes: list[int], rank: int, world_size: int) -> nn.Linear:
+    """Split each fused part (rows `sizes`) across ranks and keep this rank's rows of each."""
+    w = torch.cat([_shard_rows(p, rank, world_size) for p in linear.weight.split(sizes, dim=0)])
+    b = None
+    if linear.bias is not None:
+        b = torch.cat([_shard_rows(p, rank, world_size) for p in linear.bias.split(sizes, dim=0)])
+    return _linear(w, b)
+
+
+def _row_parallel(linear: nn.Linear, rank: int, world_size: int, group) -> nn.Linear:
+    if linear.bias is not None:
+        raise NotImplementedError("row-parallel linear with a bias (add it on one rank only)")
+    out = _linear(linear.weight.chunk(world_size, dim=1)[rank], None)
+    out.register_forward_hook(_all_reduce_hook(group))
+    return out
+
+
+def _linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
+    with torch.device("meta"):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, dtype=w.dtype)
+    lin.weight = nn.Parameter(w.clone(), requires_grad=False)  # clone: drop the full tensor
+    if b is not None:
+        lin.bias = nn.Parameter(b.clone(), requires_grad=False)
+    return lin
+
+
+def _all_reduce_hook(group):
+    def hook(module, inputs, output):
+        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
+        return output
+
+    return hook
+
+
+def apply_tensor_parallel(model: Transformer, rank: int, world_size: int, group=None) -> Transformer:
+    """Shard `model` in place for `rank` of `world_size`; returns it."""
+    if world_size == 1:
+        return model
+    a = model.args
+    for what, n in (("attention heads", a.n_heads), ("KV heads", a.n_kv_heads),
+                    ("intermediate size", a.intermediate_size)):
+        if n % world_size:
+            raise ValueError(f"tensor parallel size {world_size} does not divide the model's {what} ({n})")
+    hd = a.head_dim
+    for layer in model.layers:
+        attn, ffn = layer.attention, layer.feed_forward
+        attn.wqkv = _column_parallel(attn.wqkv, [a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd],
+                                     rank, world_size)
+        attn.wo = _row_parallel(attn.wo, rank, world_size, group)
+        attn.n_heads, attn.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
+        ffn.w13 = _column_parallel(ffn.w13, [a.intermediate_size, a.intermediate_size], rank, world_size)
+        ffn.w2 = _row_parallel(ffn.w2, rank, world_size, group)
+    return model
