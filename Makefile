@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml requirements.lock
 serve: $(STAMP)
 	$(BIN)/xlaserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# Tests share 2 cores with their own subprocesses (engine process, servers):
+# spin-waiting OpenMP pools then slow torch and XLA down 4-10x.
+test: export OMP_WAIT_POLICY := PASSIVE
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -62,13 +62,12 @@ def test_triton_attention_matches_torch_attention(smollm2_hf_dir, eager):
     llm.llm_engine.core.shutdown()
 
 
-def test_cuda_greedy_matches_transformers(smollm2_hf_dir, eager):
+def test_cuda_greedy_matches_transformers(smollm2_hf_dir, smollm2_tokenizer, eager):
     import transformers as tf
 
-    tok = tf.AutoTokenizer.from_pretrained(smollm2_hf_dir)
     model = tf.AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).cuda().eval()
     for text, got in zip(TEXTS, eager["greedy"]):
-        ids = tok(text)["input_ids"]
+        ids = smollm2_tokenizer.encode(text)
         with torch.inference_mode():
             logits = model(torch.tensor([ids + got[:-1]], device="cuda")).logits[0, len(ids) - 1 :]
         assert logits.argmax(-1).tolist() == got

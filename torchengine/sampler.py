@@ -143,7 +143,7 @@ def filter_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [Rp, V], u [Rp] -> [Rp] i64: the first token whose cumulative mass exceeds u * total."""
     cum = _cumsum(probs)
-    target = (u * cum[:, -1])[:, None]
+    target = (u * cum[:, -1])[:, None].contiguous()
     idx = torch.searchsorted(cum, target, right=True)[:, 0]
     V = probs.shape[-1]
     last_nonzero = V - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
