@@ -1,0 +1,14 @@
+"""jaxengine: the JAX backend (TPU with the Pallas kernel, GPU and CPU through XLA).
+
+- model.py: one Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure
+  functions over a params pytree with logical axes; forward scans over layers.
+- loader.py / checkpoint.py: numpy weights (HF names) or an orbax checkpoint straight into
+  their NamedShardings.
+- attention.py: ragged paged attention in XLA (the CPU/GPU path; Pallas contract and layout).
+- sampler.py: the jitted sampler (enginecore.sampling_ref semantics).
+- sharding.py: the ('data', 'model') mesh and the logical -> mesh axis rules.
+- runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: persistent
+  cache, compile counting and the recompilation guard; warmup.py: `xlaserve warmup`.
+
+Importing this package does not import jax; the submodules do.
+"""

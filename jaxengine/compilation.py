@@ -64,8 +64,9 @@ def enable_persistent_cache(path: str) -> str:
 class CompileMonitor:
     """Counts XLA compilations (and persistent-cache hits/misses) in this process while installed.
 
-    JAX's monitoring hooks are process-wide; the monitor counts only on the thread that
-    installed it, so a second engine compiling on another thread is not mistaken for ours.
+    JAX's monitoring hooks are process-wide; the monitor counts only on the thread it is
+    bound to (the one dispatching this runner's programs, see `bind_current_thread`), so a
+    second engine compiling on another thread is not mistaken for ours.
     """
 
     def __init__(self) -> None:
@@ -90,6 +91,9 @@ class CompileMonitor:
             self.hits += 1
         elif event == CACHE_MISS_EVENT:
             self.misses += 1
+
+    def bind_current_thread(self) -> None:
+        self._thread = threading.get_ident()
 
     def install(self) -> "CompileMonitor":
         if not self._installed:
@@ -134,6 +138,7 @@ class CompileGuard:
     def dispatch(self, key: tuple):
         """Wrap one dispatch of a program named by `key`."""
         self.check_key(key)
+        self.monitor.bind_current_thread()  # the step loop may run on another thread than __init__
         before = self.monitor.compiles
         t0 = time.perf_counter()
         yield

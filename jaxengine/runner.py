@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from enginecore.batch import InputBatch, StepBatch, make_runner_output, pick_bucket, pow2_buckets, prompt_logprobs_np
+from enginecore.batch import InputBatch, StepBatch, make_runner_output, pick_bucket, prompt_logprobs_np
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
@@ -96,7 +96,7 @@ class JaxModelRunner:
         self.rules = ShardingRules.for_model(self.cfg, self.mesh)
         self.attention_backend = plat.resolve_attention_backend(dc.attention_backend, self.platform)
         self.block_size = cc.block_size
-        self.input_batch = InputBatch(
+        self.input_batch = ib = InputBatch(
             max_num_seqs=sc.max_num_seqs,
             max_model_len=sc.max_model_len,
             max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -104,6 +104,8 @@ class JaxModelRunner:
             vocab_size=self.cfg.vocab_size,
             max_logprobs=mc.max_logprobs,
         )
+        # block tables travel at one fixed width (the widest column bucket, >= max_blocks_per_req)
+        self.table_width = ib.block_buckets[-1]
         opts = dict(dc.compilation_config or {})
         self.scan_layers = bool(opts.get("scan_layers", True))
         self.sampler_method = opts.get("sampler_method", "topk")
@@ -227,7 +229,7 @@ class JaxModelRunner:
 
     def _device_md(self, batch: StepBatch):
         Rp = batch.padded_num_reqs
-        W = self.input_batch.max_blocks_per_req
+        W = self.table_width
         table = np.zeros((Rp, W), np.int32)
         table[:, : batch.block_tables.shape[1]] = batch.block_tables
         host = (
@@ -326,6 +328,7 @@ class JaxModelRunner:
         if level not in WARMUP_LEVELS:
             raise ConfigError(f"warmup level must be one of {', '.join(WARMUP_LEVELS)}; got {level!r}")
         t_all = time.perf_counter()
+        self.monitor.bind_current_thread()
         c0, h0, m0 = self.monitor.snapshot()
         rows = []
         for key in self.bucket_keys(level) if level != "none" else []:
@@ -355,7 +358,7 @@ class JaxModelRunner:
         return stats
 
     def _run_dummy(self, key: tuple):
-        W = self.input_batch.max_blocks_per_req
+        W = self.table_width
         if key[0] == "model":
             _, Tp, Rp = key
             z = lambda n: np.zeros(n, np.int32)  # noqa: E731
@@ -382,4 +385,4 @@ class JaxModelRunner:
         raise ValueError(f"unknown bucket key {key!r}")
 
 
-__all__ = ["JaxModelRunner", "pow2_buckets"]
+__all__ = ["JaxModelRunner"]

@@ -133,3 +133,10 @@ def test_pallas_attention_backend_end_to_end(tiny, reference_tokens):
         pytest.skip("pallas_kernels.ragged_paged_attention does not exist yet")
     # on CPU the TPU kernel runs in the Pallas interpreter
     assert generate(small(tiny, attention_backend="pallas")) == reference_tokens
+
+
+def test_max_model_len_shorter_than_smallest_table_bucket(tiny, reference_tokens):
+    # 40 tokens = 3 blocks of 16, narrower than the 8-column smallest block-table bucket
+    llm = small(tiny, max_model_len=40)
+    assert llm.llm_engine.core.runner.table_width == 8
+    assert generate(llm) == reference_tokens
