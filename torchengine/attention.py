@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import abc
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -55,7 +57,7 @@ class AttentionMetadata:
     groups: tuple[RequestGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Writes k/v into the paged cache and attends. Subclasses state whether CUDA graphs may capture them."""
 
     name = "base"
@@ -70,6 +72,7 @@ class AttentionBackend:
         """Host-side per-step precomputation shared by all layers (none by default)."""
         return ()
 
+    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -79,7 +82,7 @@ class AttentionBackend:
         value_cache: torch.Tensor,  # [NB, BS, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq, D]
-        raise NotImplementedError
+        """Write this step's k/v into the caches, then attend q over them."""
 
 
 class PagedAttention:

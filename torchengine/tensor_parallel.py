@@ -37,9 +37,11 @@ def _column_parallel(linear: nn.Linear, sizes: list[int], rank: int, world_size:
 
 
 def _row_parallel(linear: nn.Linear, rank: int, world_size: int, group) -> nn.Linear:
+    # the bias is added once, on rank 0, so the all-reduce sums it exactly once
+    b = None
     if linear.bias is not None:
-        raise NotImplementedError("row-parallel linear with a bias (add it on one rank only)")
-    out = _linear(linear.weight.chunk(world_size, dim=1)[rank], None)
+        b = linear.bias.detach() if rank == 0 else torch.zeros_like(linear.bias)
+    out = _linear(linear.weight.chunk(world_size, dim=1)[rank], b)
     out.register_forward_hook(_all_reduce_hook(group))
     return out
 
