@@ -233,16 +233,32 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if new_computed_blocks:
             self.num_cached_blocks[req.request_id] = len(blocks) - len(new_blocks)
-        # Hash the blocks that will be full once these tokens are computed.
-        if self._can_use_cache(req):
-            self._update_block_hashes(req, min(total, req.num_tokens))
-            start = self.num_cached_blocks.get(req.request_id, 0)
-            end = min(total, req.num_tokens) // self.block_size
-            for i in range(start, end):
-                bh, toks = req.block_hashes[i]
-                self.pool.cache_block(blocks[i], bh, toks)
-            self.num_cached_blocks[req.request_id] = max(start, end)
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+
+    def cache_computed_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks whose KV a finished step has written.
+
+        Blocks become prefix-cache hits only after the step that computes them
+        (vLLM publishes them when it schedules them). Two things follow: no step
+        ever reads a block another request of the same step is writing, so a
+        kernel may process requests in any order or in parallel (the Pallas
+        kernel's fused write relies on it); and a step that never ran (its
+        requests preempted, aborted or failed) leaves no hash on uncomputed KV.
+        The price: identical prompts scheduled in the same step do not share.
+        """
+        if not self._can_use_cache(req):
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        upto = min(num_computed_tokens, req.num_tokens)
+        self._update_block_hashes(req, upto)
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        end = min(upto // self.block_size, len(blocks))
+        for i in range(start, end):
+            bh, toks = req.block_hashes[i]
+            self.pool.cache_block(blocks[i], bh, toks)
+        self.num_cached_blocks[req.request_id] = max(start, end)
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first, so a prefix's tail is evicted before its head."""

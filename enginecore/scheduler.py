@@ -304,6 +304,11 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        # the step ran: its requests' newly full blocks may now serve prefix-cache hits
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(req, req.num_computed_tokens)
         for idx, rid in enumerate(runner_output.req_ids):
             req = self.requests.get(rid)
             if req is None or req.is_finished or req.status != RequestStatus.RUNNING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from enginecore.config import EngineArgs
@@ -132,6 +132,27 @@ def test_prefix_cache_hits_and_same_tokens():
     assert so.scheduled_new_reqs[0].num_computed_tokens == 28
 
 
+def test_blocks_are_published_only_after_the_step_that_computes_them():
+    """No request of a step reads a block another request of that step is writing, and an unrun step caches nothing."""
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks of 4
+    core = make_core(num_blocks=64)
+    core.add_request(req("a", prompt))
+    core.add_request(req("b", prompt))
+    so = core.scheduler.schedule()
+    assert so.num_scheduled_tokens == {"a": 13, "b": 13}
+    assert [n.num_computed_tokens for n in so.scheduled_new_reqs] == [0, 0]
+    # the step is dropped (its requests aborted before it ran): nothing it would have written is published
+    core.abort_requests(["a", "b"])
+    core.add_request(req("c", prompt))
+    so = core.scheduler.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    # once a step has run, its full blocks serve the next request
+    core.scheduler.update_from_output(so, core.runner.execute(so))
+    core.add_request(req("d", prompt))
+    so = core.scheduler.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12
+
+
 def test_prefix_cache_skipped_for_prompt_logprobs():
     core = make_core(num_blocks=128)
     p = list(range(10, 30))
@@ -232,6 +253,7 @@ def test_rejects_requests_that_cannot_run():
 @given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)),
                 min_size=1, max_size=60),
        st.sampled_from(["fcfs", "priority"]))
+@example(ops=[("add", 34), ("add", 34)], policy="fcfs")  # same prompt, same step: no hit on an unwritten block
 def test_property_random_add_step_abort_keeps_block_invariants(ops, policy):
     core = make_core(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, policy=policy)
     rng = random.Random(0)
