@@ -92,10 +92,14 @@ def test_seeded_request_alone_equals_batched(tiny_llama, plain):
     assert tokens(llm, SEEDED, PROMPTS[4:5]) == plain["seeded"][4:5]
 
 
-def test_logprobs_agree_across_batch_shapes(tiny_llama):
-    """Decode-batch logprobs equal those of the same request prefilled in small chunks."""
+def test_logprobs_agree_across_batch_shapes(tiny_llama, monkeypatch):
+    """Decode-batch logprobs equal those of the same request prefilled in small chunks.
+
+    The second run also computes prompt logprobs 5 positions at a time (PROMPT_LOGPROBS_ROWS).
+    """
     sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1, ignore_eos=True)
     a = llm_for(tiny_llama).generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    monkeypatch.setattr("torchengine.runner.PROMPT_LOGPROBS_ROWS", 5)
     b = llm_for(tiny_llama, max_num_batched_tokens=16).generate([{"prompt_token_ids": p} for p in PROMPTS], sp,
                                                                   use_tqdm=False)
     for x, y in zip(a, b):

@@ -109,7 +109,16 @@ def test_tp2_engine_matches_tp1(tiny_model_dir):
     want += [o.outputs[0].token_ids for o in tp1.generate(prompts, seeded, use_tqdm=False)]
     tp2 = LLM(d, tensor_parallel_size=2, **kw)
     try:
-        assert tp2.llm_engine.core.runner.kv_caches[0][0].shape[2] == 1  # one of the two KV heads per rank
+        runner = tp2.llm_engine.core.runner
+        assert runner.kv_caches[0][0].shape[2] == 1  # one of the two KV heads per rank
+        # the model was sharded before loading: rank 0 holds its share of q/k/v and gate/up, nothing more
+        full = tp1.llm_engine.core.runner.model.layers[0]
+        mine = runner.model.layers[0]
+        q, kv = 4 * 16, 2 * 16
+        w = full.attention.wqkv.weight
+        want_qkv = torch.cat([w[: q // 2], w[q : q + kv // 2], w[q + kv : q + kv + kv // 2]])
+        assert torch.equal(mine.attention.wqkv.weight, want_qkv)
+        assert torch.equal(mine.feed_forward.w2.weight, full.feed_forward.w2.weight[:, :64])
         got = [o.outputs[0].token_ids for o in tp2.generate(prompts, greedy, use_tqdm=False)]
         got += [o.outputs[0].token_ids for o in tp2.generate(prompts, seeded, use_tqdm=False)]
     finally:

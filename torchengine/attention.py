@@ -231,5 +231,10 @@ def make_attention_backend(name: str, device: torch.device, **kwargs) -> Attenti
         raise ConfigError(f"--attention-backend {name!r} is not available on the torch backend "
                          f"(choose from auto, {', '.join(_BACKENDS)})")
     if name == "triton" and device.type != "cuda":
-        raise ConfigError("--attention-backend triton needs --platform cuda (on CPU use torch)")
+        import triton_kernels
+
+        # the interpreter runs the same kernels on CPU tensors (slowly): the CPU tests of the CUDA path use it
+        if not triton_kernels.interpreted():
+            raise ConfigError("--attention-backend triton needs --platform cuda (on CPU use torch; "
+                              "TRITON_INTERPRET=1 runs the kernels in triton's interpreter, for testing)")
     return _BACKENDS[name](**kwargs)

@@ -91,18 +91,32 @@ class CUDAGraphs:
     @torch.inference_mode()
     def capture(self) -> int:
         """Capture every bucket, largest first, into one memory pool; returns the number of graphs."""
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._new_pool()
         for num_tokens, num_reqs in self.pairs:
             self._fill_dummy(num_tokens, num_reqs)
             for _ in range(2):  # compile the kernels and settle the allocator outside the capture
                 self._forward(num_tokens, num_reqs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(num_tokens, num_reqs)
-            self.graphs[(num_tokens, num_reqs)] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+            self._synchronize()
+            self.graphs[(num_tokens, num_reqs)] = self._capture_one(
+                lambda t=num_tokens, r=num_reqs: self._forward(t, r), pool)
+        self._synchronize()
         return len(self.graphs)
+
+    # The three CUDA calls of a capture. Tests on CPU override them with an eager stand-in that re-runs the
+    # forward on the same static buffers at replay, which checks everything here except the graph itself.
+
+    def _new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _capture_one(self, forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Record `forward()` into a graph; returns (something with .replay(), its static output)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = forward()
+        return graph, logits
 
     def can_replay(self, batch: StepBatch) -> bool:
         """Pure decode (one token per request) in a captured bucket."""

@@ -119,11 +119,13 @@ class TPGroup:
         return int(t.item())
 
     def shutdown(self, rank: int) -> None:
+        """Every rank tears its group down at about the same time (NCCL teardown may wait on the peers)."""
         if rank == 0:
             self.broadcast(("shutdown", ()))
+        dist.destroy_process_group()
+        if rank == 0:
             _reap(self._workers, 60.0)
             atexit.unregister(self._atexit)
-        dist.destroy_process_group()
 
 
 def _reap(workers: list[subprocess.Popen], timeout: float) -> None:

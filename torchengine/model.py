@@ -191,6 +191,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.max_positions = max_positions
+        self.tp_rank, self.tp_size = 0, 1  # set by torchengine.tensor_parallel.apply_tensor_parallel
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -223,10 +224,19 @@ class Transformer(nn.Module):
 # building and loading
 
 
-def build_model(args: ModelArgs, max_positions: int, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """An uninitialised model on `device` (no random init: weights come from `load_weights`)."""
+def build_model(args: ModelArgs, max_positions: int, device: torch.device, dtype: torch.dtype,
+                tp: tuple[int, int, object] | None = None) -> Transformer:
+    """An uninitialised model on `device` (no random init: weights come from `load_weights`).
+
+    `tp=(rank, world_size, group)` applies the tensor-parallel transform while the model is still on the
+    meta device, so a rank allocates only its share and `load_weights` reads only that share.
+    """
     with torch.device("meta"):
         model = Transformer(args, max_positions)
+        if tp is not None:
+            from torchengine.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, *tp)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()
     return model.eval().requires_grad_(False)
@@ -256,9 +266,16 @@ _LAYER_PARTS = {
 }
 
 
-def _fused_rows(args: ModelArgs, part: str) -> slice:
-    """Rows of a fused weight that one Hugging Face tensor fills."""
-    q, kv, inter = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
+# weights the tensor-parallel transform splits: column-parallel by output rows (dim 0), row-parallel by input
+# columns (dim 1); see torchengine.tensor_parallel
+_COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def _fused_rows(args: ModelArgs, part: str, tp_size: int = 1) -> slice:
+    """Rows of a fused weight that one Hugging Face tensor (this rank's share of it) fills."""
+    q, kv = args.n_heads * args.head_dim // tp_size, args.n_kv_heads * args.head_dim // tp_size
+    inter = args.intermediate_size // tp_size
     return {
         "q": slice(0, q),
         "k": slice(q, q + kv),
@@ -268,10 +285,17 @@ def _fused_rows(args: ModelArgs, part: str) -> slice:
     }[part]
 
 
+def _tp_share(arr: np.ndarray, dim: int, rank: int, tp_size: int) -> np.ndarray:
+    """Rank's contiguous 1/tp_size of `arr` along `dim` (a view: a memory-mapped checkpoint reads only it)."""
+    n = arr.shape[dim] // tp_size
+    return arr[rank * n : (rank + 1) * n] if dim == 0 else arr[:, rank * n : (rank + 1) * n]
+
+
 @torch.no_grad()
 def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) -> None:
     """Copy Hugging Face-named numpy weights into `model`; every parameter must be filled exactly."""
     args = model.args
+    rank, tp_size = model.tp_rank, model.tp_size
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     for hf_name, arr in weights:
@@ -285,6 +309,8 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
             name, part = "output.weight", None
         elif hf_name.startswith("model.layers."):
             idx, rest = hf_name[len("model.layers."):].split(".", 1)
+            if tp_size > 1 and rest in _ROW_PARALLEL:
+                arr = _tp_share(arr, 1, rank, tp_size)
             if rest.endswith("rotary_emb.inv_freq"):
                 continue
             if rest not in _LAYER_PARTS:
@@ -295,7 +321,9 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
             raise ModelLoadError(f"unexpected weight {hf_name}")
         if name not in params:
             raise ModelLoadError(f"weight {hf_name} has no place in a model with {args}")
-        dst = params[name] if part is None else params[name][_fused_rows(args, part)]
+        if tp_size > 1 and part in _COLUMN_PARALLEL:
+            arr = _tp_share(arr, 0, rank, tp_size)
+        dst = params[name] if part is None else params[name][_fused_rows(args, part, tp_size)]
         src = _to_tensor(arr)
         if tuple(src.shape) != tuple(dst.shape):
             raise ModelLoadError(f"weight {hf_name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")

@@ -17,6 +17,7 @@ sampling.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from torchengine.sampler import SamplingTensors, log_softmax, sample
 logger = logging.getLogger("xlaserve.torchengine")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+PROMPT_LOGPROBS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,6 +105,9 @@ class TorchModelRunner:
         if dc.platform == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("--platform cuda: torch sees no CUDA device (is this a CPU build of torch?)")
+            if self.tp_size > torch.cuda.device_count():
+                raise ConfigError(f"--tensor-parallel-size {self.tp_size} needs {self.tp_size} GPUs; "
+                                  f"torch sees {torch.cuda.device_count()}")
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         elif dc.platform == "cpu":
@@ -148,12 +153,10 @@ class TorchModelRunner:
             self.tp = TPGroup.create(self.config, self.rank, self.device, self._init_method)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model = build_model(self.args, self.max_model_len, self.device, self.dtype)
+            # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
+            tp = (self.rank, self.tp_size, self.tp.group) if self.tp is not None else None
+            model = build_model(self.args, self.max_model_len, self.device, self.dtype, tp=tp)
             load_weights(model, self.model_source.iter_weights())
-            if self.tp_size > 1:
-                from torchengine.tensor_parallel import apply_tensor_parallel
-
-                apply_tensor_parallel(model, self.rank, self.tp_size, self.tp.group)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
@@ -171,13 +174,19 @@ class TorchModelRunner:
         return self._call_all("execute", scheduler_output)
 
     def shutdown(self) -> None:
-        """Stop the other ranks and release the model, the cache and the graphs."""
+        """Release the graphs, the model and the cache, then stop the other ranks.
+
+        The graphs go first: they hold the captured all-reduces, and NCCL (>= 2.26) waits for every graph
+        using a communicator to be destroyed before it destroys the communicator.
+        """
+        self.cuda_graphs, self.kv_caches, self.model = None, [], None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         if self.tp is not None:
             self.tp.shutdown(self.rank)
             self.tp = None
-        self.cuda_graphs, self.kv_caches, self.model = None, [], None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _call_all(self, name: str, *args):
         if self.tp is not None and self.rank == 0:
@@ -253,9 +262,12 @@ class TorchModelRunner:
         sc, dc = self.config.scheduler_config, self.config.device_config
         stats: dict = {"attention_backend": self.attn_backend.name, "dtype": str(self.dtype).replace("torch.", "")}
         if self.device.type == "cuda":
-            # compile the Triton configurations of every token bucket before serving
+            # compile the Triton configurations (q block rows, kv splits) of every prefill token bucket and
+            # every decode request bucket before serving; eager (--enforce-eager) decode steps use them too
             for tokens in self.input_batch.token_buckets:
                 self._run_batch(self._dummy_batch(1, min(tokens, self.max_model_len - 1)))
+            for reqs in self.input_batch.req_buckets:
+                self._run_batch(self._dummy_batch(min(reqs, sc.max_num_batched_tokens), 1))
             use_graphs = not dc.enforce_eager and self.attn_backend.supports_cuda_graphs
             if use_graphs:
                 from torchengine.cuda_graph import CUDAGraphs, capture_pairs
@@ -329,15 +341,22 @@ class TorchModelRunner:
             return None  # other ranks only take part in the collectives
         st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
         out = sample(logits, st)
-        plp_logprobs = [
-            log_softmax(self.model.compute_logits(hidden[sl.token_start : sl.token_start + sl.num_tokens]))
-            for sl in batch.prompt_logprobs
-        ]
-        # the one copy back to the host (waits for the step)
+        # the copy back to the host (waits for the step)
         host = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
-        plp = {sl.req_id: prompt_logprobs_np(host(lp), sl.target_ids, sl.num_logprobs)
-               for sl, lp in zip(batch.prompt_logprobs, plp_logprobs)}
+        plp = {sl.req_id: self._prompt_logprobs(hidden, sl) for sl in batch.prompt_logprobs}
         return make_runner_output(
             batch, host(out.sampled), host(out.topk_ids), host(out.topk_logprobs), host(out.sampled_logprobs),
             host(out.sampled_ranks), prompt_logprobs=plp,
         )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sl) -> tuple[np.ndarray, ...]:
+        """One request's prompt logprobs, PROMPT_LOGPROBS_ROWS positions at a time: a long prompt's full
+        [positions, vocab] float32 matrix (8k x 128k: 4 GiB) is never materialised, which the memory profile
+        does not account for."""
+        parts = []
+        for s in range(0, sl.num_tokens, PROMPT_LOGPROBS_ROWS):
+            e = min(s + PROMPT_LOGPROBS_ROWS, sl.num_tokens)
+            rows = hidden[sl.token_start + s : sl.token_start + e]
+            lp = log_softmax(self.model.compute_logits(rows)).cpu().numpy()
+            parts.append(prompt_logprobs_np(lp, sl.target_ids[s:e], sl.num_logprobs))
+        return tuple(np.concatenate(x) for x in zip(*parts))

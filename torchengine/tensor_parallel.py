@@ -1,4 +1,9 @@
-"""Tensor parallelism as a transform of a built, loaded model (gpt-fast style).
+"""Tensor parallelism as a transform of a built model (gpt-fast style).
+
+The runner applies it to the model while it is still on the meta device, so
+each rank allocates only its share; `torchengine.model.load_weights` then
+reads each rank's slice of every split checkpoint tensor. Applied to a loaded
+model, it slices the loaded weights (the same shares).
 
 `apply_tensor_parallel(model, rank, world_size, group)` keeps rank's share of
 every attention and MLP projection, Megatron's split:
@@ -81,4 +86,5 @@ def apply_tensor_parallel(model: Transformer, rank: int, world_size: int, group=
         attn.n_heads, attn.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
         ffn.w13 = _column_parallel(ffn.w13, [a.intermediate_size, a.intermediate_size], rank, world_size)
         ffn.w2 = _row_parallel(ffn.w2, rank, world_size, group)
+    model.tp_rank, model.tp_size = rank, world_size
     return model

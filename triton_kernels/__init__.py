@@ -28,6 +28,7 @@ else:
 
 __all__ = [
     "HAS_TRITON",
+    "interpreted",
     "paged_attention_torch",
     "ref_reshape_and_cache",
     "ref_unified_attention",
@@ -54,3 +55,14 @@ if HAS_TRITON:
 else:
     reshape_and_cache = _needs_triton("reshape_and_cache")
     unified_attention = _needs_triton("unified_attention")
+
+
+def interpreted() -> bool:
+    """True when triton runs kernels in its interpreter (TRITON_INTERPRET=1 at first import): CPU tensors work."""
+    if not HAS_TRITON:
+        return False
+    from triton.runtime.jit import JITFunction
+
+    from triton_kernels.unified_attention import _unified_attention_kernel
+
+    return not isinstance(_unified_attention_kernel, JITFunction)
