@@ -42,9 +42,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`--dtype auto`: float32 on the CPU, bfloat16 on CUDA."""
+    """`--dtype auto`: float32 on the CPU, bfloat16 on CUDA (float16 before Ampere, as vLLM does)."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return _DTYPES[name]
 
 
