@@ -112,15 +112,19 @@ class InputBatch:
         block_size: int,
         vocab_size: int,
         max_logprobs: int = 20,
+        min_token_bucket: int = 16,
+        min_req_bucket: int = 8,
     ):
+        """`min_token_bucket` / `min_req_bucket`: the smallest padded sizes. 16 / 8 suit TPU tiles and GPUs; on a
+        CPU every padded row costs its full share of the matmuls, so the jax runner starts its buckets lower."""
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.max_blocks_per_req = -(-max_model_len // block_size)
-        self.token_buckets = pow2_buckets(16, max(16, max_num_batched_tokens))
-        self.req_buckets = pow2_buckets(8, max(8, max_num_seqs))
+        self.token_buckets = pow2_buckets(min_token_bucket, max(min_token_bucket, max_num_batched_tokens))
+        self.req_buckets = pow2_buckets(min_req_bucket, max(min_req_bucket, max_num_seqs))
         self.block_buckets = pow2_buckets(8, max(8, self.max_blocks_per_req))
 
         S = max_num_seqs

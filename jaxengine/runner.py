@@ -103,6 +103,7 @@ class JaxModelRunner:
             block_size=cc.block_size,
             vocab_size=self.cfg.vocab_size,
             max_logprobs=mc.max_logprobs,
+            **self._min_buckets(),
         )
         # block tables travel at one fixed width (the widest column bucket, >= max_blocks_per_req)
         self.table_width = ib.block_buckets[-1]
@@ -131,6 +132,14 @@ class JaxModelRunner:
         self.kv_cache = None
         self.num_blocks = 0
         self.load_seconds = 0.0
+
+    def _min_buckets(self) -> dict:
+        """Smallest token / request buckets: TPU and GPU keep 16 / 8; CPU: XLASERVE_CPU_MIN_BUCKETS, default "1,1" (a padded row costs as much as a real one)."""
+        if self.platform != "cpu":
+            return {}
+        env = os.environ.get("XLASERVE_CPU_MIN_BUCKETS", "1,1")
+        t, r = (int(x) for x in env.split(","))
+        return {"min_token_bucket": t, "min_req_bucket": r}
 
     # -- lifecycle ----------------------------------------------------------------------
 
