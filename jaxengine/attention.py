@@ -68,9 +68,8 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
     Laid out for XLA:CPU, where batched dots with a tiny M are slow: the cache
     rows are used as gathered, ``[R, blk, 2 * Hkv * D]``, and q is expanded onto
     that interleaved axis (q of head (h, g) in kv head h's K slot, zeros
-    elsewhere) so QK is one batched dot with the big operand first, and PV is a
-    reduction over the key axis. The extra multiply-by-zero is free: decode is
-    memory bound.
+    elsewhere) so QK is one batched dot with the big operand first, and PV is
+    one batched dot over the key axis (the V slots of the result are read out).
     """
     R, Hq, D = q_rows.shape
     page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
@@ -111,7 +110,9 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
         m_new = jnp.maximum(m, s.max(1))  # [R, Hq]
         p = jnp.where(mask, jnp.exp(s - m_new[:, None, :]), 0.0)
         alpha = jnp.exp(m - m_new)
-        acc = alpha[..., None] * acc + (p[..., None] * kv[:, :, None, :]).sum(1)  # [R, Hq, K]
+        # PV as a batched dot ([Hq, blk] x [blk, K] per row): 1.7-2x faster on XLA:CPU than the fused
+        # multiply-reduce it replaced (R=4..16, 1k context, 30 layers: 90 -> 52 ms, 350-450 -> 160-190 ms)
+        acc = alpha[..., None] * acc + jnp.einsum("rsm,rsk->rmk", p, kv)  # [R, Hq, K]
         return j + 1, m_new, alpha * l + p.sum(1), acc, cache
 
     init = (
