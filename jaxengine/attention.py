@@ -74,8 +74,8 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
     R, Hq, D = q_rows.shape
     page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
     Hkv = two_hkv // 2
-    K = two_hkv * D
     G = Hq // Hkv
+    K = two_hkv * D
     pps = table.shape[1]
     bp = max(1, min(pps, _DECODE_MAX_BLOCK // page_size, _DECODE_GATHER_BUDGET // max(R * page_size * K, 1)))
     blk = bp * page_size
@@ -95,9 +95,9 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
     qe = jnp.stack([qe, jnp.zeros_like(qe)], axis=4).reshape(R, Hq, K)  # [R, Hq, 2*Hkv*D]
 
     def body(carry):
-        j, m, l, acc, cache = carry
+        j, m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)  # [R, bp]
-        kv = cache[pages].reshape(R, blk, K).astype(jnp.float32)
+        kv = kv_cache[pages].reshape(R, blk, K).astype(jnp.float32)
         s = jnp.einsum("rsk,rmk->rsm", kv, qe)  # [R, blk, Hq]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -113,19 +113,18 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
         # PV as a batched dot ([Hq, blk] x [blk, K] per row): 1.7-2x faster on XLA:CPU than the fused
         # multiply-reduce it replaced (R=4..16, 1k context, 30 layers: 90 -> 52 ms, 350-450 -> 160-190 ms)
         acc = alpha[..., None] * acc + jnp.einsum("rsm,rsk->rmk", p, kv)  # [R, Hq, K]
-        return j + 1, m_new, alpha * l + p.sum(1), acc, cache
+        return j + 1, m_new, alpha * l + p.sum(1), acc
 
     init = (
         jnp.asarray(lo_blk, jnp.int32),
         jnp.full((R, Hq), MASK_VALUE, jnp.float32),
         jnp.zeros((R, Hq), jnp.float32),
         jnp.zeros((R, Hq, K), jnp.float32),
-        kv_cache,
     )
-    _, _, l, acc, kv_cache = lax.while_loop(lambda c: c[0] < hi_blk, body, init)
+    _, _, l, acc = lax.while_loop(lambda c: c[0] < hi_blk, body, init)
     pv = acc.reshape(R, Hkv, G, Hkv, 2, D)[..., 1, :]
     out = jnp.einsum("rhgkd,hk->rhgd", pv, eye).reshape(R, Hq, D)
-    return out / jnp.where(l > 0, l, 1.0)[..., None], kv_cache
+    return out / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def _decode_rows_switch(q_rows, kv_cache, table, kv_lens, num_decode, **kw):
@@ -139,14 +138,14 @@ def _decode_rows_switch(q_rows, kv_cache, table, kv_lens, num_decode, **kw):
     if R == 1:
         return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(1) < num_decode, **kw)
 
-    def one(q_rows, kv_cache, table, kv_lens, num_decode):
-        out, kv_cache = _decode_attention(q_rows[:1], kv_cache, table[:1], kv_lens[:1], num_decode > 0, **kw)
-        return jnp.pad(out, ((0, R - 1), (0, 0), (0, 0))), kv_cache
+    def one(q_rows, table, kv_lens, num_decode):
+        out = _decode_attention(q_rows[:1], kv_cache, table[:1], kv_lens[:1], num_decode > 0, **kw)
+        return jnp.pad(out, ((0, R - 1), (0, 0), (0, 0)))
 
-    def all_rows(q_rows, kv_cache, table, kv_lens, num_decode):
+    def all_rows(q_rows, table, kv_lens, num_decode):
         return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(R) < num_decode, **kw)
 
-    return lax.cond(num_decode <= 1, one, all_rows, q_rows, kv_cache, table, kv_lens, num_decode)
+    return lax.cond(num_decode <= 1, one, all_rows, q_rows, table, kv_lens, num_decode)
 
 
 def _prefill_attention(
@@ -154,7 +153,8 @@ def _prefill_attention(
 ):
     """Rows in [decode_end, mixed_end), block_q queries of one request per work item. Writes into out."""
     T, Hq, D = q.shape
-    page_size, Hkv = kv_cache.shape[1], kv_cache.shape[2] // 2
+    page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
+    Hkv = two_hkv // 2
     G = Hq // Hkv
     R, pps = table.shape
     bq = min(_PREFILL_BLOCK_Q, _cdiv(T, 8) * 8)
@@ -173,7 +173,7 @@ def _prefill_attention(
     out = jnp.pad(out, ((0, bq), (0, 0), (0, 0)))
 
     def item(carry):
-        i, out, cache = carry
+        i, out = carry
         r = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
         j = i - (ends[r] - nblk[r])
         qs = cu_q_lens[r] + j * bq
@@ -195,7 +195,7 @@ def _prefill_attention(
         def kv_step(c):
             kb_i, m, l, acc = c
             pages = lax.dynamic_slice_in_dim(row_pages, kb_i * bp, bp)
-            kv = cache[pages].reshape(blk, Hkv, 2, D).astype(jnp.float32)
+            kv = kv_cache[pages].reshape(blk, Hkv, 2, D).astype(jnp.float32)
             kb = kv[:, :, 0, :].transpose(1, 0, 2)  # [Hkv, blk, D]
             vb = kv[:, :, 1, :].transpose(1, 0, 2)
             s = jnp.einsum("hmd,hbd->hmb", qh, kb)
@@ -224,10 +224,10 @@ def _prefill_attention(
         res = res.reshape(Hkv, G, bq, D).transpose(2, 0, 1, 3).reshape(bq, Hq, D).astype(out.dtype)
         old = lax.dynamic_slice_in_dim(out, qs, bq, axis=0)
         new = jnp.where(qvalid[:, None, None], res, old)
-        return i + 1, lax.dynamic_update_slice_in_dim(out, new, qs, axis=0), cache
+        return i + 1, lax.dynamic_update_slice_in_dim(out, new, qs, axis=0)
 
-    _, out, kv_cache = lax.while_loop(lambda c: c[0] < num_items, item, (jnp.int32(0), out, kv_cache))
-    return out[:T], kv_cache
+    _, out = lax.while_loop(lambda c: c[0] < num_items, item, (jnp.int32(0), out))
+    return out[:T]
 
 
 def ragged_paged_attention_xla(
@@ -253,8 +253,7 @@ def ragged_paged_attention_xla(
     valid = t < cu_q_lens[distribution[2]]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
-    # The cache is written and read in its own 4-D shape only, and threaded through both attention loops.
-    # Reading a reshaped view of it (say one row per page) lets XLA:CPU push the reshape through the in-place
+    # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row per page) lets XLA:CPU push the reshape through the in-place
     # write, duplicating the write, and each duplicate copies the whole cache, every layer of every step
     # (seen: decode 100x slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
     kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
@@ -263,13 +262,13 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    dec, kv_cache = _decode_rows_switch(
+    dec = _decode_rows_switch(
         q[tok], kv_cache, table, kv_lens, distribution[0],
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )
     out = jnp.zeros((T, Hq, D), q.dtype)
     out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(q.dtype), mode="drop")
-    out, kv_cache = _prefill_attention(
+    out = _prefill_attention(
         q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )
