@@ -11,7 +11,6 @@ multiply bfloat16 tiles, so bfloat16 attention is checked on GPU only.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -29,13 +28,7 @@ import triton_kernels as tk  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-if tk.HAS_TRITON:
-    from triton.runtime.jit import JITFunction
-
-    _kernel = importlib.import_module("triton_kernels.unified_attention")._unified_attention_kernel
-    INTERPRETED = not isinstance(_kernel, JITFunction)
-else:
-    INTERPRETED = False
+INTERPRETED = tk.interpreted()
 
 if not tk.HAS_TRITON:
     _CPU_SKIP = "triton is not installed"
