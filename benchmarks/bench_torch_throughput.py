@@ -237,7 +237,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     platform = args.platform
     if platform == "auto":
-        from enginecore.platforms import detect_platform
+        from enginecore.platform import detect_platform
 
         platform = "cuda" if detect_platform() == "cuda" else "cpu"
     rows = run_cuda(args) if platform == "cuda" else run_cpu(args)

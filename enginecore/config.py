@@ -20,6 +20,8 @@ class ConfigError(ValueError):
     """An invalid flag or combination of flags; the message names the flag."""
 
 
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
 Platform = Literal["auto", "tpu", "cuda", "cpu"]
 Backend = Literal["auto", "jax", "torch"]
 
@@ -48,9 +50,8 @@ class ModelConfig:
 
     @property
     def canonical_dtype(self) -> str:
-        return {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(
-            self.dtype, self.dtype
-        )
+        """auto, float32, bfloat16 or float16 (vLLM's aliases resolved)."""
+        return DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class SchedulerConfig:
     max_model_len: int = 8192  # copied from the model config once resolved
     # Bound of the waiting queue; beyond it new requests get 503 (xlaserve flag).
     max_waiting_requests: int = 4096
+    # Schedule step N+1 while step N computes (vLLM's --async-scheduling).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -141,6 +144,32 @@ class DeviceConfig:
     attention_backend: str = "auto"  # auto | reference | pallas | triton | torch
     compilation_config: dict = field(default_factory=dict)
     compilation_cache_dir: str | None = None
+    # Which padded step shapes to compile (jax) or capture (torch, CUDA) before serving:
+    # auto (all for `serve` and on TPU, else none: compile on first use), none, decode, all.
+    warmup: str = "auto"
+    # Smallest token / request buckets; None: 16 / 8 on TPU and GPU, 1 / 1 on CPU.
+    min_token_bucket: int | None = None
+    min_seq_bucket: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup not in ("auto", "none", "decode", "all"):
+            raise ConfigError(f"--warmup must be one of auto, none, decode, all; got {self.warmup!r}.")
+        for name in ("min_token_bucket", "min_seq_bucket"):
+            v = getattr(self, name)
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a power of two, got {v}.")
+
+    @property
+    def bucket_minimums(self) -> tuple[int, int]:
+        """(tokens, requests): padded rows cost a full share of the matmuls on a CPU, little on TPU/GPU tiles."""
+        default = (1, 1) if self.platform == "cpu" else (16, 8)
+        return (self.min_token_bucket or default[0], self.min_seq_bucket or default[1])
+
+    @property
+    def warmup_level(self) -> str:
+        if self.warmup != "auto":
+            return self.warmup
+        return "all" if self.platform == "tpu" else "none"
 
 
 @dataclass(frozen=True)
@@ -181,6 +210,7 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 4096
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -190,6 +220,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     compilation_config: dict | None = None
     compilation_cache_dir: str | None = None
+    warmup: str = "auto"
+    min_token_bucket: int | None = None
+    min_seq_bucket: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -204,7 +237,7 @@ class EngineArgs:
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
-        from enginecore.platforms import resolve_platform_and_backend
+        from enginecore.platform import resolve_platform_and_backend
 
         platform, backend = resolve_platform_and_backend(self.platform, self.backend)
         max_model_len = self.max_model_len or model_max_len or 8192
@@ -245,6 +278,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             max_model_len=max_model_len,
             max_waiting_requests=self.max_waiting_requests,
+            async_scheduling=self.async_scheduling,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -275,5 +309,8 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             compilation_config=dict(self.compilation_config or {}),
             compilation_cache_dir=self.compilation_cache_dir,
+            warmup=self.warmup,
+            min_token_bucket=self.min_token_bucket,
+            min_seq_bucket=self.min_seq_bucket,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)

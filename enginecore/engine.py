@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from enginecore.config import EngineArgs, EngineConfig
 from enginecore.model_loader import ModelSource, resolve_model
-from enginecore.outputs import EngineCoreOutput, RequestOutput
+from enginecore.outputs import EngineCoreOutput, RequestOutput, SchedulerOutput
 from enginecore.processor import InputProcessor, OutputProcessor
 from enginecore.request import Request, RequestStatus
-from enginecore.runner import get_runner_class
+from enginecore.runner import create_runner
 from enginecore.sampling_params import SamplingParams
 from enginecore.scheduler import Scheduler, SchedulerStats
 from enginecore.tokenizer import Tokenizer, load_tokenizer
@@ -25,25 +24,23 @@ from enginecore.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger("xlaserve.engine")
 
 
-@dataclass
-class IterationStats:
-    """Cumulative counters the metrics endpoint exports."""
-
-    num_prompt_tokens: int = 0  # prompt tokens computed (excluding prefix-cache hits)
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    busy_seconds: float = 0.0
-
-
 class EngineCore:
-    """Scheduler + runner. `step()`: schedule -> execute -> update."""
+    """Scheduler + runner: `step()` schedules, runs and applies one step.
+
+    With asynchronous scheduling (the default) a step is launched before the
+    previous one's results are applied: `step()` schedules step N+1 and hands
+    it to the runner, then waits for step N and applies it, so the scheduling,
+    batch building and output handling of one step overlap the device's work
+    on the other. Outputs are the same as with `--no-async-scheduling`
+    (tested); a request that stops by EOS has one wasted step in flight.
+    """
 
     def __init__(self, config: EngineConfig, model: ModelSource, runner=None):
         self.config = config
         self.model = model
         t0 = time.perf_counter()
         if runner is None:
-            runner = get_runner_class(config.device_config.backend)(config, model)
+            runner = create_runner(config, model)
             runner.load_model()
         self.runner = runner
         override = config.cache_config.num_gpu_blocks_override
@@ -51,11 +48,13 @@ class EngineCore:
         runner.init_kv_cache(self.num_blocks)
         self.warmup_stats = runner.warmup() or {}
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
-        self.iter_stats = IterationStats()
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, object] | None = None  # (step, runner handle)
         logger.info(
-            "engine ready: backend=%s platform=%s blocks=%d (block size %d) in %.1fs",
+            "engine ready: backend=%s platform=%s blocks=%d (block size %d)%s in %.1fs",
             config.device_config.backend, config.device_config.platform, self.num_blocks,
-            config.cache_config.block_size, time.perf_counter() - t0,
+            config.cache_config.block_size, ", async scheduling" if self.async_scheduling else "",
+            time.perf_counter() - t0,
         )
 
     def add_request(self, req: Request) -> None:
@@ -67,28 +66,25 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Something to step: requests, a step in flight, or finished requests the runner must drop."""
+        return self.has_unfinished_requests() or self._in_flight is not None or bool(self.scheduler.finished_req_ids)
+
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
-        if not sched.has_unfinished_requests() and not sched.finished_req_ids:
+        launched = None
+        if sched.has_unfinished_requests() or sched.finished_req_ids:
+            so = sched.schedule()
+            if so.has_work:
+                launched = (so, self.runner.execute(so))
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched  # apply the previous step; this one runs meanwhile
+        else:
+            done = launched
+        if done is None:
             return []
-        t0 = time.perf_counter()
-        so = sched.schedule()
-        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids and not so.preempted_req_ids:
-            return []
-        ro = self.runner.execute(so)
-        outs = sched.update_from_output(so, ro)
-        st = self.iter_stats
-        st.num_steps += 1
-        st.busy_seconds += time.perf_counter() - t0
-        st.num_generation_tokens += sum(len(o.new_token_ids) for o in outs)
-        for new in so.scheduled_new_reqs:
-            st.num_prompt_tokens += so.num_scheduled_tokens[new.req_id]
-        for c in so.scheduled_cached_reqs:
-            req = sched.requests.get(c.req_id)
-            if req is not None and c.num_computed_tokens < req.num_prompt_tokens:
-                st.num_prompt_tokens += min(so.num_scheduled_tokens[c.req_id], req.num_prompt_tokens - c.num_computed_tokens)
-        # finished-by-abort outputs for requests aborted while running are made by the callers
-        return outs
+        so, handle = done
+        return sched.update_from_output(so, handle.result())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -97,9 +93,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        fn = getattr(self.runner, "shutdown", None)
-        if fn:
-            fn()
+        self.runner.shutdown()
 
 
 def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Tokenizer]:

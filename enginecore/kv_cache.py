@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from enginecore.config import ConfigError
 from enginecore.request import Request
 
 NULL_BLOCK_ID = 0
@@ -288,3 +289,36 @@ class KVCacheManager:
         # shared (prefix-hit) blocks are counted once per owner
         refs = sum(b.ref_cnt for b in self.pool.blocks[1:])
         assert owned == refs, f"block refs {refs} != blocks held by requests {owned}"
+
+
+# -- sizing: how many blocks a memory budget holds (one policy for both backends) -----------
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def default_cpu_kv_bytes() -> int:
+    """The CPU KV budget when --kv-cache-memory-bytes is not given: 1 GiB, or a quarter of the available
+    memory if that is less."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(DEFAULT_CPU_KV_BYTES, int(line.split()[1]) * 1024 // 4)
+    except OSError:
+        pass
+    return DEFAULT_CPU_KV_BYTES
+
+
+def num_kv_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
+                  block_size: int, what: str) -> int:
+    """Blocks that fit `budget_bytes` (`what` names the flag that set it), capped at what the scheduler can
+    ever use (every sequence at max_model_len, plus the null block). Fewer than one max_model_len sequence
+    needs is an error that says which flag to change."""
+    per_seq = -(-max_model_len // block_size)
+    n = int(budget_bytes // bytes_per_block)
+    if n < per_seq + 1:
+        raise ConfigError(
+            f"{what} holds {n} KV blocks of {bytes_per_block} bytes, fewer than the {per_seq + 1} one "
+            f"--max-model-len {max_model_len} sequence needs; lower --max-model-len or give the KV cache more memory"
+        )
+    return min(n, max_num_seqs * per_seq + 1)

@@ -17,143 +17,15 @@ import importlib.util
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
+from enginecore.arch import ArchConfig, ModelLoadError
+
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-class ModelLoadError(ValueError):
-    """A model that cannot be loaded; the message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class ArchConfig:
-    """What the backends need to build a Llama-family decoder."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False  # q/k/v biases (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
-    sliding_window: int | None = None
-    hidden_act: str = "silu"
-    torch_dtype: str = "float32"
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.hidden_act not in ("silu", "swish"):
-            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> "ArchConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelLoadError(
-                f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        model_type = cfg.get("model_type", SUPPORTED_ARCHITECTURES[arch])
-        H = cfg["hidden_size"]
-        nh = cfg["num_attention_heads"]
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        rp = cfg.get("rope_parameters")  # transformers 5 folds theta and scaling here
-        if isinstance(rp, dict):
-            rope_theta = rope_theta or rp.get("rope_theta")
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("llama3", "linear"):
-                raise ModelLoadError(f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear)")
-        sw = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            sw = None
-        return cls(
-            architecture=arch,
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=H,
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=nh,
-            num_key_value_heads=cfg.get("num_key_value_heads") or nh,
-            head_dim=cfg.get("head_dim") or H // nh,
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
-            sliding_window=sw,
-            hidden_act=cfg.get("hidden_act", "silu"),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
-
-    def to_hf_dict(self) -> dict:
-        d = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias,
-            "hidden_act": self.hidden_act,
-            "torch_dtype": self.torch_dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-        }
-        if self.sliding_window is not None:
-            d["sliding_window"] = self.sliding_window
-            d["use_sliding_window"] = True
-        return d
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class ModelSource:

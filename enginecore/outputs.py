@@ -8,6 +8,12 @@ from enginecore.sampling_params import SamplingParams
 
 
 # ---- scheduler -> runner -------------------------------------------------------
+#
+# The runner keeps its own copy of every running request (token ids, block table,
+# sampling parameters) and appends the tokens it samples itself. The scheduler
+# sends a request whole once (new, or resumed after preemption), and afterwards
+# only what it decides: new blocks, the number of computed tokens, and the end of
+# the request (finished, aborted or preempted: the runner drops its row).
 
 
 @dataclass
@@ -26,27 +32,29 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: what changed since its last step."""
+    """Requests the runner already holds, as parallel lists (one entry per scheduled request)."""
 
-    req_id: str
-    new_token_ids: list[int]  # tokens sampled since the runner last saw it
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks allocated this step (often [])
+    num_computed_tokens: list[int] = field(default_factory=list)  # tokens in the cache before this step
 
 
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step (new and cached requests)
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the last step: drop them
     preempted_req_ids: set[str]  # preempted this step: drop them (they come back as new)
-    num_common_prefix_blocks: int = 0
+    # req_id -> num_computed_tokens after this step, for the requests whose step fills blocks
+    # that may be published to the prefix cache once it has run
+    computed_after: dict[str, int] = field(default_factory=dict)
 
     @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+    def has_work(self) -> bool:
+        """Anything for the runner: tokens to compute or rows to drop."""
+        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
 
 
 # ---- runner -> scheduler --------------------------------------------------------

@@ -51,10 +51,10 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule, -1 before
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # sampled tokens of steps still in flight (asynchronous scheduling): scheduled, values not back yet
+    num_output_placeholders: int = 0
     # block hashes of full blocks of all_token_ids, extended lazily
     block_hashes: list = field(default_factory=list)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,10 +71,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_id_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

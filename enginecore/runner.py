@@ -1,7 +1,7 @@
 """The one protocol both backends implement, and their lazy lookup by name.
 
 enginecore never imports jax or torch: a backend is imported only when
-`get_runner_class` is asked for it.
+`create_runner` builds it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 
 _RUNNERS = {
     "jax": ("jaxengine.runner", "JaxModelRunner"),
-    "torch": ("torchengine.runner", "TorchModelRunner"),
+    "torch": ("torchengine.runner", "create_runner"),
 }
+
+
+class StepHandle(Protocol):
+    """A launched step; `result()` waits for it and returns its output (once)."""
+
+    def result(self) -> ModelRunnerOutput: ...
 
 
 @runtime_checkable
@@ -28,6 +34,12 @@ class ModelRunner(Protocol):
     Block ids stay on the host; each runner copies its own block table to the
     device. ``execute`` must honour ``scheduler_output.finished_req_ids`` and
     ``preempted_req_ids`` (drop those rows) even when nothing is scheduled.
+
+    ``execute`` launches the step and returns at once where the device allows;
+    the engine may call ``execute`` for the next step before it asks this
+    step's ``result()`` (asynchronous scheduling), and always asks results in
+    launch order. The runner keeps its own copy of each request and appends
+    the tokens it samples (`enginecore.input_batch`).
     """
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None: ...
@@ -40,7 +52,7 @@ class ModelRunner(Protocol):
 
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute(self, scheduler_output: SchedulerOutput) -> StepHandle: ...
 
     def warmup(self) -> dict:
         """Compile / capture every bucket the server can hit; returns stats for the log."""
@@ -49,12 +61,14 @@ class ModelRunner(Protocol):
     def shutdown(self) -> None: ...
 
 
-def get_runner_class(backend: str):
+def create_runner(config: EngineConfig, model: ModelSource) -> ModelRunner:
+    """The backend named by --backend, built for `config` (imports it now)."""
+    backend = config.device_config.backend
     if backend not in _RUNNERS:
         raise ConfigError(f"--backend must be one of {', '.join(_RUNNERS)}; got {backend!r}.")
-    mod_name, cls_name = _RUNNERS[backend]
+    mod_name, factory = _RUNNERS[backend]
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         raise ConfigError(f"the {backend} backend is not available: {e}") from None
-    return getattr(mod, cls_name)
+    return getattr(mod, factory)(config, model)

@@ -9,7 +9,6 @@ front of `waiting`): the last running one (fcfs) or the lowest priority one.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -64,7 +63,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self._runner_num_tokens: dict[str, int] = {}  # tokens the runner holds per request
         self._last_num_scheduled = 0
 
     # -- requests in and out -------------------------------------------------------
@@ -129,7 +127,6 @@ class Scheduler:
     def _free_request(self, req: Request) -> None:
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
-        self._runner_num_tokens.pop(req.request_id, None)
         del self.requests[req.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -145,9 +142,9 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # tokens of steps in flight are dropped; recompute samples them again
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._runner_num_tokens.pop(victim.request_id, None)
         self._enqueue_waiting(victim, front=True)
 
     def _pick_victim(self) -> Request:
@@ -155,64 +152,64 @@ class Scheduler:
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
-    def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for `req` this step (0: nothing to do now)."""
+        pending = req.num_output_placeholders
+        if pending and (req.num_output_tokens + pending >= req.max_tokens
+                        or req.num_tokens + pending >= self.max_model_len):
+            return 0  # the steps in flight already produce its last token
+        n = req.num_tokens + pending - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget, self.max_model_len - req.num_computed_tokens)
 
-        # 1. running requests
+    def schedule(self) -> SchedulerOutput:
+        """One step: running requests first, then waiting ones (vLLM's V1 order, one token budget)."""
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # when memory just ran out, admitting more would only thrash
+            self._schedule_waiting(step)
+        return self._make_output(step)
+
+    def _schedule_running(self, step: "_Step") -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            if threshold:
-                n = min(n, threshold)
-            n = min(n, budget, self.max_model_len - req.num_computed_tokens)
+            n = self._num_new_tokens(req, step.budget)
             if n <= 0:
                 i += 1
                 continue
-            while True:
-                blocks = self.kv.allocate_slots(req, n)
-                if blocks is not None:
-                    break
+            blocks = self.kv.allocate_slots(req, n)
+            while blocks is None:  # out of blocks: preempt from the back until it fits (or req itself goes)
                 victim = self._pick_victim()
-                if victim.request_id in num_scheduled:  # un-schedule it
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
                 vi = self.running.index(victim)
+                step.unschedule(victim)
                 self._preempt(victim)
-                preempted.add(victim.request_id)
-                if vi < i:
-                    i -= 1
+                step.preempted.add(victim.request_id)
                 if victim is req:
                     break
+                if vi < i:
+                    i -= 1
+                blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
-                continue  # req itself was preempted; running shrank
-            num_scheduled[req.request_id] = n
-            new_block_ids[req.request_id] = blocks
-            budget -= n
+                continue  # req was preempted; self.running[i] is now the next one
+            step.add(req, n, blocks)
             i += 1
 
-        # 2. waiting requests (not when we just had to preempt: memory is tight)
-        new_reqs: list[NewRequestData] = []
-        partial_prefills = sum(
-            1 for r in self.running if r.request_id in num_scheduled
-            and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_prompt_tokens
-        )
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+    def _schedule_waiting(self, step: "_Step") -> None:
+        cfg = self.config
+        threshold = cfg.long_prefill_token_threshold
+        partial_prefills = sum(1 for r in self.running if r.request_id in step.num_scheduled
+                               and r.num_computed_tokens + step.num_scheduled[r.request_id] < r.num_prompt_tokens)
+        while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            hit_blocks, num_hit = ([], 0)
-            if req.num_computed_tokens == 0:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if threshold:
                 n = min(n, threshold)
-            if not cfg.enable_chunked_prefill and n > budget:
+            if not cfg.enable_chunked_prefill and n > step.budget:
                 break
-            n = min(n, budget)
+            n = min(n, step.budget)
             partial = num_hit + n < req.num_tokens
             if partial and partial_prefills >= cfg.max_num_partial_prefills:
                 break
@@ -225,58 +222,45 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
             partial_prefills += partial
-            num_scheduled[req.request_id] = n
-            budget -= n
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=self.kv.get_block_ids(req.request_id),
-                    num_computed_tokens=num_hit,
-                    output_token_ids=list(req.output_token_ids),
-                    seed=req.seed,
-                    sample_index=req.sample_index,
-                )
-            )
-            self._runner_num_tokens[req.request_id] = req.num_tokens
+            step.add(req, n, None)
+            step.new_reqs.append(NewRequestData(
+                req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                sampling_params=req.sampling_params, block_ids=self.kv.get_block_ids(req.request_id),
+                num_computed_tokens=num_hit, output_token_ids=list(req.output_token_ids), seed=req.seed,
+                sample_index=req.sample_index,
+            ))
 
-        # 3. cached requests: what changed since the runner last saw them
-        cached_reqs = []
-        new_ids = {d.req_id for d in new_reqs}
-        for req in self.running:
-            rid = req.request_id
-            if rid not in num_scheduled or rid in new_ids:
-                continue
-            known = self._runner_num_tokens.get(rid, req.num_tokens)
-            cached_reqs.append(
-                CachedRequestData(
-                    req_id=rid,
-                    new_token_ids=req.tokens_slice(known, req.num_tokens),
-                    new_block_ids=new_block_ids.get(rid, []),
-                    num_computed_tokens=req.num_computed_tokens,
-                )
-            )
-            self._runner_num_tokens[rid] = req.num_tokens
-
-        total = sum(num_scheduled.values())
-        assert total <= cfg.max_num_batched_tokens
-        assert len(self.running) <= cfg.max_num_seqs
+    def _make_output(self, step: "_Step") -> SchedulerOutput:
+        cached = CachedRequestData()
+        bs = self.block_size
+        caching = self.kv.enable_caching
+        computed_after: dict[str, int] = {}
+        for req, n, blocks in step.scheduled:
+            before = req.num_computed_tokens
+            if blocks is not None:
+                cached.req_ids.append(req.request_id)
+                cached.new_block_ids.append(blocks)
+                cached.num_computed_tokens.append(before)
+            after = before + n
+            req.num_computed_tokens = after  # the next schedule() sees these tokens as computed
+            if after == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples its next token
+            if caching and after // bs > before // bs:
+                computed_after[req.request_id] = after
+        total = sum(step.num_scheduled.values())
+        assert total <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
+            preempted_req_ids=step.preempted,
+            computed_after=computed_after,
         )
         self.finished_req_ids = set()
-        # advance now so the next schedule() sees the tokens as computed
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
         self._last_num_scheduled = total
         return out
 
@@ -302,38 +286,40 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        """Apply a finished step. With asynchronous scheduling, later steps may already be scheduled:
+        requests that finished, were aborted or were preempted since are skipped."""
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        # the step ran: blocks it filled may now serve prefix-cache hits
+        for rid, upto in scheduler_output.computed_after.items():
+            req = requests.get(rid)
+            if req is not None and req.status == running:
+                self.kv.cache_computed_blocks(req, upto)
         outputs: list[EngineCoreOutput] = []
-        now = time.monotonic()
-        # the step ran: its requests' newly full blocks may now serve prefix-cache hits
-        for rid in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                self.kv.cache_computed_blocks(req, req.num_computed_tokens)
-        for idx, rid in enumerate(runner_output.req_ids):
-            req = self.requests.get(rid)
-            if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted meanwhile
-            toks = runner_output.sampled_token_ids[idx]
-            plp = runner_output.prompt_logprobs.get(rid)
+        lps_all = runner_output.logprobs
+        plps = runner_output.prompt_logprobs
+        for idx, (rid, toks) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            if not toks and not plps:
+                continue
+            req = requests.get(rid)
+            if req is None or req.status != running:
+                continue  # aborted, finished or preempted after this step was scheduled
+            plp = plps.get(rid) if plps else None
             if not toks and plp is None:
                 continue
-            new_toks, new_lps = [], []
-            lps = runner_output.logprobs[idx] if runner_output.logprobs else None
             stopped = False
-            for t in toks:
-                req.output_token_ids.append(int(t))
-                new_toks.append(int(t))
-                if lps is not None:
-                    new_lps.append(lps)
-                if self._check_stop(req):
-                    stopped = True
-                    break
-            if new_toks and req.first_token_time is None:
-                req.first_token_time = now
+            if toks:
+                req.num_output_placeholders -= len(toks)
+                for t in toks:
+                    req.output_token_ids.append(t)
+                    if self._check_stop(req):
+                        stopped = True
+                        break
+            want_lps = req.sampling_params.logprobs is not None and lps_all is not None
             out = EngineCoreOutput(
                 request_id=rid,
-                new_token_ids=new_toks,
-                new_logprobs=new_lps if req.sampling_params.logprobs is not None else None,
+                new_token_ids=toks,
+                new_logprobs=[lps_all[idx]] if want_lps and toks else None,
                 prompt_logprobs=plp,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
             )
@@ -370,3 +356,25 @@ class Scheduler:
         self.kv.check_invariants(live)
         for r in self.waiting:
             assert r.request_id not in self.kv.req_blocks, f"waiting request {r.request_id} holds blocks"
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.scheduled: list[tuple[Request, int, list[int] | None]] = []  # (req, tokens, new block ids | None: new)
+        self.new_reqs: list[NewRequestData] = []
+        self.preempted: set[str] = set()
+
+    def add(self, req: Request, n: int, new_block_ids: list[int] | None) -> None:
+        self.num_scheduled[req.request_id] = n
+        self.scheduled.append((req, n, new_block_ids))
+        self.budget -= n
+
+    def unschedule(self, req: Request) -> None:
+        n = self.num_scheduled.pop(req.request_id, None)
+        if n is not None:
+            self.budget += n
+            self.scheduled = [s for s in self.scheduled if s[0] is not req]

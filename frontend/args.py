@@ -66,6 +66,8 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
                           ("fcfs", "priority")),
     "max_waiting_requests": ("SchedulerConfig", "Bound of the waiting queue; beyond it requests get HTTP 503.",
                              None),
+    "async_scheduling": ("SchedulerConfig", "Schedule and build step N+1 while step N runs on the device "
+                         "(same outputs; --no-async-scheduling runs them one after the other).", None),
     "tensor_parallel_size": ("ParallelConfig", "Tensor-parallel devices.", None),
     "data_parallel_size": ("ParallelConfig", "Data-parallel replicas.", None),
     "pipeline_parallel_size": ("ParallelConfig", "Pipeline stages (only 1 is supported).", None),
@@ -78,6 +80,13 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "compilation_config": ("DeviceConfig", "Compilation options as JSON, e.g. '{\"level\": 3}'; also "
                            "--compilation-config.level 3, -O3, -O.level 3.", None),
     "compilation_cache_dir": ("DeviceConfig", "Persistent compilation cache folder.", None),
+    "warmup": ("DeviceConfig", "Step shapes to compile (jax) / capture (torch, CUDA graphs) before serving: all "
+               "(the default of `serve`), decode (pure-decode steps only), none (compile on first use), auto "
+               "(all on TPU and for `serve`, none offline).", ("auto", "all", "decode", "none")),
+    "min_token_bucket": ("DeviceConfig", "Smallest padded token count of a step, a power of two (default 16 on "
+                         "TPU/GPU, 1 on CPU).", None),
+    "min_seq_bucket": ("DeviceConfig", "Smallest padded request count of a step, a power of two (default 8 on "
+                       "TPU/GPU, 1 on CPU).", None),
 }
 
 _INT_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")

@@ -58,7 +58,7 @@ def _devices() -> dict:
 
 
 def collect(devices: bool = True) -> dict:
-    from enginecore.platforms import detect_platform
+    from enginecore.platform import detect_platform
 
     env = {}
     for k in sorted(os.environ):

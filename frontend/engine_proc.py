@@ -44,7 +44,7 @@ class EngineCoreLoop:
         self._last_stats: dict | None = None
 
     def _has_work(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self.core.scheduler.finished_req_ids)
+        return self.core.has_work()
 
     def run(self) -> None:
         poller = zmq.Poller()

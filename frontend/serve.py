@@ -177,6 +177,8 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     from frontend.metrics import ServerMetrics, StatsLogger
 
     engine_args = engine_args_from_namespace(ns)
+    if engine_args.warmup == "auto":
+        engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model, tokenizer = build_engine_parts(engine_args)
     names = served_model_names(config, model)
     options = frontend_options(ns, config, model, tokenizer)

@@ -44,7 +44,6 @@ VLLM_COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     _F("use-v2-block-manager", NOOP, "there is one block manager", takes_value=False),
     _F("num-lookahead-slots", NOOP, "there is no speculative decoding"),
     _F("disable-cascade-attn", NOOP, "there is no cascade attention", takes_value=False),
-    _F("async-scheduling", NOOP, "the scheduler runs synchronously with the runner", takes_value=False),
     _F("cuda-graph-sizes", NOOP, "graph / program sizes are the token buckets (powers of two)"),
     _F("calculate-kv-scales", NOOP, "the KV cache is not quantized", takes_value=False),
     _F("distributed-executor-backend", NOOP, "there is no executor layer (one process per engine)"),

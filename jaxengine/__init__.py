@@ -7,6 +7,7 @@
 - attention.py: ragged paged attention in XLA (the CPU/GPU path; Pallas contract and layout).
 - sampler.py: the jitted sampler (enginecore.sampling_ref semantics).
 - sharding.py: the ('data', 'model') mesh and the logical -> mesh axis rules.
+- programs.py: the step's jitted programs (model, sample, prompt logprobs) and their packed inputs.
 - runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: persistent
   cache, compile counting and the recompilation guard; warmup.py: `xlaserve warmup`.
 

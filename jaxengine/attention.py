@@ -3,16 +3,18 @@
 Same contract and cache layout as :func:`pallas_kernels.ragged_paged_attention`
 (so the two are interchangeable): one ragged batch of new tokens, requests
 sorted decode-only, prefill-only, mixed; a paged cache
-``[num_pages, page_size, 2 * Hkv, D]`` with K of kv head ``h`` at ``2h`` and
+``[num_blocks, block_size, 2 * Hkv, D]`` with K of kv head ``h`` at ``2h`` and
 V at ``2h + 1``; the new K/V written into the cache first, then every token
 attends causally to its request's cached positions.
 
 Two paths, because one vectorisation cannot serve both shapes well:
 
 * decode rows (``r < decode_end``, one query each) run batched over the
-  request axis: every step gathers a block of pages *per request* (not per
+  request axis: every step gathers a run of blocks *per request* (not per
   token) and folds it into an online softmax. The loop stops at the longest
-  decode ``kv_len``, so nobody pays for ``max_model_len``.
+  decode ``kv_len``, so nobody pays for ``max_model_len``, and only the
+  smallest power of two of rows that holds every decode row is processed
+  (a `lax.switch`), so padded request rows cost nothing.
 * prefill and mixed rows are cut into work items of ``block_q`` consecutive
   queries of one request; a while loop walks the items and, for each, the kv
   blocks up to the causal limit of its last query. Large, dense matmuls per
@@ -20,7 +22,7 @@ Two paths, because one vectorisation cannot serve both shapes well:
   context (mixed rows) is read from the cache like everything else.
 
 Both loops have dynamic trip counts, so the compiled program depends only on
-the token and request buckets, never on the block-table width or kv lengths.
+the padded token and request counts, never on kv lengths.
 Logits, softmax and the weighted sum run in float32.
 """
 
@@ -32,9 +34,9 @@ from jax import lax
 
 # Masked logits get this instead of -inf so exp(m_old - m_new) stays finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Elements of K+V gathered per decode block step (all rows together): bounds memory.
+# Elements of K+V gathered per decode kv step (all rows together): bounds memory.
 _DECODE_GATHER_BUDGET = 1 << 22
-# Longest kv block of a decode step (tokens): the last block of a row is mostly padding.
+# Longest kv run of a decode step (tokens): the last run of a row is mostly padding.
 _DECODE_MAX_BLOCK = 512
 _PREFILL_BLOCK_Q = 128
 _PREFILL_BLOCK_KV = 512
@@ -47,19 +49,19 @@ def _cdiv(a, b):
 def write_kv(
     k,             # [T, Hkv, D]
     v,             # [T, Hkv, D]
-    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    kv_cache,      # [NB, block_size, 2 * Hkv, D]
     req,           # [T] int32 request row of each token
     pos,           # [T] int32 absolute position of each token
     valid,         # [T] bool real (not padding) token
-    table,         # [R, pages_per_seq] int32
+    table,         # [R, blocks_per_seq] int32
 ):
     """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped)."""
     T, Hkv, D = k.shape
-    P, page_size = kv_cache.shape[:2]
-    page = table[req, jnp.clip(pos // page_size, 0, table.shape[1] - 1)]
-    page = jnp.where(valid, page, P)
+    NB, block_size = kv_cache.shape[:2]
+    block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
+    block = jnp.where(valid, block, NB)
     new_kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D).astype(kv_cache.dtype)
-    return kv_cache.at[page, pos % page_size].set(new_kv, mode="drop")
+    return kv_cache.at[block, pos % block_size].set(new_kv, mode="drop")
 
 
 def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, sliding_window, soft_cap):
@@ -72,15 +74,15 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
     one batched dot over the key axis (the V slots of the result are read out).
     """
     R, Hq, D = q_rows.shape
-    page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
+    block_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
     Hkv = two_hkv // 2
     G = Hq // Hkv
     K = two_hkv * D
-    pps = table.shape[1]
-    bp = max(1, min(pps, _DECODE_MAX_BLOCK // page_size, _DECODE_GATHER_BUDGET // max(R * page_size * K, 1)))
-    blk = bp * page_size
-    nblk_max = _cdiv(pps, bp)
-    table = jnp.pad(table, ((0, 0), (0, nblk_max * bp - pps)))
+    bps = table.shape[1]
+    bp = max(1, min(bps, _DECODE_MAX_BLOCK // block_size, _DECODE_GATHER_BUDGET // max(R * block_size * K, 1)))
+    blk = bp * block_size
+    nblk_max = _cdiv(bps, bp)
+    table = jnp.pad(table, ((0, 0), (0, nblk_max * bp - bps)))
     lens = jnp.where(row_valid, kv_lens, 0)
     qpos = lens - 1  # [R]
     lo_blk = 0
@@ -96,8 +98,8 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
 
     def body(carry):
         j, m, l, acc = carry
-        pages = lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)  # [R, bp]
-        kv = kv_cache[pages].reshape(R, blk, K).astype(jnp.float32)
+        blocks = lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)  # [R, bp]
+        kv = kv_cache[blocks].reshape(R, blk, K).astype(jnp.float32)
         s = jnp.einsum("rsk,rmk->rsm", kv, qe)  # [R, blk, Hq]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -128,24 +130,27 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
 
 
 def _decode_rows_switch(q_rows, kv_cache, table, kv_lens, num_decode, **kw):
-    """Run the decode path on 1 row when only one request decodes, else on all rows of the bucket.
+    """Run the decode path on the smallest power of two of rows that holds the `num_decode` decode rows.
 
-    Batch-1 decode (the latency case) must not gather and score the 7 padded rows
-    of the smallest request bucket. More branches (every power of two) would
-    trim more padding but each costs about a second of XLA:CPU compile per bucket.
+    Decode rows come first in the batch, so rows [0, n) for the chosen n cover them; the
+    rest of the bucket (padding, prefill rows) is neither gathered nor scored. Only the
+    branch taken runs (one `lax.switch`), and each costs about its own row count.
     """
     R = q_rows.shape[0]
-    if R == 1:
-        return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(1) < num_decode, **kw)
+    sizes = [1]
+    while sizes[-1] < R:
+        sizes.append(min(2 * sizes[-1], R))
 
-    def one(q_rows, table, kv_lens, num_decode):
-        out = _decode_attention(q_rows[:1], kv_cache, table[:1], kv_lens[:1], num_decode > 0, **kw)
-        return jnp.pad(out, ((0, R - 1), (0, 0), (0, 0)))
+    def run(n):
+        def branch(q_rows, table, kv_lens, num_decode):
+            out = _decode_attention(q_rows[:n], kv_cache, table[:n], kv_lens[:n], jnp.arange(n) < num_decode, **kw)
+            return jnp.pad(out, ((0, R - n), (0, 0), (0, 0)))
+        return branch
 
-    def all_rows(q_rows, table, kv_lens, num_decode):
-        return _decode_attention(q_rows, kv_cache, table, kv_lens, jnp.arange(R) < num_decode, **kw)
-
-    return lax.cond(num_decode <= 1, one, all_rows, q_rows, table, kv_lens, num_decode)
+    if len(sizes) == 1:
+        return run(R)(q_rows, table, kv_lens, num_decode)
+    idx = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), num_decode, side="left")
+    return lax.switch(jnp.minimum(idx, len(sizes) - 1), [run(n) for n in sizes], q_rows, table, kv_lens, num_decode)
 
 
 def _prefill_attention(
@@ -153,14 +158,14 @@ def _prefill_attention(
 ):
     """Rows in [decode_end, mixed_end), block_q queries of one request per work item. Writes into out."""
     T, Hq, D = q.shape
-    page_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
+    block_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
     Hkv = two_hkv // 2
     G = Hq // Hkv
-    R, pps = table.shape
+    R, bps = table.shape
     bq = min(_PREFILL_BLOCK_Q, _cdiv(T, 8) * 8)
-    bp = max(1, min(pps, _PREFILL_BLOCK_KV // page_size))
-    blk = bp * page_size
-    table = jnp.pad(table, ((0, 0), (0, _cdiv(pps, bp) * bp - pps)))
+    bp = max(1, min(bps, _PREFILL_BLOCK_KV // block_size))
+    blk = bp * block_size
+    table = jnp.pad(table, ((0, 0), (0, _cdiv(bps, bp) * bp - bps)))
 
     rows = jnp.arange(R, dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -186,7 +191,7 @@ def _prefill_attention(
         qh = (qb.reshape(bq, Hkv, G, D).astype(jnp.float32) * sm_scale).transpose(1, 2, 0, 3)
         qh = qh.reshape(Hkv, G * bq, D)
         rpos = jnp.tile(qpos, G)  # [G * bq]
-        row_pages = table[r]
+        row_blocks = table[r]
         lo = 0
         if sliding_window is not None:
             lo = jnp.maximum(pos0 - sliding_window + 1, 0) // blk
@@ -194,8 +199,8 @@ def _prefill_attention(
 
         def kv_step(c):
             kb_i, m, l, acc = c
-            pages = lax.dynamic_slice_in_dim(row_pages, kb_i * bp, bp)
-            kv = kv_cache[pages].reshape(blk, Hkv, 2, D).astype(jnp.float32)
+            blocks = lax.dynamic_slice_in_dim(row_blocks, kb_i * bp, bp)
+            kv = kv_cache[blocks].reshape(blk, Hkv, 2, D).astype(jnp.float32)
             kb = kv[:, :, 0, :].transpose(1, 0, 2)  # [Hkv, blk, D]
             vb = kv[:, :, 1, :].transpose(1, 0, 2)
             s = jnp.einsum("hmd,hbd->hmb", qh, kb)
@@ -234,9 +239,9 @@ def ragged_paged_attention_xla(
     q,             # [T, Hq, D]
     k,             # [T, Hkv, D]
     v,             # [T, Hkv, D]
-    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    kv_cache,      # [NB, block_size, 2 * Hkv, D]
     kv_lens,       # [R] int32: tokens in cache after this step; 0 for padded rows
-    page_indices,  # [R * pages_per_seq] int32: flattened block tables
+    block_tables,  # [R * blocks_per_seq] int32: flattened block tables
     cu_q_lens,     # [R + 1] int32
     distribution,  # [3] int32: (decode_end, prefill_end, mixed_end)
     *,
@@ -247,13 +252,13 @@ def ragged_paged_attention_xla(
     """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
-    table = page_indices.reshape(R, -1)
+    table = block_tables.reshape(R, -1)
     t = jnp.arange(T, dtype=jnp.int32)
     req = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, R - 1)
     valid = t < cu_q_lens[distribution[2]]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
-    # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row per page) lets XLA:CPU push the reshape through the in-place
+    # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row per slot) lets XLA:CPU push the reshape through the in-place
     # write, duplicating the write, and each duplicate copies the whole cache, every layer of every step
     # (seen: decode 100x slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
     kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)

@@ -20,7 +20,8 @@ import time
 import jax
 
 from enginecore.model_loader import ModelLoadError, ModelSource, save_hf_folder
-from jaxengine.model import DecoderConfig, LayerParams, ModelParams, abstract_params, is_spec
+from enginecore.arch import ArchConfig
+from jaxengine.model import LayerParams, ModelParams, abstract_params, is_spec, jnp_dtype
 
 logger = logging.getLogger("xlaserve.jax")
 
@@ -46,7 +47,7 @@ def _from_dict(d: dict) -> ModelParams:
                        lm_head=d.get("lm_head"))
 
 
-def save_params(params: ModelParams, out_dir: str, cfg: DecoderConfig) -> str:
+def save_params(params: ModelParams, out_dir: str, arch: ArchConfig, dtype: str) -> str:
     """Write params (any sharding) as an orbax checkpoint under out_dir/orbax + the marker file."""
     import orbax.checkpoint as ocp
 
@@ -55,12 +56,12 @@ def save_params(params: ModelParams, out_dir: str, cfg: DecoderConfig) -> str:
         ckptr.save(path, _to_dict(params), force=True)
         ckptr.wait_until_finished()
     with open(os.path.join(out_dir, MARKER), "w") as f:
-        json.dump({"format": FORMAT_VERSION, "dtype": cfg.dtype, "num_layers": cfg.num_layers,
-                   "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size}, f, indent=2)
+        json.dump({"format": FORMAT_VERSION, "dtype": dtype, "num_layers": arch.num_hidden_layers,
+                   "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size}, f, indent=2)
     return path
 
 
-def load_orbax_params(folder: str, cfg: DecoderConfig, shardings: ModelParams) -> ModelParams:
+def load_orbax_params(folder: str, arch: ArchConfig, dtype: str, shardings: ModelParams) -> ModelParams:
     """Restore into the given shardings; casts if the checkpoint was saved in another dtype."""
     import orbax.checkpoint as ocp
 
@@ -73,18 +74,18 @@ def load_orbax_params(folder: str, cfg: DecoderConfig, shardings: ModelParams) -
         meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
         raise ModelLoadError(f"{folder}/{MARKER}: format {meta.get('format')} is not {FORMAT_VERSION}; re-convert")
-    if meta.get("num_layers") != cfg.num_layers or meta.get("vocab_size") != cfg.vocab_size:
+    if meta.get("num_layers") != arch.num_hidden_layers or meta.get("vocab_size") != arch.vocab_size:
         raise ModelLoadError(f"{folder}: the orbax params do not match config.json (layers/vocab differ)")
     saved_dtype = jax.numpy.dtype(meta["dtype"])
-    abstract = abstract_params(cfg)
+    abstract = abstract_params(arch, dtype)
     target = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, saved_dtype, sharding=sh), abstract, shardings, is_leaf=is_spec
     )
     t0 = time.perf_counter()
     with ocp.StandardCheckpointer() as ckptr:
         restored = _from_dict(ckptr.restore(os.path.join(os.path.abspath(folder), ORBAX_SUBDIR), _to_dict(target)))
-    if saved_dtype != cfg.jnp_dtype:
-        restored = jax.tree.map(lambda a: a.astype(cfg.jnp_dtype), restored)
+    if saved_dtype != jnp_dtype(dtype):
+        restored = jax.tree.map(lambda a: a.astype(jnp_dtype(dtype)), restored)
     logger.info("jax: orbax params restored in %.2fs", time.perf_counter() - t0)
     return restored
 
@@ -100,16 +101,16 @@ def convert_to_orbax(source: ModelSource, out_dir: str, dtype: str = "float32",
     from jaxengine.sharding import ShardingRules, make_mesh, param_shardings
 
     os.makedirs(out_dir, exist_ok=True)
-    cfg = DecoderConfig.from_arch(source.config, dtype=dtype)
+    arch = source.config
     mesh = make_mesh(1)
-    shardings = param_shardings(abstract_params(cfg), ShardingRules.for_model(cfg, mesh), mesh)
-    params = load_params(source, cfg, shardings)
+    shardings = param_shardings(abstract_params(arch, dtype), ShardingRules.for_model(arch, mesh), mesh)
+    params = load_params(source, arch, dtype, shardings)
     if write_safetensors:
         save_hf_folder(source, out_dir, dtype="float32" if dtype != "float16" else "float16")
     else:
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(source.config.to_hf_dict(), f, indent=2)
-    save_params(params, out_dir, cfg)
+    save_params(params, out_dir, arch, dtype)
     return out_dir
 
 

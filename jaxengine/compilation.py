@@ -1,13 +1,11 @@
 """Compilation bookkeeping: the persistent XLA cache, compile counting, and the recompilation guard.
 
-Every program the runner dispatches is named by a *bucket key* (model step:
-token x request bucket; sampler: request bucket x variant flags; prompt
-logprobs: row bucket). Serving compiles only keys from a bounded set, but
-which ones get compiled up front depends on the platform (see
-`JaxModelRunner.warmup`). With ``XLASERVE_CHECK_RECOMPILATION=1`` the guard is
-armed once warmup ends: a key that was not warmed, or any XLA compilation at
-all observed during a step (a retrace from a dtype or weak-type drift, say),
-raises `RecompilationError` instead of silently stalling the server.
+Every program the runner runs is named by a `ProgramKey` (`jaxengine.programs`)
+and compiled once, ahead of time at warmup or lazily on first use. With
+``XLASERVE_CHECK_RECOMPILATION=1`` the guard is armed once warmup ends: a
+program that was not compiled at warmup, or any XLA compilation at all seen
+while a step is dispatched (a stray jitted helper, a dtype drift), raises
+`RecompilationError` instead of silently stalling the server.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from contextlib import contextmanager
 
 import jax
@@ -61,12 +58,19 @@ def enable_persistent_cache(path: str) -> str:
     return path
 
 
+class _Counts:
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.hits = 0
+        self.misses = 0
+
+
 class CompileMonitor:
     """Counts XLA compilations (and persistent-cache hits/misses) in this process while installed.
 
-    JAX's monitoring hooks are process-wide; the monitor counts only on the thread it is
-    bound to (the one dispatching this runner's programs, see `bind_current_thread`), so a
-    second engine compiling on another thread is not mistaken for ours.
+    JAX's monitoring hooks are process-wide. `snapshot()` totals count every thread;
+    `counting()` counts what the calling thread compiles inside the block (warmup
+    compiles several programs at once on a thread pool).
     """
 
     def __init__(self) -> None:
@@ -75,25 +79,45 @@ class CompileMonitor:
         self.hits = 0
         self.misses = 0
         self.names: list[str] = []
-        self._thread = threading.get_ident()
+        self._local = threading.local()
+        self._lock = threading.Lock()
         self._installed = False
 
+    def _thread_counts(self) -> _Counts | None:
+        return getattr(self._local, "counts", None)
+
     def _on_duration(self, event: str, duration: float, **kw) -> None:
-        if event == BACKEND_COMPILE_EVENT and threading.get_ident() == self._thread:
+        if event != BACKEND_COMPILE_EVENT:
+            return
+        with self._lock:
             self.compiles += 1
             self.compile_seconds += duration
             self.names.append(str(kw.get("fun_name", "?")))
+        c = self._thread_counts()
+        if c is not None:
+            c.compiles += 1
 
     def _on_event(self, event: str, **kw) -> None:
-        if threading.get_ident() != self._thread:
-            return
-        if event == CACHE_HIT_EVENT:
-            self.hits += 1
-        elif event == CACHE_MISS_EVENT:
-            self.misses += 1
+        c = self._thread_counts()
+        with self._lock:
+            if event == CACHE_HIT_EVENT:
+                self.hits += 1
+                if c is not None:
+                    c.hits += 1
+            elif event == CACHE_MISS_EVENT:
+                self.misses += 1
+                if c is not None:
+                    c.misses += 1
 
-    def bind_current_thread(self) -> None:
-        self._thread = threading.get_ident()
+    @contextmanager
+    def counting(self):
+        """Counts of this thread's compilations inside the block."""
+        c = _Counts()
+        self._local.counts = c
+        try:
+            yield c
+        finally:
+            self._local.counts = None
 
     def install(self) -> "CompileMonitor":
         if not self._installed:
@@ -113,42 +137,39 @@ class CompileMonitor:
 
 
 class CompileGuard:
-    """The set of warmed bucket keys; armed, it refuses new keys and new compilations."""
+    """Armed (XLASERVE_CHECK_RECOMPILATION=1, after warmup), it refuses programs that were not warmed up
+    and any compilation while a step is dispatched."""
 
     def __init__(self, monitor: CompileMonitor, enabled: bool | None = None) -> None:
         self.monitor = monitor
         self.enabled = check_recompilation_enabled() if enabled is None else enabled
         self.armed = False
-        self.seen: set[tuple] = set()
-        self.lazy_compiles: dict[tuple, float] = {}
+        self.warmed: set = set()
 
-    def arm(self) -> None:
+    def arm(self, warmed: set) -> None:
+        self.warmed = set(warmed)
         self.armed = self.enabled
 
-    def check_key(self, key: tuple) -> None:
-        if key in self.seen:
-            return
-        if self.armed:
+    def check_key(self, key) -> None:
+        if self.armed and key not in self.warmed:
+            desc = key.describe() if hasattr(key, "describe") else str(key)
             raise RecompilationError(
-                f"bucket {key} was not compiled during warmup and XLASERVE_CHECK_RECOMPILATION=1 forbids "
-                "compiling while serving; warm it (XLASERVE_WARMUP=all) or unset XLASERVE_CHECK_RECOMPILATION"
+                f"program {desc} was not compiled during warmup and XLASERVE_CHECK_RECOMPILATION=1 forbids "
+                "compiling while serving; start with --warmup all (the default of `xlaserve serve`) or unset "
+                "XLASERVE_CHECK_RECOMPILATION"
             )
 
     @contextmanager
-    def dispatch(self, key: tuple):
-        """Wrap one dispatch of a program named by `key`."""
-        self.check_key(key)
-        self.monitor.bind_current_thread()  # the step loop may run on another thread than __init__
-        before = self.monitor.compiles
-        t0 = time.perf_counter()
-        yield
-        n = self.monitor.compiles - before
-        if n and key not in self.seen:
-            self.lazy_compiles[key] = time.perf_counter() - t0
-            logger.info("compiled bucket %s lazily in %.2fs", key, time.perf_counter() - t0)
-        self.seen.add(key)
-        if n and self.armed:
+    def dispatch(self):
+        """Wrap the dispatch of a step's programs: armed, any compilation inside raises."""
+        if not self.armed:
+            yield
+            return
+        with self.monitor.counting() as counts:
+            yield
+        if counts.compiles:
+            n = counts.compiles
             raise RecompilationError(
-                f"{n} XLA compilation(s) ({', '.join(self.monitor.names[-n:])}) while serving bucket {key} "
-                "after warmup (XLASERVE_CHECK_RECOMPILATION=1): something retraced (shape, dtype or weak-type drift)"
+                f"{n} XLA compilation(s) ({', '.join(self.monitor.names[-n:])}) while serving after warmup "
+                "(XLASERVE_CHECK_RECOMPILATION=1): something retraced (shape, dtype or weak-type drift)"
             )

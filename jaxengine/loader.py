@@ -9,7 +9,6 @@ of a sharded tensor is ever made on a device.
 from __future__ import annotations
 
 import functools
-import re
 import time
 
 import jax
@@ -17,39 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from enginecore.model_loader import ModelLoadError, ModelSource
-from jaxengine.model import DecoderConfig, LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
-
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate_proj",
-    "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-}
-_TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
-
+from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
+from enginecore.model_loader import ModelSource
+from jaxengine.model import LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
 
 def param_path(hf_name: str) -> tuple | None:
-    """HF tensor name -> ("embed",) / ("layers", i, field); None for tensors we ignore."""
-    if hf_name in _TOP_NAMES:
-        return (_TOP_NAMES[hf_name],)
-    m = _LAYER_RE.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return ("layers", int(m.group(1)), _LAYER_NAMES[m.group(2)])
-    if hf_name.endswith("rotary_emb.inv_freq"):
+    """HF tensor name -> ("embed",) / ("layers", i, field) from the shared weight table; None: ignored."""
+    found = weight_spec(hf_name)
+    if found is None:
         return None
-    raise ModelLoadError(f"unexpected weight {hf_name!r}: not part of a supported Llama-family decoder")
+    layer, spec = found
+    return (spec.param,) if layer is None else ("layers", layer, spec.param)
 
 
 def _get(tree: ModelParams, path: tuple):
@@ -77,8 +54,9 @@ def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
 
 def load_params(
     source: ModelSource,
-    cfg: DecoderConfig,
-    shardings: ModelParams,  # pytree of NamedSharding matching abstract_params(cfg)
+    arch: ArchConfig,
+    dtype: str,
+    shardings: ModelParams,  # pytree of NamedSharding matching abstract_params(arch, dtype)
     log=None,
 ) -> ModelParams:
     """Read every tensor once and place it; raises ModelLoadError naming a missing or misshaped tensor.
@@ -88,14 +66,14 @@ def load_params(
     a time and no device ever holds more than its own shards.
     """
     t0 = time.perf_counter()
-    abstract = abstract_params(cfg)
-    out = abstract_params(cfg)  # same structure; leaves replaced as they arrive
+    abstract = abstract_params(arch, dtype)
+    out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
     for name, arr in source.iter_weights():
         path = param_path(name)
         if path is None:
             continue
-        if path == ("lm_head",) and cfg.tie_word_embeddings:
+        if path == ("lm_head",) and arch.tie_word_embeddings:
             continue
         spec = _get(abstract, path)
         if spec is None:
@@ -107,8 +85,8 @@ def load_params(
             filled[path] = {0}
             continue
         layer = path[1]
-        if layer >= cfg.num_layers:
-            raise ModelLoadError(f"{name}: layer {layer} but the config has {cfg.num_layers} layers")
+        if layer >= arch.num_hidden_layers:
+            raise ModelLoadError(f"{name}: layer {layer} but the config has {arch.num_hidden_layers} layers")
         key = ("layers", path[2])
         stacked = _get(out, path)
         if isinstance(stacked, ParamSpec):
@@ -123,8 +101,8 @@ def load_params(
         if isinstance(leaf, ParamSpec)
     ]
     for key, layers in filled.items():
-        if key[0] == "layers" and len(layers) != cfg.num_layers:
-            gaps = sorted(set(range(cfg.num_layers)) - layers)
+        if key[0] == "layers" and len(layers) != arch.num_hidden_layers:
+            gaps = sorted(set(range(arch.num_hidden_layers)) - layers)
             missing.append(f"{key[1]} of layer(s) {gaps[:5]}")
     if missing:
         raise ModelLoadError(

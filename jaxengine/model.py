@@ -1,97 +1,36 @@
 """One Llama-family decoder for every supported architecture, as pure functions over a params pytree.
 
-Llama 2/3 (llama3 and linear rope scaling), SmolLM2 (tied embeddings),
-Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) differ only in
-`DecoderConfig`. Weights are registered dataclass pytrees; `abstract_params`
-gives every leaf's shape, dtype and *logical* axes, which `sharding.py` maps to
-the mesh and `loader.py` fills tensor by tensor. Linear weights keep the
-Hugging Face [out, in] orientation (split into heads where there are heads):
-no transpose at load time, XLA contracts either side for free.
+Llama 2/3, SmolLM2 (tied embeddings), Mistral, Qwen2 (q/k/v biases) and Qwen3
+(per-head q/k RMSNorm) differ only in their `enginecore.arch.ArchConfig`,
+whose field names this file reads as they are. Weights are registered
+dataclass pytrees; `abstract_params` gives every leaf's shape, dtype and
+*logical* axes, which `sharding.py` maps to the mesh and `loader.py` fills
+tensor by tensor. Linear weights keep the Hugging Face [out, in] orientation
+(split into heads where there are heads): no transpose at load time, XLA
+contracts either side for free.
 
-`forward(params, kv_caches, input_ids, md, ...) -> (hidden, kv_caches)` runs
+`forward(params, kv_cache, input_ids, md, rope, ...) -> (hidden, kv_cache)` runs
 all scheduled tokens of one ragged step; `compute_logits` projects only the
 rows the sampler needs.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from enginecore.model_loader import ArchConfig
+from enginecore.arch import ArchConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Everything the forward pass needs; built from the loader's ArchConfig."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rope_scaling: tuple | None  # sorted items of the HF dict (hashable)
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
-    dtype: str = "float32"  # weights and activations
-    kv_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        for name in ("dtype", "kv_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}; got {getattr(self, name)!r}")
-
-    @classmethod
-    def from_arch(cls, arch: ArchConfig, dtype: str = "float32", kv_dtype: str | None = None) -> "DecoderConfig":
-        rs = tuple(sorted(arch.rope_scaling.items())) if arch.rope_scaling else None
-        return cls(
-            vocab_size=arch.vocab_size,
-            hidden_size=arch.hidden_size,
-            intermediate_size=arch.intermediate_size,
-            num_layers=arch.num_hidden_layers,
-            num_q_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim,
-            rope_theta=arch.rope_theta,
-            rope_scaling=rs,
-            rms_norm_eps=arch.rms_norm_eps,
-            tie_word_embeddings=arch.tie_word_embeddings,
-            attention_bias=arch.attention_bias,
-            qk_norm=arch.qk_norm,
-            sliding_window=arch.sliding_window,
-            dtype=dtype,
-            kv_dtype=kv_dtype or dtype,
-        )
-
-    @property
-    def jnp_dtype(self):
-        return DTYPES[self.dtype]
-
-    @property
-    def sm_scale(self) -> float:
-        return self.head_dim**-0.5
-
-    def num_params(self) -> int:
-        H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = H * D * (2 * self.num_q_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * H * I + 2 * H
-        emb = self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + H
+def jnp_dtype(name: str):
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
 
 
 # ---------------------------------------------------------------------------------
@@ -141,13 +80,12 @@ class ModelParams:
     lm_head: jax.Array | None = None  # [V, H]; None when tied to embed
 
 
-def abstract_params(cfg: DecoderConfig) -> ModelParams:
+def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
     """The params pytree with ParamSpec leaves (shapes, dtypes, logical axes)."""
-    H, I, D, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
-    Hq, Hkv = cfg.num_q_heads, cfg.num_kv_heads
-    dt = cfg.jnp_dtype
-
-    L = cfg.num_layers
+    H, I, D, V = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.vocab_size
+    Hq, Hkv = arch.num_attention_heads, arch.num_key_value_heads
+    dt = jnp_dtype(dtype)
+    L = arch.num_hidden_layers
 
     def spec(shape, axes):
         return ParamSpec(tuple(shape), dt, tuple(axes))
@@ -167,11 +105,11 @@ def abstract_params(cfg: DecoderConfig) -> ModelParams:
             up_proj=lspec((I, H), ("mlp", "embed")),
             down_proj=lspec((H, I), ("embed", "mlp")),
         )
-        if cfg.attention_bias:
+        if arch.attention_bias:
             lp.q_bias = lspec((Hq, D), ("q_heads", "head_dim"))
             lp.k_bias = lspec((Hkv, D), ("kv_heads", "head_dim"))
             lp.v_bias = lspec((Hkv, D), ("kv_heads", "head_dim"))
-        if cfg.qk_norm:
+        if arch.qk_norm:
             lp.q_norm = lspec((D,), ("norm",))
             lp.k_norm = lspec((D,), ("norm",))
         return lp
@@ -180,7 +118,7 @@ def abstract_params(cfg: DecoderConfig) -> ModelParams:
         embed=spec((V, H), ("vocab", "embed")),
         layers=layer(),
         final_norm=spec((H,), ("norm",)),
-        lm_head=None if cfg.tie_word_embeddings else spec((V, H), ("vocab", "embed")),
+        lm_head=None if arch.tie_word_embeddings else spec((V, H), ("vocab", "embed")),
     )
 
 
@@ -190,31 +128,6 @@ def is_spec(x) -> bool:
 
 # ---------------------------------------------------------------------------------
 # rope
-
-
-def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, with llama3 or linear scaling applied (as transformers does)."""
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    rs = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        factor = float(rs["factor"])
-        if kind == "linear":
-            inv = inv / factor
-        elif kind == "llama3":
-            low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-            old = float(rs["original_max_position_embeddings"])
-            low_wl, high_wl = old / low, old / high
-            wl = 2 * math.pi / inv
-            scaled = np.where(wl > low_wl, inv / factor, inv)
-            smooth = (old / wl - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = ~(wl < high_wl) & ~(wl > low_wl)
-            inv = np.where(medium, smoothed, scaled)
-        else:
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
-    return inv.astype(np.float32)
 
 
 def apply_rope(x, cos, sin):
@@ -239,44 +152,43 @@ def rms_norm(x, w, eps: float):
 
 @jax.tree_util.register_dataclass
 @dataclass
-class AttentionMetadata:
-    """The ragged step's metadata, on device (the attention kernels' contract)."""
+class RaggedMetadata:
+    """One ragged step's request metadata on device: the attention kernels' contract."""
 
-    positions: jax.Array  # [T] i32
-    kv_lens: jax.Array  # [R] i32
-    page_indices: jax.Array  # [R * pages_per_seq] i32
+    kv_lens: jax.Array  # [R] i32 tokens in the cache after this step; 0 for padded requests
+    block_tables: jax.Array  # [R * blocks_per_seq] i32 flattened block tables
     cu_q_lens: jax.Array  # [R + 1] i32
-    distribution: jax.Array  # [3] i32
+    distribution: jax.Array  # [3] i32 (decode_end, prefill_end, mixed_end)
 
 
-# attention_fn(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], kv_cache, kv_lens, page_indices, cu_q_lens,
-#              distribution, *, sm_scale, sliding_window) -> (out [T,Hq,D], kv_cache)
+# attention_fn(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], kv_cache, kv_lens, block_tables, cu_q_lens, distribution,
+#              *, sm_scale, sliding_window) -> (out [T,Hq,D], kv_cache)
 AttentionFn = Callable
 
 
-def _layer(lp: LayerParams, x, kv_cache, md: AttentionMetadata, cos, sin, cfg: DecoderConfig, attention_fn):
+def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn):
     """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU)."""
     T = x.shape[0]
-    Hq, D = cfg.num_q_heads, cfg.head_dim
+    Hq, D, eps = arch.num_attention_heads, arch.head_dim, arch.rms_norm_eps
 
     def proj(h, w):  # h [T, H], w [N, D, H] -> [T, N, D]
         return (h @ w.reshape(-1, w.shape[-1]).T).reshape(T, w.shape[0], w.shape[1])
 
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, lp.attn_norm, eps)
     q, k, v = proj(h, lp.q_proj), proj(h, lp.k_proj), proj(h, lp.v_proj)
     if lp.q_bias is not None:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
     if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, lp.q_norm, eps)
+        k = rms_norm(k, lp.k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_dt = kv_cache.dtype
     attn, kv_cache = attention_fn(
-        q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.page_indices,
-        md.cu_q_lens, md.distribution, sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window,
+        q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
+        md.cu_q_lens, md.distribution, sm_scale=arch.sm_scale, sliding_window=arch.sliding_window,
     )
     x = x + attn.astype(x.dtype).reshape(T, Hq * D) @ lp.o_proj.reshape(lp.o_proj.shape[0], Hq * D).T
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, lp.mlp_norm, eps)
     g, u = h @ lp.gate_proj.T, h @ lp.up_proj.T
     x = x + (jax.nn.silu(g) * u) @ lp.down_proj.T
     return x, kv_cache
@@ -284,30 +196,29 @@ def _layer(lp: LayerParams, x, kv_cache, md: AttentionMetadata, cos, sin, cfg: D
 
 def forward(
     params: ModelParams,
-    kv_cache,  # [L * num_blocks, page_size, 2 * Hkv, D]: layer l owns pages [l * num_blocks, (l + 1) * num_blocks)
+    kv_cache,  # [L * num_blocks, block_size, 2 * Hkv, D]: layer l owns blocks [l * num_blocks, (l + 1) * num_blocks)
     input_ids,  # [T] i32
-    md: AttentionMetadata,
-    cfg: DecoderConfig,
+    positions,  # [T] i32
+    md: RaggedMetadata,
+    rope,  # (cos, sin) [max_positions, D/2] f32 tables (enginecore.arch.rope_cos_sin)
+    arch: ArchConfig,
     attention_fn: AttentionFn,
     scan_layers: bool = True,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
 
-    One cache array holds every layer (layer l's page p is row l * num_blocks + p), so
+    One cache array holds every layer (layer l's block b is row l * num_blocks + b), so
     a scan over layers carries it and updates it in place, and the attention kernels
-    see the plain 4-D cache they expect with page indices offset per layer.
+    see the plain 4-D cache they expect with block ids offset per layer.
     """
-    L = cfg.num_layers
+    L = arch.num_hidden_layers
     num_blocks = kv_cache.shape[0] // L
     x = params.embed[input_ids]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    ang = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    cos, sin = rope[0][positions], rope[1][positions]
 
     def layer(x, cache, lp, l):
-        md_l = AttentionMetadata(md.positions, md.kv_lens, md.page_indices + l * num_blocks, md.cu_q_lens,
-                                 md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, cfg, attention_fn)
+        md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn)
 
     if scan_layers:
         def body(carry, xs):
@@ -322,32 +233,26 @@ def forward(
     return x, kv_cache
 
 
-def compute_logits(params: ModelParams, hidden, cfg: DecoderConfig):
+def compute_logits(params: ModelParams, hidden, arch: ArchConfig):
     """hidden [N, H] (before the final norm) -> float32 logits [N, V]."""
-    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
+    h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     w = params.embed if params.lm_head is None else params.lm_head
     return jnp.einsum("nh,vh->nv", h, w, preferred_element_type=jnp.float32)
 
 
-def kv_cache_shape(cfg: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
     """All layers in one array: [L * num_blocks, block_size, 2 * Hkv, D]."""
-    return (cfg.num_layers * num_blocks, block_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-
-
-def kv_cache_bytes_per_block(cfg: DecoderConfig, block_size: int) -> int:
-    """All layers together."""
-    return cfg.num_layers * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(DTYPES[cfg.kv_dtype]).itemsize
+    return (arch.num_hidden_layers * num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
 
 
 __all__ = [
-    "AttentionMetadata",
-    "DecoderConfig",
     "LayerParams",
     "ModelParams",
     "ParamSpec",
+    "RaggedMetadata",
     "abstract_params",
     "compute_logits",
     "forward",
+    "jnp_dtype",
     "kv_cache_shape",
-    "rope_inv_freq",
 ]

@@ -1,11 +1,10 @@
-"""Per-platform choices of the JAX backend: devices, dtypes, attention kernel, memory budgets."""
+"""Per-platform choices of the JAX backend: devices, attention kernel, host allocator, device memory."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 
 import jax
 
@@ -14,7 +13,6 @@ from enginecore.config import ConfigError
 logger = logging.getLogger("xlaserve.jax")
 
 _JAX_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu"}
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def devices_for(platform: str) -> list:
@@ -26,13 +24,6 @@ def devices_for(platform: str) -> list:
             "for tpu jax[tpu], or pass --platform cpu"
         ) from None
     return devs
-
-
-def resolve_dtype(dtype: str, platform: str) -> str:
-    """auto: float32 on CPU (XLA:CPU bf16 math is slow and less exact), bfloat16 on accelerators."""
-    if dtype == "auto":
-        return "float32" if platform == "cpu" else "bfloat16"
-    return dtype
 
 
 def resolve_attention_backend(choice: str, platform: str) -> str:
@@ -89,18 +80,6 @@ def tune_host_allocator() -> None:
     libc.mallopt(M_TOP_PAD, 64 << 20)
 
 
-def default_cpu_kv_bytes() -> int:
-    """1 GiB, or a quarter of the available memory if that is less."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return min(DEFAULT_CPU_KV_BYTES, int(line.split()[1]) * 1024 // 4)
-    except OSError:
-        pass
-    return DEFAULT_CPU_KV_BYTES
-
-
 def device_kv_budget(device, utilization: float, activation_bytes: int) -> int:
     """Bytes left for the KV cache on one accelerator after weights (already loaded) and activations."""
     stats = device.memory_stats() or {}
@@ -111,7 +90,3 @@ def device_kv_budget(device, utilization: float, activation_bytes: int) -> int:
         )
     used = stats.get("bytes_in_use", 0)
     return max(int(limit * utilization) - used - activation_bytes, 0)
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() in ("1", "true", "yes")

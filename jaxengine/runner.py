@@ -1,22 +1,16 @@
 """JaxModelRunner: the JAX backend behind `enginecore.runner.ModelRunner`.
 
-One step: `InputBatch.update` -> `InputBatch.prepare` (numpy, padded to the
-token x request buckets) -> one jitted model step on device (KV written into
-the paged cache, attention, logits only at `logits_indices`; the cache is
-donated and updated in place) -> the jitted sampler -> one device-to-host copy
--> `make_runner_output`.
+One step: `InputBatch.update` -> `prepare_step` (numpy, padded to the buckets)
+-> the ``model`` program (KV written into the donated cache) -> the ``sample``
+program -> a handle; its `result()` copies the packed output to the host once
+and ends in `finish_step`. Dispatch is asynchronous, so the engine schedules
+and builds the next step while this one computes (see `enginecore.engine`).
+Programs are described in `jaxengine.programs`.
 
-Compiled programs depend only on bucket keys: the model step on
-(tokens, requests) — block tables always travel at full width and the
-attention loops stop at the batch's real kv lengths, so decode never reads
-max_model_len of KV and the table width never forces a compile; the sampler on
-(requests, variant flags). Warmup policy (``XLASERVE_WARMUP``): ``all``
-compiles every key up front (the TPU default: XLA compiles there are slow and
-the persistent cache makes restarts cheap); ``decode`` only the pure-decode
-buckets with plain sampling; ``none`` (the CPU/GPU default) compiles lazily on
-first use. ``XLASERVE_CHECK_RECOMPILATION=1`` turns any compile after warmup
-into an error (see `compilation.py`), so serving with the guard on CPU needs
-``XLASERVE_WARMUP=all``.
+Every program is compiled ahead of time from abstract shapes (`warmup`:
+`--warmup all` for `serve`, in parallel, through the persistent compilation
+cache) or, with `--warmup none`, on first use. ``XLASERVE_CHECK_RECOMPILATION=1``
+turns any compilation after warmup into an error (`compilation.py`).
 """
 
 from __future__ import annotations
@@ -25,63 +19,53 @@ import functools
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from enginecore.batch import InputBatch, StepBatch, make_runner_output, pick_bucket, prompt_logprobs_np
+from enginecore.arch import rope_cos_sin
+from enginecore.buckets import Buckets, pick_bucket
 from enginecore.config import ConfigError, EngineConfig
+from enginecore.input_batch import InputBatch
+from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
+from enginecore.platform import resolve_dtype
+from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
+    finish_step
+from enginecore.step_batch import StepBatch, prepare_step
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
 from jaxengine.compilation import CompileGuard, CompileMonitor, enable_persistent_cache, resolve_cache_dir
-from jaxengine.model import (
-    AttentionMetadata,
-    DecoderConfig,
-    abstract_params,
-    compute_logits,
-    forward,
-    kv_cache_bytes_per_block,
-    kv_cache_shape,
+from jaxengine.model import abstract_params, jnp_dtype, kv_cache_shape
+from jaxengine.programs import (
+    ModelLayout,
+    ProgramKey,
+    SampleLayout,
+    model_step,
+    processed_inputs,
+    prompt_logprobs_step,
+    sample_step,
+    unpack_sample_output,
 )
-from jaxengine.sampler import sample
-from jaxengine.sharding import (
-    ShardingRules,
-    kv_cache_sharding,
-    make_mesh,
-    param_shardings,
-    replicated,
-    shard_attention,
-)
+from jaxengine.sharding import ShardingRules, kv_cache_sharding, make_mesh, param_shardings, replicated, \
+    shard_attention
 
 logger = logging.getLogger("xlaserve.jax")
 
-WARMUP_LEVELS = ("none", "decode", "all")
-
-
-def _model_step(params, kv_cache, input_ids, md, logits_indices, *, cfg, attention_fn, scan_layers):
-    """-> (logits [Rp, V] f32 at logits_indices, hidden [Tp, H] before the final norm, kv_cache)."""
-    hidden, kv_cache = forward(params, kv_cache, input_ids, md, cfg, attention_fn, scan_layers=scan_layers)
-    return compute_logits(params, hidden[logits_indices], cfg), hidden, kv_cache
-
-
-def _prompt_logprobs(params, hidden_rows, *, cfg):
-    """hidden_rows [N, H] -> log_softmax of their logits [N, V] f32 (the rare prompt_logprobs path)."""
-    return jax.nn.log_softmax(compute_logits(params, hidden_rows, cfg), axis=-1)
+PROMPT_LOGPROB_ROWS = (32, 256)  # row buckets of the prompt-logprobs program
 
 
 class JaxModelRunner:
-    """The JAX backend: flax-free functional model, paged KV cache, jitted sampler, TP over a mesh."""
+    """The JAX backend: functional model, paged KV cache, jitted sampler, TP over a mesh."""
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         self.config = config
         self.source = model
-        mc, cc, sc, pc, dc = (
-            config.model_config, config.cache_config, config.scheduler_config,
-            config.parallel_config, config.device_config,
-        )
+        mc, cc, sc, pc, dc = (config.model_config, config.cache_config, config.scheduler_config,
+                              config.parallel_config, config.device_config)
         if pc.data_parallel_size != 1:
             raise ConfigError(
                 f"--data-parallel-size {pc.data_parallel_size} is not supported by the jax backend "
@@ -89,57 +73,37 @@ class JaxModelRunner:
             )
         self.platform = dc.platform
         self.devices = plat.devices_for(self.platform)
-        dtype = plat.resolve_dtype(mc.canonical_dtype, self.platform)
-        kv_dtype = dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
-        self.cfg = DecoderConfig.from_arch(model.config, dtype=dtype, kv_dtype=kv_dtype)
+        self.arch = model.config
+        self.dtype = resolve_dtype(mc.dtype, self.platform)
+        self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
+        jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)
-        self.rules = ShardingRules.for_model(self.cfg, self.mesh)
+        self.rules = ShardingRules.for_model(self.arch, self.mesh)
         self.attention_backend = plat.resolve_attention_backend(dc.attention_backend, self.platform)
         self.block_size = cc.block_size
-        self.input_batch = ib = InputBatch(
-            max_num_seqs=sc.max_num_seqs,
-            max_model_len=sc.max_model_len,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            block_size=cc.block_size,
-            vocab_size=self.cfg.vocab_size,
-            max_logprobs=mc.max_logprobs,
-            **self._min_buckets(),
-        )
-        # block tables travel at one fixed width (the widest column bucket, >= max_blocks_per_req)
-        self.table_width = ib.block_buckets[-1]
+        self.buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, *dc.bucket_minimums)
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cc.block_size, self.arch.vocab_size)
+        self.num_rows = self.buckets.max_reqs  # rows of the gathered-hidden buffer and of last_tokens
+        self.max_logprobs = max(mc.max_logprobs, 0)
         opts = dict(dc.compilation_config or {})
         self.scan_layers = bool(opts.get("scan_layers", True))
         self.sampler_method = opts.get("sampler_method", "topk")
-        self.warmup_level = os.environ.get("XLASERVE_WARMUP", "all" if self.platform == "tpu" else "none")
-        if self.warmup_level not in WARMUP_LEVELS:
-            raise ConfigError(f"XLASERVE_WARMUP must be one of {', '.join(WARMUP_LEVELS)}; got {self.warmup_level!r}")
+        self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         if self.cache_dir:
             enable_persistent_cache(self.cache_dir)
         self.monitor = CompileMonitor().install()
         self.guard = CompileGuard(self.monitor)
         self._rep = replicated(self.mesh)
-        attention_fn = shard_attention(self._attention_fn(), self.mesh, self.rules)
-        # outputs pinned (logits/hidden replicated, cache on its heads) so that the sampler and the
-        # next step always see the same shardings: no layout-driven recompiles
-        self._step = jax.jit(
-            functools.partial(_model_step, cfg=self.cfg, attention_fn=attention_fn, scan_layers=self.scan_layers),
-            donate_argnums=(1,),
-            out_shardings=(self._rep, self._rep, kv_cache_sharding(self.rules, self.mesh)),
-        )
-        self._plp = jax.jit(functools.partial(_prompt_logprobs, cfg=self.cfg))
+        self._attention = shard_attention(self._attention_fn(), self.mesh, self.rules)
+        self._programs: dict[ProgramKey, object] = {}
+        self._pending: PendingStep | None = None
         self.params = None
         self.kv_cache = None
+        self.last_tokens = None
+        self.rope = None
         self.num_blocks = 0
         self.load_seconds = 0.0
-
-    def _min_buckets(self) -> dict:
-        """Smallest token / request buckets: TPU and GPU keep 16 / 8; CPU: XLASERVE_CPU_MIN_BUCKETS, default "1,1" (a padded row costs as much as a real one)."""
-        if self.platform != "cpu":
-            return {}
-        env = os.environ.get("XLASERVE_CPU_MIN_BUCKETS", "1,1")
-        t, r = (int(x) for x in env.split(","))
-        return {"min_token_bucket": t, "min_req_bucket": r}
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -149,210 +113,163 @@ class JaxModelRunner:
         return plat.pallas_attention(self.platform)
 
     def load_model(self) -> None:
-        from jaxengine.checkpoint import load_orbax_params, is_orbax_checkpoint
+        from jaxengine.checkpoint import is_orbax_checkpoint, load_orbax_params
         from jaxengine.loader import load_params
 
         if self.platform == "cpu":
             plat.tune_host_allocator()
         t0 = time.perf_counter()
-        shardings = param_shardings(abstract_params(self.cfg), self.rules, self.mesh)
+        shardings = param_shardings(abstract_params(self.arch, self.dtype), self.rules, self.mesh)
         fmt = self.config.model_config.load_format
         if fmt == "orbax" or (fmt == "auto" and is_orbax_checkpoint(self.source.folder)):
-            self.params = load_orbax_params(self.source.folder, self.cfg, shardings)
+            self.params = load_orbax_params(self.source.folder, self.arch, self.dtype, shardings)
         else:
-            self.params = load_params(self.source, self.cfg, shardings)
+            self.params = load_params(self.source, self.arch, self.dtype, shardings)
+        cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
+        self.rope = jax.device_put((cos, sin), self._rep)
         self.load_seconds = time.perf_counter() - t0
         logger.info("jax: weights loaded in %.2fs (%s, dtype %s, tp %d, attention %s)", self.load_seconds,
-                    self.source.kind if fmt != "orbax" else "orbax", self.cfg.dtype,
+                    self.source.kind if fmt != "orbax" else "orbax", self.dtype,
                     self.mesh.shape["model"], self.attention_backend)
+
+    def kv_bytes_per_block(self) -> int:
+        """On one device: the KV cache splits over heads when the heads are sharded."""
+        tp = self.mesh.shape["model"] if self.rules.shard_heads else 1
+        return self.arch.kv_cache_bytes_per_block(self.block_size, jnp.dtype(jnp_dtype(self.kv_dtype)).itemsize, tp)
 
     def determine_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        per_block = kv_cache_bytes_per_block(self.cfg, self.block_size)
-        blocks_per_seq = self.input_batch.max_blocks_per_req
-        useful = sc.max_num_seqs * blocks_per_seq + 1
-        if self.platform == "cpu":
-            explicit = cc.kv_cache_memory_bytes is not None
-            budget = cc.kv_cache_memory_bytes if explicit else plat.default_cpu_kv_bytes()
-            n = budget // per_block
-            if n < blocks_per_seq + 1:
-                if explicit:
-                    raise ConfigError(
-                        f"--kv-cache-memory-bytes {budget} holds {n} blocks of {per_block} bytes, fewer than the "
-                        f"{blocks_per_seq + 1} needed for one --max-model-len {sc.max_model_len} sequence"
-                    )
-                n = blocks_per_seq + 1
-            return int(min(n, useful))
-        # accelerators: what is left of gpu_memory_utilization after weights and activations
-        shards = self.mesh.shape["model"] if self.rules.shard_heads else 1
-        free = plat.device_kv_budget(self.devices[0], cc.gpu_memory_utilization, self._activation_bytes())
-        n = int(free // (per_block / shards))
-        if n < blocks_per_seq + 1:
-            raise ConfigError(
-                f"only {n} KV blocks fit in --gpu-memory-utilization {cc.gpu_memory_utilization}; "
-                f"one --max-model-len {sc.max_model_len} sequence needs {blocks_per_seq + 1}. Lower --max-model-len "
-                "or raise --gpu-memory-utilization"
-            )
-        return int(min(n, useful))
+        if cc.kv_cache_memory_bytes is not None:
+            budget, what = cc.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes}"
+        elif self.platform == "cpu":
+            budget, what = default_cpu_kv_bytes(), "the default CPU KV cache (min(1 GiB, MemAvailable / 4))"
+        else:
+            budget = plat.device_kv_budget(self.devices[0], cc.gpu_memory_utilization, self._activation_bytes())
+            what = f"--gpu-memory-utilization {cc.gpu_memory_utilization} ({budget / 2**30:.2f} GiB for the KV cache)"
+        return num_kv_blocks(budget, self.kv_bytes_per_block(), sc.max_num_seqs, sc.max_model_len, self.block_size,
+                             what)
 
     def _activation_bytes(self) -> int:
-        c, sc = self.cfg, self.config.scheduler_config
+        a, sc = self.arch, self.config.scheduler_config
         T, R = sc.max_num_batched_tokens, sc.max_num_seqs
-        per_tok = c.hidden_size * 6 + c.intermediate_size * 3 + c.num_q_heads * c.head_dim * 4
-        return int(4 * (T * per_tok + R * c.vocab_size * 6)) + (256 << 20)
+        per_tok = a.hidden_size * 6 + a.intermediate_size * 3 + a.num_attention_heads * a.head_dim * 4
+        return int(4 * (T * per_tok + R * a.vocab_size * 6)) + (256 << 20)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        shape = kv_cache_shape(self.cfg, num_blocks, self.block_size)
-        dtype = self.cfg.kv_dtype
-        sharding = kv_cache_sharding(self.rules, self.mesh)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-        logger.info("jax: KV cache %s %s (%.1f MiB)", shape, dtype,
+        shape = kv_cache_shape(self.arch, num_blocks, self.block_size)
+        dtype = jnp_dtype(self.kv_dtype)
+        self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)()
+        self.last_tokens = jax.jit(lambda: jnp.zeros(self.num_rows, jnp.int32), out_shardings=self._rep)()
+        logger.info("jax: KV cache %s %s (%.1f MiB)", shape, self.kv_dtype,
                     np.prod(shape) * jnp.dtype(dtype).itemsize / 2**20)
+
+    @property
+    def _kv_sharding(self):
+        return kv_cache_sharding(self.rules, self.mesh)
 
     def shutdown(self) -> None:
         self.monitor.uninstall()
-        self.params = None
-        self.kv_cache = None
+        self._pending = None
+        self._programs.clear()
+        self.params = self.kv_cache = self.last_tokens = None
 
-    # -- one step -------------------------------------------------------------------------
+    # -- programs ---------------------------------------------------------------------------
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.input_batch.update(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = self.input_batch.prepare(scheduler_output)
-        logits, hidden = self._run_model(batch)
-        out = self._run_sampler(logits, batch)
-        plp = self._run_prompt_logprobs(hidden, batch) if batch.prompt_logprobs else None
-        out = jax.device_get(out)
-        return make_runner_output(
-            batch,
-            out["sampled"],
-            out.get("topk_ids"),
-            out.get("topk_logprobs"),
-            out.get("sampled_logprobs"),
-            out.get("sampled_ranks"),
-            prompt_logprobs=plp,
-        )
+    def _model_layout(self, tokens: int) -> ModelLayout:
+        reqs = pick_bucket(self.buckets.reqs, min(tokens, self.buckets.max_reqs))
+        return ModelLayout(tokens, reqs, self.input_batch.max_blocks_per_req)
 
-    def _device_md(self, batch: StepBatch):
-        Rp = batch.padded_num_reqs
-        W = self.table_width
-        table = np.zeros((Rp, W), np.int32)
-        table[:, : batch.block_tables.shape[1]] = batch.block_tables
-        host = (
-            batch.input_ids,
-            AttentionMetadata(batch.positions, batch.kv_lens, table.reshape(-1), batch.cu_q_lens, batch.distribution),
-            batch.logits_indices,
-        )
-        return jax.device_put(host, self._rep)
+    def _abstract(self, x):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), x)
 
-    def _run_model(self, batch: StepBatch):
-        ids, md, li = self._device_md(batch)
-        key = ("model", batch.padded_num_tokens, batch.padded_num_reqs)
-        with self.guard.dispatch(key):
-            logits, hidden, self.kv_cache = self._step(self.params, self.kv_cache, ids, md, li)
-        return logits, hidden
+    def _lower(self, key: ProgramKey):
+        rep = self._rep
+        i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)  # noqa: E731
+        params = self._abstract(self.params)
+        last = self._abstract(self.last_tokens)
+        if key.kind == "model":
+            layout = self._model_layout(key.size)
+            fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
+                                           attention_fn=self._attention, scan_layers=self.scan_layers),
+                         donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
+            return fn.lower(params, self._abstract(self.kv_cache), last, self._abstract(self.rope), i32(layout.size))
+        if key.kind == "sample":
+            layout = SampleLayout(key.size)
+            H, V, R = self.arch.hidden_size, self.arch.vocab_size, key.size
+            rows = jax.ShapeDtypeStruct((self.num_rows, H), jnp_dtype(self.dtype), sharding=rep)
+            extra = ()
+            if key.processed:
+                f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=rep)  # noqa: E731
+                extra = (f32(R, V), f32(R, V), jax.ShapeDtypeStruct((R, V), jnp.bool_, sharding=rep),
+                         f32(R), f32(R), f32(R))
+            fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, num_logprobs=self.max_logprobs,
+                                           method=self.sampler_method),
+                         donate_argnums=(2,), out_shardings=(rep, rep))
+            return fn.lower(params, rows, last, i32(layout.size), *extra)
+        if key.kind == "prompt_logprobs":
+            rows = jax.ShapeDtypeStruct((key.size, self.arch.hidden_size), jnp_dtype(self.dtype), sharding=rep)
+            fn = jax.jit(functools.partial(prompt_logprobs_step, arch=self.arch, k=self.max_logprobs),
+                         out_shardings=rep)
+            return fn.lower(params, rows, i32(key.size))
+        raise ValueError(f"unknown program {key!r}")
 
-    def _sampler_args(self, sb):
-        """Host arrays + static flags for `sample`; bias and penalties travel together (one variant)."""
-        Rp = sb.temperature.shape[0]
-        V = self.cfg.vocab_size
-        processed = sb.bias is not None or sb.output_counts is not None
-        extra = None
-        if processed:
-            extra = (
-                sb.bias if sb.bias is not None else np.zeros((Rp, V), np.float32),
-                sb.output_counts if sb.output_counts is not None else np.zeros((Rp, V), np.float32),
-                sb.prompt_mask if sb.prompt_mask is not None else np.zeros((Rp, V), bool),
-                sb.presence if sb.presence is not None else np.zeros(Rp, np.float32),
-                sb.frequency if sb.frequency is not None else np.zeros(Rp, np.float32),
-                sb.repetition if sb.repetition is not None else np.ones(Rp, np.float32),
-            )
-        flags = dict(
-            all_greedy=bool(sb.all_greedy),
-            needs_filtering=bool(sb.needs_filtering and not sb.all_greedy),
-            num_logprobs=int(sb.num_logprobs),
-        )
-        base = (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.uniform)
-        return base, extra, flags
+    def _compile(self, key: ProgramKey):
+        return self._lower(key).compile()
 
-    def _run_sampler(self, logits, batch: StepBatch):
-        base, extra, flags = self._sampler_args(batch.sampling)
-        key = ("sampler", batch.padded_num_reqs, flags["all_greedy"], flags["needs_filtering"],
-               flags["num_logprobs"], extra is not None)
-        args = jax.device_put(base + (extra or ()), self._rep)
-        with self.guard.dispatch(key):
-            return sample(logits, *args, **flags, method=self.sampler_method)
+    def _program(self, key: ProgramKey):
+        prog = self._programs.get(key)
+        if prog is None:
+            self.guard.check_key(key)
+            t0 = time.perf_counter()
+            prog = self._programs[key] = self._compile(key)
+            logger.info("compiled %s lazily in %.2fs", key.describe(), time.perf_counter() - t0)
+        return prog
 
-    def _run_prompt_logprobs(self, hidden, batch: StepBatch):
-        # rows picked on the host so the program depends on the row bucket only, not the token bucket
-        rows = np.concatenate([np.arange(s.token_start, s.token_start + s.num_tokens) for s in batch.prompt_logprobs])
-        n = pick_bucket(self.input_batch.token_buckets, len(rows))
-        h = np.asarray(jax.device_get(hidden))
-        padded = np.zeros((n, h.shape[1]), h.dtype)
-        padded[: len(rows)] = h[rows]
-        with self.guard.dispatch(("prompt_logprobs", n)):
-            lp = np.asarray(self._plp(self.params, jax.device_put(padded, self._rep)))
-        out, off = {}, 0
-        for s in batch.prompt_logprobs:
-            out[s.req_id] = prompt_logprobs_np(lp[off : off + s.num_tokens], s.target_ids, s.num_logprobs)
-            off += s.num_tokens
-        return out
-
-    # -- warmup -----------------------------------------------------------------------------
-
-    def bucket_keys(self, level: str = "all") -> list[tuple]:
-        """Every program key serving can dispatch, at a warmup level."""
-        ib = self.input_batch
-        keys: list[tuple] = []
-        reqs = ib.req_buckets
-        for i, Rp in enumerate(reqs):
-            min_reqs = reqs[i - 1] + 1 if i else 1  # the fewest requests that land in this bucket
-            toks = [Tp for Tp in ib.token_buckets if Tp >= min_reqs]
-            if level == "decode":
-                toks = toks[:1]
-            keys += [("model", Tp, Rp) for Tp in toks]
-        variants = [(True, False), (False, False), (False, True)]  # (all_greedy, needs_filtering)
-        lps = sorted({0, self.input_batch.max_logprobs})
-        for Rp in reqs:
-            for g, f in variants:
-                for nlp in lps:
-                    for processed in (False, True):
-                        if level == "decode" and (nlp or processed or f):
-                            continue
-                        keys.append(("sampler", Rp, g, f, nlp, processed))
+    def program_keys(self, level: str = "all") -> list[ProgramKey]:
+        """Every program serving can run, at a warmup level ("decode": those of pure-decode steps)."""
+        keys = [ProgramKey("model", t) for t in self.buckets.token_buckets(level)]
+        if level == "none":
+            return keys
+        keys += [ProgramKey("sample", r) for r in self.buckets.reqs]
         if level == "all":
-            keys += [("prompt_logprobs", n) for n in ib.token_buckets]
+            keys += [ProgramKey("sample", r, True) for r in self.buckets.reqs]
+            keys += [ProgramKey("prompt_logprobs", n) for n in PROMPT_LOGPROB_ROWS]
         return keys
 
-    def warmup(self, level: str | None = None) -> dict:
-        """Compile (by running on dummy inputs that write nothing) every key of the warmup level.
+    def warmup(self, level: str | None = None, threads: int | None = None, progress=None) -> dict:
+        """Compile every program of the warmup level, `threads` at a time (XLA compiles in parallel).
 
-        Returns {"level", "buckets": [{"key", "seconds", "compiles"}], "seconds", "compiles",
-        "cache_hits", "cache_misses", "cache_dir"}; then arms the recompilation guard.
+        Returns {"level", "programs": [{"key", "seconds", "cache_hits", "cache_misses"}], "seconds",
+        "compiles", "cache_hits", "cache_misses", "cache_dir", "recompilation_guard"}; then arms the
+        recompilation guard. `progress(done, total, key)` is called after each program.
         """
         level = level or self.warmup_level
-        if level not in WARMUP_LEVELS:
-            raise ConfigError(f"warmup level must be one of {', '.join(WARMUP_LEVELS)}; got {level!r}")
+        keys = [k for k in self.program_keys(level) if k not in self._programs] if level != "none" else []
         t_all = time.perf_counter()
-        self.monitor.bind_current_thread()
         c0, h0, m0 = self.monitor.snapshot()
         rows = []
-        for key in self.bucket_keys(level) if level != "none" else []:
-            c, h, m = self.monitor.snapshot()
+
+        def one(key):
             t0 = time.perf_counter()
-            jax.block_until_ready(self._run_dummy(key))
-            self.guard.seen.add(key)
-            c1, h1, m1 = self.monitor.snapshot()
-            rows.append({"key": key, "seconds": round(time.perf_counter() - t0, 3), "compiles": c1 - c,
-                         "cache_hits": h1 - h, "cache_misses": m1 - m})
+            with self.monitor.counting() as counts:
+                prog = self._compile(key)
+            return key, prog, time.perf_counter() - t0, counts
+
+        threads = threads or max(1, min(len(keys), len(os.sched_getaffinity(0))))
+        if keys:
+            with ThreadPoolExecutor(threads) as pool:
+                for i, (key, prog, dt, counts) in enumerate(pool.map(one, keys)):
+                    self._programs[key] = prog
+                    rows.append({"key": key, "seconds": round(dt, 3), "cache_hits": counts.hits,
+                                 "cache_misses": counts.misses})
+                    if progress is not None:
+                        progress(i + 1, len(keys), key)
         c1, h1, m1 = self.monitor.snapshot()
-        self.guard.arm()
+        self.guard.arm(set(self._programs))
         stats = {
             "level": level,
-            "buckets": rows,
+            "programs": rows,
             "seconds": round(time.perf_counter() - t_all, 3),
             "compiles": c1 - c0,
             "cache_hits": h1 - h0,
@@ -361,37 +278,61 @@ class JaxModelRunner:
             "recompilation_guard": self.guard.armed,
         }
         if rows:
-            logger.info("jax warmup (%s): %d buckets in %.1fs, %d compiles, persistent cache %d hits / %d misses",
-                        level, len(rows), stats["seconds"], stats["compiles"], stats["cache_hits"],
-                        stats["cache_misses"])
+            logger.info("jax warmup (%s): %d programs in %.1fs (%d threads), persistent cache %d hits / %d misses",
+                        level, len(rows), stats["seconds"], threads, stats["cache_hits"], stats["cache_misses"])
         return stats
 
-    def _run_dummy(self, key: tuple):
-        W = self.table_width
-        if key[0] == "model":
-            _, Tp, Rp = key
-            z = lambda n: np.zeros(n, np.int32)  # noqa: E731
-            md = AttentionMetadata(z(Tp), z(Rp), z(Rp * W), z(Rp + 1), z(3))  # mixed_end 0: writes nothing
-            ids, md, li = jax.device_put((z(Tp), md, z(Rp)), self._rep)
-            logits, hidden, self.kv_cache = self._step(self.params, self.kv_cache, ids, md, li)
-            return logits
-        if key[0] == "sampler":
-            _, Rp, g, f, nlp, processed = key
-            V = self.cfg.vocab_size
-            base = (np.ones(Rp, np.float32), np.zeros(Rp, np.int32), np.ones(Rp, np.float32),
-                    np.zeros(Rp, np.float32), np.full(Rp, 0.5, np.float32))
-            extra = ()
-            if processed:
-                extra = (np.zeros((Rp, V), np.float32), np.zeros((Rp, V), np.float32), np.zeros((Rp, V), bool),
-                         np.zeros(Rp, np.float32), np.zeros(Rp, np.float32), np.ones(Rp, np.float32))
-            logits = jnp.zeros((Rp, V), jnp.float32, device=self._rep)
-            args = jax.device_put(base + extra, self._rep)
-            return sample(logits, *args, all_greedy=g, needs_filtering=f, num_logprobs=nlp,
-                          method=self.sampler_method)
-        if key[0] == "prompt_logprobs":
-            hidden = np.zeros((key[1], self.cfg.hidden_size), self.cfg.jnp_dtype)
-            return self._plp(self.params, jax.device_put(hidden, self._rep))
-        raise ValueError(f"unknown bucket key {key!r}")
+    # -- one step -------------------------------------------------------------------------
+
+    def execute(self, so: SchedulerOutput) -> PendingStep | DoneStep:
+        ib = self.input_batch
+        ib.update(so)
+        if so.total_num_scheduled_tokens == 0:
+            return DoneStep(empty_output())
+        if self._pending is not None and ib.rows_need_token_values(so):
+            self._pending.result()  # penalties / bad words need the previous step's tokens on the host
+        batch = prepare_step(ib, so, self.buckets)
+        Tp, Rp = batch.padded_num_tokens, batch.padded_num_reqs
+        layout = self._model_layout(Tp)
+        with self.guard.dispatch():
+            hidden, rows, self.kv_cache = self._program(ProgramKey("model", Tp))(
+                self.params, self.kv_cache, self.last_tokens, self.rope, layout.pack(batch))
+            sb = batch.sampling
+            extra = processed_inputs(sb, Rp, self.arch.vocab_size) if sb.processed else ()
+            out, self.last_tokens = self._program(ProgramKey("sample", Rp, sb.processed))(
+                self.params, rows, self.last_tokens, SampleLayout(Rp).pack(sb, batch.sample_rows), *extra)
+        step = PendingStep(self._finish, batch, out=out, hidden=hidden if batch.prompt_logprobs else None)
+        self._pending = step
+        return step
+
+    def _finish(self, step: PendingStep) -> ModelRunnerOutput:
+        batch = step.batch
+        out = np.asarray(step.device["out"])
+        sampled, ids, lps, tok_lp, rank = unpack_sample_output(out, self.max_logprobs)
+        logprobs = SampledLogprobs(ids, lps, tok_lp, rank) if batch.sampling.num_logprobs >= 0 else None
+        plp = self._prompt_logprobs(step.device["hidden"], batch) if batch.prompt_logprobs else None
+        if self._pending is step:
+            self._pending = None
+        return finish_step(self.input_batch, batch, sampled, logprobs, plp)
+
+    def _prompt_logprobs(self, hidden, batch: StepBatch) -> dict[str, PromptLogprobs]:
+        h = np.asarray(hidden)
+        out = {}
+        for s in batch.prompt_logprobs:
+            parts = []
+            for start in range(0, s.num_tokens, PROMPT_LOGPROB_ROWS[-1]):
+                n = min(s.num_tokens - start, PROMPT_LOGPROB_ROWS[-1])
+                size = pick_bucket(PROMPT_LOGPROB_ROWS, n)
+                rows = np.zeros((size, h.shape[1]), h.dtype)
+                rows[:n] = h[s.token_start + start : s.token_start + start + n]
+                targets = np.zeros(size, np.int32)
+                targets[:n] = s.target_ids[start : start + n]
+                with self.guard.dispatch():
+                    res = self._program(ProgramKey("prompt_logprobs", size))(self.params, rows, targets)
+                parts.append([np.asarray(a)[:n] for a in res])
+            tgt, rank, ids, vals = (np.concatenate(x) for x in zip(*parts))
+            out[s.req_id] = PromptLogprobs(tgt, rank, ids, vals)
+        return out
 
 
 __all__ = ["JaxModelRunner"]

@@ -4,9 +4,10 @@ Order per row (see sampling_ref): additive bias -> penalties -> greedy argmax, o
 temperature -> min-p -> top-k (ties kept) -> top-p (ties kept) -> inverse CDF
 with the host's seeded uniform. Logprobs are those of the raw logits.
 
-`SamplingBatch` fields that are None compile a variant without them; the
-static flags (all greedy, any filtering, logprobs width) pick variants too, so
-a plain greedy batch runs one argmax.
+Which work a batch needs (sampling at all, filtering, logprobs) is decided
+at run time by `lax.cond` on traced flags, so one program per request bucket
+serves every batch; penalties and token masks, which add [R, V] inputs, are
+the one compiled variant.
 
 Top-k and top-p thresholds, three ways, all exact (the k-th largest logit;
 sampling_ref's top-p cut value, up to float summation order):
@@ -22,8 +23,6 @@ overrides it); it needs no sort on TPU/GPU either.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +191,6 @@ def raw_logprobs(logits, sampled, num_logprobs: int):
     return top_ids.astype(jnp.int32), top_lp, tok_lp, rank
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "needs_filtering", "num_logprobs", "method"))
 def sample(
     logits,  # [R, V] f32 raw logits of the token being generated
     temperature,  # [R] f32
@@ -200,44 +198,38 @@ def sample(
     top_p,  # [R] f32
     min_p,  # [R] f32
     uniform,  # [R] f32 in [0, 1): the seeded draw
-    bias=None,  # [R, V] f32 or None
-    output_counts=None,  # [R, V] f32 or None
-    prompt_mask=None,  # [R, V] bool
-    presence=None,  # [R] f32
-    frequency=None,  # [R] f32
-    repetition=None,  # [R] f32
+    all_greedy,  # [] bool: every row is greedy (one argmax)
+    needs_filtering,  # [] bool: some sampled row uses top-k / top-p / min-p
+    want_logprobs,  # [] bool: some row asked for logprobs
+    processed=None,  # None or (bias [R, V], output_counts [R, V], prompt_mask [R, V], presence, frequency,
+    #                  repetition [R]): penalties and token masks
     *,
-    all_greedy: bool,
-    needs_filtering: bool,
-    num_logprobs: int = 0,
+    num_logprobs: int,
     method: str = "topk",
 ):
-    """Returns a dict: sampled [R] i32, and with num_logprobs > 0 topk_ids [R, N], topk_logprobs [R, N],
-    sampled_logprobs [R], sampled_ranks [R]."""
+    """-> (sampled [R] i32, (topk_ids [R, N] i32, topk_logprobs [R, N], sampled_logprobs [R], ranks [R] i32)).
+
+    The three flags are traced: one compiled program serves every mix of greedy, filtered and
+    logprob-returning rows, and `lax.cond` runs only the work a batch needs (a plain greedy batch
+    is one argmax). The logprob arrays are zeros when no row asked for them.
+    """
     logits = logits.astype(jnp.float32)
-    x = apply_bias_and_penalties(logits, bias, output_counts, prompt_mask, presence, frequency, repetition)
+    x = logits if processed is None else apply_bias_and_penalties(logits, *processed)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        sampled = greedy_tok
-    else:
+
+    def draw(x):
         greedy = temperature < GREEDY_EPS
         xs = _div_rows(x, jnp.where(greedy, 1.0, temperature))
-        if needs_filtering:
-            xs = filter_logits(xs, top_k, top_p, min_p, method)
-        probs = _softmax(xs)
-        sampled = jnp.where(greedy, greedy_tok, inverse_cdf(probs, uniform))
-    out = {"sampled": sampled}
-    if num_logprobs > 0:
-        ids, vals, tok_lp, rank = raw_logprobs(logits, sampled, num_logprobs)
-        out.update(topk_ids=ids, topk_logprobs=vals, sampled_logprobs=tok_lp, sampled_ranks=rank)
-    return out
+        xs = lax.cond(needs_filtering, lambda v: filter_logits(v, top_k, top_p, min_p, method), lambda v: v, xs)
+        return jnp.where(greedy, greedy_tok, inverse_cdf(_softmax(xs), uniform))
 
+    sampled = lax.cond(all_greedy, lambda x: greedy_tok, draw, x)
+    R = logits.shape[0]
+    N = num_logprobs
 
-def sample_batch(logits, sb, method: str = "topk"):
-    """Convenience: run `sample` on an `enginecore.batch.SamplingBatch` (host arrays)."""
-    return sample(
-        logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.uniform,
-        sb.bias, sb.output_counts, sb.prompt_mask, sb.presence, sb.frequency, sb.repetition,
-        all_greedy=sb.all_greedy, needs_filtering=sb.needs_filtering,
-        num_logprobs=sb.num_logprobs, method=method,
-    )
+    def no_logprobs(_):
+        return (jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.float32),
+                jnp.zeros((R,), jnp.int32))
+
+    lps = lax.cond(want_logprobs, lambda s: raw_logprobs(logits, s, N), no_logprobs, sampled)
+    return sampled, lps

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxengine.model import DecoderConfig, ParamSpec, is_spec
+from enginecore.arch import ArchConfig
+from jaxengine.model import ParamSpec, is_spec
 
 MESH_AXES = ("data", "model")
 
@@ -44,9 +45,9 @@ class ShardingRules:
     shard_heads: bool  # attention heads (and the KV cache) split over 'model'
 
     @classmethod
-    def for_model(cls, cfg: DecoderConfig, mesh: Mesh) -> "ShardingRules":
+    def for_model(cls, arch: ArchConfig, mesh: Mesh) -> "ShardingRules":
         tp = mesh.shape["model"]
-        heads = tp > 1 and cfg.num_kv_heads % tp == 0
+        heads = tp > 1 and arch.num_key_value_heads % tp == 0
         rules = {
             "layers": None,
             "vocab": "model",
@@ -83,7 +84,7 @@ def param_shardings(abstract, rules: ShardingRules, mesh: Mesh):
 
 
 def kv_cache_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
-    """[P, page_size, 2 * Hkv, D]: split on the interleaved kv axis when heads are sharded."""
+    """[NB, block_size, 2 * Hkv, D]: split on the interleaved kv axis when heads are sharded."""
     return NamedSharding(mesh, P(None, None, "model" if rules.shard_heads else None, None))
 
 
@@ -99,7 +100,7 @@ def shard_attention(attention_fn, mesh: Mesh, rules: ShardingRules):
     cache = P(None, None, "model", None)
     rep = P()
 
-    def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, **kw):
+    def fn(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution, **kw):
         inner = lambda *a: attention_fn(*a, **kw)  # noqa: E731
         return jax.shard_map(
             inner,
@@ -107,7 +108,7 @@ def shard_attention(attention_fn, mesh: Mesh, rules: ShardingRules):
             in_specs=(heads, heads, heads, cache, rep, rep, rep, rep),
             out_specs=(heads, cache),
             check_vma=False,
-        )(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+        )(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution)
 
     return fn
 

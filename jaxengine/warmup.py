@@ -15,11 +15,11 @@ from jaxengine.compilation import DEFAULT_CACHE_DIR, resolve_cache_dir
 
 
 def run_warmup(engine_args: EngineArgs, level: str = "all") -> list[dict]:
-    """Build the jax runner for `engine_args`, compile every bucket of `level`, return one row per bucket.
+    """Build the jax runner for `engine_args`, compile every program of `level`, return one row per program.
 
-    Each row: {"bucket": str, "seconds": float, "compiles": int, "cache_hits": int,
-    "cache_misses": int, "status": "hit" | "compiled" | "cached-in-process"}. The persistent
-    cache lives at --compilation-cache-dir, else $VLLM_XLA_CACHE_PATH, else ~/.cache/xlaserve/xla.
+    Each row: {"bucket": str, "seconds": float, "cache_hits": int, "cache_misses": int,
+    "status": "hit" | "compiled"}. The persistent cache lives at --compilation-cache-dir,
+    else $VLLM_XLA_CACHE_PATH, else ~/.cache/xlaserve/xla.
     """
     from enginecore.model_loader import resolve_model
     from jaxengine.runner import JaxModelRunner
@@ -44,37 +44,19 @@ def run_warmup(engine_args: EngineArgs, level: str = "all") -> list[dict]:
     stats = runner.warmup(level)
     runner.shutdown()
     rows = []
-    for b in stats["buckets"]:
-        if b["cache_hits"] and not b["cache_misses"]:
-            status = "hit"
-        elif b["compiles"]:
-            status = "compiled"
-        else:
-            status = "cached-in-process"
-        rows.append({"bucket": format_key(b["key"]), "seconds": b["seconds"], "compiles": b["compiles"],
-                     "cache_hits": b["cache_hits"], "cache_misses": b["cache_misses"], "status": status})
-    rows.append({"bucket": "TOTAL", "seconds": round(time.perf_counter() - t0, 3), "compiles": stats["compiles"],
+    for p in stats["programs"]:
+        status = "hit" if p["cache_hits"] and not p["cache_misses"] else "compiled"
+        rows.append({"bucket": p["key"].describe(), "seconds": p["seconds"], "cache_hits": p["cache_hits"],
+                     "cache_misses": p["cache_misses"], "status": status})
+    rows.append({"bucket": "TOTAL", "seconds": round(time.perf_counter() - t0, 3),
                  "cache_hits": stats["cache_hits"], "cache_misses": stats["cache_misses"],
                  "status": stats["cache_dir"] or "no persistent cache"})
     return rows
 
 
-def format_key(key: tuple) -> str:
-    kind = key[0]
-    if kind == "model":
-        return f"model tokens={key[1]} reqs={key[2]}"
-    if kind == "sampler":
-        _, r, greedy, filt, nlp, processed = key
-        mode = "greedy" if greedy else ("sample+filter" if filt else "sample")
-        return f"sampler reqs={r} {mode} logprobs={nlp} penalties/bias={'yes' if processed else 'no'}"
-    if kind == "prompt_logprobs":
-        return f"prompt_logprobs rows={key[1]}"
-    return str(key)
-
-
 def format_table(rows: list[dict]) -> str:
     """Plain-text table of `run_warmup` rows (for the CLI)."""
-    cols = ("bucket", "seconds", "compiles", "cache_hits", "cache_misses", "status")
+    cols = ("bucket", "seconds", "cache_hits", "cache_misses", "status")
     width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     line = lambda vals: "  ".join(str(v).ljust(width[c]) for c, v in zip(cols, vals))  # noqa: E731
     return "\n".join([line(cols), line("-" * width[c] for c in cols)] + [line(r[c] for c in cols) for r in rows])

@@ -2,17 +2,29 @@
 
 It consumes the real `InputBatch`/`StepBatch` and "computes" the next token as
 a hash of the whole token history, so any schedule (chunked, preempted,
-prefix-cached) must give the same tokens as a plain run. It also checks the
-batch contract (slots point into the request's own blocks, positions are
-contiguous, padding is inert).
+prefix-cached, asynchronous) must give the same tokens as a plain run. It also
+checks the batch contract (tokens land in the request's own blocks, positions
+are contiguous, padding is inert) and, like a device, keeps the newest sampled
+token of each row itself: a step launched before the previous one's result
+was collected reads it from there (`input_from_row`), as the real runners do.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from enginecore.batch import InputBatch, make_runner_output
-from enginecore.outputs import ModelRunnerOutput
+from enginecore.buckets import Buckets
+from enginecore.input_batch import InputBatch
+from enginecore.runner_output import DoneStep, empty_output, finish_step
+from enginecore.step_batch import prepare_step
+
+
+class _Handle:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def result(self):
+        return self._fn()
 
 
 class FakeRunner:
@@ -22,10 +34,12 @@ class FakeRunner:
         self._num_blocks = num_blocks
         sc, cc = config.scheduler_config, config.cache_config
         self.block_size = cc.block_size
-        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                                      cc.block_size, vocab_size)
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cc.block_size, vocab_size)
+        self.buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, 1, 1)
         self.kv: dict[int, int] = {}  # slot -> token id written there
+        self.last_token: dict[int, int] = {}  # row -> newest sampled token ("on the device")
         self.steps = 0
+        self.pending = 0  # launched steps whose result was not collected yet
 
     def load_model(self):
         pass
@@ -42,39 +56,49 @@ class FakeRunner:
     def shutdown(self):
         pass
 
-    def execute(self, so) -> ModelRunnerOutput:
+    def execute(self, so):
         ib = self.input_batch
         ib.update(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
-        b = ib.prepare(so)
+            return DoneStep(empty_output())
+        b = prepare_step(ib, so, self.buckets)
         self.steps += 1
         T, R = b.num_tokens, b.num_reqs
         assert b.padded_num_tokens >= T and b.padded_num_reqs >= R
-        assert (b.slot_mapping[T:] == -1).all()
-        assert b.cu_q_lens[0] == 0 and (np.diff(b.cu_q_lens) >= 0).all()
+        assert b.cu_q_lens[0] == 0 and (np.diff(b.cu_q_lens) >= 0).all() and (b.cu_q_lens[R:] == T).all()
+        assert (b.kv_lens[R:] == 0).all() and (b.sample_rows[R:] == -1).all()
         d = b.distribution
         assert d[0] <= d[1] <= d[2] == R
         sampled = np.zeros(b.padded_num_reqs, np.int32)
         for i in range(R):
             s, e = b.cu_q_lens[i], b.cu_q_lens[i + 1]
-            row = ib.req_row[b.req_ids[i]]
+            row = int(b.rows[i])
+            assert ib.req_row[b.req_ids[i]] == row
             nb = ib.num_blocks[row]
             own = set(ib.block_table[row, :nb].tolist())
             for t in range(s, e):
                 pos = int(b.positions[t])
-                slot = int(b.slot_mapping[t])
-                assert slot // self.block_size in own, "slot outside the request's blocks"
-                assert slot // self.block_size != 0, "wrote into the null block"
-                self.kv[slot] = int(b.input_ids[t])
+                blk = int(b.block_tables[i, pos // self.block_size])
+                assert blk in own, "token outside the request's blocks"
+                assert blk != 0, "wrote into the null block"
+                src = int(b.input_from_row[t])
+                tok = self.last_token[src] if src >= 0 else int(b.input_ids[t])
+                if src >= 0:
+                    assert src == row and t == e - 1, "only a request's newest token comes from the device"
+                self.kv[blk * self.block_size + pos % self.block_size] = tok
             # read back the whole history through the block table: the KV "cache"
             kv_len = int(b.kv_lens[i])
-            hist = []
+            h = 0
             for p in range(kv_len):
                 blk = int(b.block_tables[i, p // self.block_size])
-                hist.append(self.kv[blk * self.block_size + p % self.block_size])
-            h = 0
-            for tok in hist:
-                h = (h * 1000003 + tok + 1) % (2**61 - 1)
+                h = (h * 1000003 + self.kv[blk * self.block_size + p % self.block_size] + 1) % (2**61 - 1)
             sampled[i] = h % self.vocab_size
-        return make_runner_output(b, sampled)
+            if b.sample_rows[i] >= 0:
+                self.last_token[row] = int(sampled[i])
+        self.pending += 1
+
+        def collect():
+            self.pending -= 1
+            return finish_step(ib, b, sampled)
+
+        return _Handle(collect)

@@ -16,12 +16,12 @@ from tests.fake_runner import FakeRunner
 
 
 def make_core(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-              policy="fcfs", prefix=True, chunked=True, threshold=0, partial=4):
+              policy="fcfs", prefix=True, chunked=True, threshold=0, partial=4, async_scheduling=True):
     args = EngineArgs(platform="cpu", backend="jax", block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                       scheduling_policy=policy, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
                       long_prefill_token_threshold=threshold, num_gpu_blocks_override=num_blocks,
-                      max_num_partial_prefills=partial)
+                      max_num_partial_prefills=partial, async_scheduling=async_scheduling)
     cfg = args.create_engine_config()
     return EngineCore(cfg, model=None, runner=FakeRunner(cfg, num_blocks=num_blocks))
 
@@ -54,7 +54,8 @@ PROMPTS = [[(7 * i + j) % 97 + 3 for j in range(n)] for i, n in enumerate([5, 17
 
 
 def reference_tokens():
-    core = make_core(num_blocks=512, max_num_seqs=16, max_num_batched_tokens=1024, prefix=False)
+    core = make_core(num_blocks=512, max_num_seqs=16, max_num_batched_tokens=1024, prefix=False,
+                     async_scheduling=False)
     for i, p in enumerate(PROMPTS):
         core.add_request(req(f"r{i}", p))
     out, _ = run_to_end(core)
@@ -97,9 +98,10 @@ def test_long_prefill_threshold_caps_chunks():
     dict(threshold=5, max_num_batched_tokens=20),
     dict(policy="priority", num_blocks=24, max_num_seqs=8),
 ])
-def test_schedules_give_same_tokens_as_plain_run(kw):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_schedules_give_same_tokens_as_plain_run(kw, async_scheduling):
     ref = reference_tokens()
-    core = make_core(**kw)
+    core = make_core(**kw, async_scheduling=async_scheduling)
     for i, p in enumerate(PROMPTS):
         core.add_request(req(f"r{i}", p, priority=i % 3))
     out, _ = run_to_end(core)
@@ -147,7 +149,7 @@ def test_blocks_are_published_only_after_the_step_that_computes_them():
     so = core.scheduler.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0
     # once a step has run, its full blocks serve the next request
-    core.scheduler.update_from_output(so, core.runner.execute(so))
+    core.scheduler.update_from_output(so, core.runner.execute(so).result())
     core.add_request(req("d", prompt))
     so = core.scheduler.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 12
@@ -252,10 +254,11 @@ def test_rejects_requests_that_cannot_run():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 10**6)),
                 min_size=1, max_size=60),
-       st.sampled_from(["fcfs", "priority"]))
-@example(ops=[("add", 34), ("add", 34)], policy="fcfs")  # same prompt, same step: no hit on an unwritten block
-def test_property_random_add_step_abort_keeps_block_invariants(ops, policy):
-    core = make_core(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, policy=policy)
+       st.sampled_from(["fcfs", "priority"]), st.booleans())
+@example(ops=[("add", 34), ("add", 34)], policy="fcfs", async_scheduling=True)  # same prompt, same step
+def test_property_random_add_step_abort_keeps_block_invariants(ops, policy, async_scheduling):
+    core = make_core(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, policy=policy,
+                     async_scheduling=async_scheduling)
     rng = random.Random(0)
     n = 0
     for op, x in ops:

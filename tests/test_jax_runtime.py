@@ -46,16 +46,18 @@ def reference_tokens(tiny):
 
 def test_recompilation_guard_passes_after_full_warmup(tiny, monkeypatch):
     from jaxengine.compilation import RecompilationError
+    from jaxengine.programs import ProgramKey
 
-    monkeypatch.setenv("XLASERVE_WARMUP", "all")
     monkeypatch.setenv("XLASERVE_CHECK_RECOMPILATION", "1")
-    llm = small(tiny)
+    llm = small(tiny, warmup="all")
     runner = llm.llm_engine.core.runner
     stats = llm.llm_engine.core.warmup_stats
     assert stats["level"] == "all" and stats["recompilation_guard"]
-    keys = {tuple(b["key"]) for b in stats["buckets"]}
-    assert ("model", 16, 8) in keys and ("model", 32, 8) in keys
-    assert any(k[0] == "sampler" for k in keys) and any(k[0] == "prompt_logprobs" for k in keys)
+    keys = {p["key"] for p in stats["programs"]}
+    # CPU buckets start at 1 token / 1 request; one model program per token bucket
+    assert {ProgramKey("model", t) for t in (1, 2, 4, 8, 16, 32)} <= keys
+    assert ProgramKey("sample", 8) in keys and ProgramKey("sample", 8, True) in keys
+    assert any(k.kind == "prompt_logprobs" for k in keys)
     mixed = [
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=5, logprobs=2),
@@ -68,7 +70,7 @@ def test_recompilation_guard_passes_after_full_warmup(tiny, monkeypatch):
         assert outs[3].prompt_logprobs is not None
         # a program nobody warmed: the guard names the bucket instead of compiling
         with pytest.raises(RecompilationError, match="was not compiled during warmup"):
-            runner.guard.check_key(("model", 4096, 8))
+            runner.guard.check_key(ProgramKey("model", 4096))
     finally:
         llm.llm_engine.core.shutdown()
 
@@ -76,9 +78,8 @@ def test_recompilation_guard_passes_after_full_warmup(tiny, monkeypatch):
 def test_recompilation_guard_rejects_lazy_compile(tiny, monkeypatch):
     from jaxengine.compilation import RecompilationError
 
-    monkeypatch.setenv("XLASERVE_WARMUP", "none")
     monkeypatch.setenv("XLASERVE_CHECK_RECOMPILATION", "1")
-    llm = small(tiny)
+    llm = small(tiny, warmup="none")
     with pytest.raises(RecompilationError):
         generate(llm)
 
@@ -94,7 +95,7 @@ def test_warmup_second_run_is_all_cache_hits(tiny, tmp_path):
     assert buckets and len(buckets) == len(first) - 1
     assert all(r["status"] == "hit" for r in buckets), format_table(second)
     assert any(r["cache_misses"] or r["compiles"] for r in first[:-1])
-    assert "model tokens=1 reqs=1" in format_table(second)  # CPU buckets start at 1 (XLASERVE_CPU_MIN_BUCKETS)
+    assert "model tokens=1" in format_table(second)  # CPU buckets start at 1 (--min-token-bucket)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -135,8 +136,8 @@ def test_pallas_attention_backend_end_to_end(tiny, reference_tokens):
     assert generate(small(tiny, attention_backend="pallas")) == reference_tokens
 
 
-def test_max_model_len_shorter_than_smallest_table_bucket(tiny, reference_tokens):
-    # 40 tokens = 3 blocks of 16, narrower than the 8-column smallest block-table bucket
+def test_max_model_len_of_a_few_blocks(tiny, reference_tokens):
+    # 40 tokens = 3 blocks of 16: the block tables are 3 columns wide
     llm = small(tiny, max_model_len=40)
-    assert llm.llm_engine.core.runner.table_width == 8
+    assert llm.llm_engine.core.runner.input_batch.max_blocks_per_req == 3
     assert generate(llm) == reference_tokens

@@ -14,6 +14,22 @@ from jaxengine import sampler as S  # noqa: E402
 V = 4096
 METHODS = ("sort", "bisect", "topk")
 filter_logits = jax.jit(S.filter_logits, static_argnames=("method", "num_candidates"))
+_sample = jax.jit(S.sample, static_argnames=("num_logprobs", "method"))
+
+
+def run_sample(x, temp, top_k, top_p, min_p, u, processed=None, *, num_logprobs=0, method="topk",
+               all_greedy=None, needs_filtering=None):
+    """S.sample with its run-time flags derived from the rows (or forced), as the runner packs them."""
+    sampling = temp >= 1e-5
+    if all_greedy is None:
+        all_greedy = not sampling.any()
+    if needs_filtering is None:
+        needs_filtering = bool(np.any(sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))))
+    sampled, (ids, lps, tok_lp, rank) = _sample(
+        x, temp, top_k, top_p, min_p, u, np.bool_(all_greedy), np.bool_(needs_filtering), np.bool_(num_logprobs > 0),
+        processed, num_logprobs=num_logprobs, method=method)
+    return {"sampled": np.asarray(sampled), "topk_ids": np.asarray(ids), "topk_logprobs": np.asarray(lps),
+            "sampled_logprobs": np.asarray(tok_lp), "sampled_ranks": np.asarray(rank)}
 
 
 def rows(n=12, seed=0):
@@ -90,8 +106,8 @@ def test_sample_matches_reference_rows(method):
     pmask = rng.random((n, V)) < 0.01
     pres, freq = np.full(n, 0.2, np.float32), np.full(n, 0.1, np.float32)
     rep = np.full(n, 1.2, np.float32)
-    out = S.sample(x, temp, top_k, top_p, min_p, u, bias, counts, pmask, pres, freq, rep,
-                   all_greedy=False, needs_filtering=True, num_logprobs=3, method=method)
+    out = run_sample(x, temp, top_k, top_p, min_p, u, (bias, counts, pmask, pres, freq, rep), num_logprobs=3,
+                     method=method)
     for i in range(n):
         want = ref.sample_row(x[i], temperature=float(temp[i]), top_k=int(top_k[i]), top_p=float(top_p[i]),
                               min_p=float(min_p[i]), u=float(u[i]), bias=bias[i], output_counts=counts[i],
@@ -100,15 +116,14 @@ def test_sample_matches_reference_rows(method):
         assert int(out["sampled"][i]) == want, f"row {i} ({method})"
 
 
-def test_variants_without_optional_inputs():
+def test_greedy_and_unfiltered_batches():
     x = rows(8, seed=7)
     n = len(x)
     ones, zeros = np.ones(n, np.float32), np.zeros(n, np.float32)
-    out = S.sample(x, zeros, np.zeros(n, np.int32), ones, zeros, ones * 0.5, all_greedy=True,
-                   needs_filtering=False)
+    out = run_sample(x, zeros, np.zeros(n, np.int32), ones, zeros, ones * 0.5)
     assert np.asarray(out["sampled"]).tolist() == [int(np.argmax(r)) for r in x]
     u = np.linspace(0.01, 0.99, n).astype(np.float32)
-    out = S.sample(x, ones, np.zeros(n, np.int32), ones, zeros, u, all_greedy=False, needs_filtering=False)
+    out = run_sample(x, ones, np.zeros(n, np.int32), ones, zeros, u)
     assert np.asarray(out["sampled"]).tolist() == [ref.sample_row(x[i], u=float(u[i])) for i in range(n)]
 
 
@@ -130,8 +145,8 @@ def test_logprobs_are_raw_topn_with_rank():
     x = rows(4, seed=9)
     n = len(x)
     temp = np.array([0.0, 1.0, 0.7, 1.3], np.float32)
-    out = S.sample(x, temp, np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
-                   np.full(n, 0.3, np.float32), all_greedy=False, needs_filtering=False, num_logprobs=5)
+    out = run_sample(x, temp, np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
+                     np.full(n, 0.3, np.float32), num_logprobs=5)
     for i in range(n):
         lp = ref.log_softmax(x[i])
         tok = int(out["sampled"][i])
@@ -141,3 +156,20 @@ def test_logprobs_are_raw_topn_with_rank():
         np.testing.assert_allclose(np.asarray(out["topk_logprobs"][i]), lps[1:], rtol=1e-6, atol=1e-6)
         # the top block is a run of exact ties: compare values, and ids as sets of tied tokens
         assert set(np.asarray(out["topk_ids"][i]).tolist()) <= set(np.nonzero(lp >= min(lps[1:]))[0].tolist())
+
+
+def test_run_time_flags_only_skip_work():
+    """The traced flags choose which work runs; forcing a branch a batch does not need changes nothing."""
+    x = rows(8, seed=11)
+    n = len(x)
+    temp = np.array([0.0, 0.9, 0.0, 1.2, 0.7, 0.0, 1.0, 0.5], np.float32)
+    top_k, top_p, min_p = np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32)
+    u = np.linspace(0.05, 0.95, n).astype(np.float32)
+    base = run_sample(x, temp, top_k, top_p, min_p, u)
+    forced = run_sample(x, temp, top_k, top_p, min_p, u, needs_filtering=True, num_logprobs=4)
+    assert base["sampled"].tolist() == forced["sampled"].tolist()
+    greedy = np.zeros(n, np.float32)
+    a = run_sample(x, greedy, top_k, top_p, min_p, u)
+    b = run_sample(x, greedy, top_k, top_p, min_p, u, all_greedy=False, needs_filtering=True)
+    assert a["sampled"].tolist() == b["sampled"].tolist() == [int(np.argmax(r)) for r in x]
+    assert not base["topk_ids"].size and (forced["topk_ids"] >= 0).all() and forced["topk_ids"].shape == (n, 4)

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 tk = pytest.importorskip("triton_kernels")
 
 from enginecore import LLM, SamplingParams  # noqa: E402
-from torchengine.cuda_graph import CUDAGraphs, capture_pairs  # noqa: E402
+from torchengine.cuda_graph import CUDAGraphs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.interpreted(), reason="needs triton in interpreter mode (no GPU)")
 
@@ -89,12 +89,12 @@ def test_triton_attention_in_the_runner_matches_torch_attention(triton_llm, torc
 
 def test_decode_graph_buffers_match_eager(triton_llm, torch_attention):
     runner = triton_llm.llm_engine.core.runner
-    pairs = capture_pairs(runner.input_batch, [1, 2, 3, 5, 8])
-    assert pairs == [(16, 8)]  # every decode size up to 8 pads to 16 tokens x 8 requests
-    graphs = EagerGraphs(runner.model, runner.attn_backend, runner.kv_caches, runner.input_batch, pairs,
-                         runner.device)
+    shapes = runner.buckets.decode_shapes([1, 2, 3, 5, 8])
+    assert shapes == [(8, 8), (4, 4), (2, 2), (1, 1)]  # CPU buckets start at 1: each decode size has its own
+    graphs = EagerGraphs(runner.model, runner.attn_backend, runner.kv_caches, runner.input_batch.max_blocks_per_req,
+                         shapes, runner.device)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    assert graphs.capture() == 1
+    assert graphs.capture() == 4
     # the dummy steps of the capture write no cache slot
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_caches, before))
     runner.cuda_graphs = graphs
@@ -108,12 +108,12 @@ def test_decode_graph_buffers_match_eager(triton_llm, torch_attention):
 
 
 def test_capture_sizes_are_validated(triton_llm):
-    ib = triton_llm.llm_engine.core.runner.input_batch
-    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
-        capture_pairs(ib, [0, 4])
-    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
-        capture_pairs(ib, [9])
-    assert capture_pairs(ib) == [(16, 8)]
+    buckets = triton_llm.llm_engine.core.runner.buckets
+    with pytest.raises(ValueError, match="capture sizes"):
+        buckets.decode_shapes([0, 4])
+    with pytest.raises(ValueError, match="capture sizes"):
+        buckets.decode_shapes([9])
+    assert buckets.decode_shapes() == [(8, 8), (4, 4), (2, 2), (1, 1)]
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_config_error():

@@ -118,9 +118,9 @@ def test_bfloat16_checkpoint_weights_load_exactly():
     """safetensors bf16 arrays arrive as ml_dtypes.bfloat16; they must become the same torch bf16 values."""
     import ml_dtypes
 
-    from torchengine.model import _to_tensor
+    from torchengine.model import to_tensor
 
     x = np.array([1.0, -2.5, 3.140625, 1e-3, 65280.0], np.float32)
-    t = _to_tensor(x.astype(ml_dtypes.bfloat16))
+    t = to_tensor(x.astype(ml_dtypes.bfloat16))
     assert t.dtype == torch.bfloat16
     assert torch.equal(t, torch.from_numpy(x).to(torch.bfloat16))

@@ -10,22 +10,22 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from enginecore import sampling_ref as ref  # noqa: E402
-from enginecore.batch import SamplingBatch  # noqa: E402
+from enginecore.sampling_batch import SamplingBatch  # noqa: E402
 from enginecore.sampling_ref import GREEDY_EPS, seeded_uniform  # noqa: E402
 from torchengine.sampler import SamplingTensors, sample  # noqa: E402
 
 V = 300
 
 
-def make_batch(rng, R, *, temperature, top_k, top_p, min_p, penalties=False, bias=False, num_logprobs=0):
+def make_batch(rng, R, *, temperature, top_k, top_p, min_p, penalties=False, bias=False, num_logprobs=-1):
     temperature = np.asarray(temperature, np.float32)
     top_k, top_p, min_p = np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), np.asarray(min_p, np.float32)
     sb = SamplingBatch(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         uniform=seeded_uniform(np.arange(R) + 7, 0, rng.integers(0, 1000, R)),
-        all_greedy=bool(np.all(temperature < GREEDY_EPS)), num_logprobs=num_logprobs,
+        all_greedy=bool(np.all(temperature < GREEDY_EPS)),
+        needs_filtering=bool(np.any((top_k > 0) | (top_p < 1) | (min_p > 0))), num_logprobs=num_logprobs,
     )
-    sb.needs_filtering = bool(np.any((top_k > 0) | (top_p < 1) | (min_p > 0)))
     if penalties:
         sb.output_counts = rng.integers(0, 3, (R, V)).astype(np.float32) * (rng.random((R, V)) < 0.05)
         sb.prompt_mask = rng.random((R, V)) < 0.05

@@ -26,9 +26,10 @@ def greedy_logits(model, prompt: list[int], steps: int, block_size: int = 8, num
     """Prefill then decode one request through the paged torch attention: logits [steps, V] and tokens."""
     from torchengine.attention import AttentionMetadata, PagedAttention, TorchAttention
 
-    a = model.layers[0].attention
-    backend = TorchAttention(num_heads=a.n_heads, num_kv_heads=a.n_kv_heads, head_dim=a.head_dim, sliding_window=None)
-    shape = (num_blocks, block_size, a.n_kv_heads, a.head_dim)
+    a = model.layers[0].attn
+    backend = TorchAttention(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                             sliding_window=None)
+    shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.layers]
     table = np.arange(1, num_blocks, dtype=np.int32)[None]
     tokens, done, logits = list(prompt), 0, []
@@ -53,10 +54,10 @@ def greedy_logits(model, prompt: list[int], steps: int, block_size: int = 8, num
 
 def load(model_dir: str):
     from enginecore.model_loader import resolve_model
-    from torchengine.model import ModelArgs, build_model, load_weights
+    from torchengine.model import build_model, load_weights
 
     src = resolve_model(model_dir)
-    model = build_model(ModelArgs.from_arch(src.config), 256, torch.device("cpu"), torch.float32)
+    model = build_model(src.config, 256, torch.device("cpu"), torch.float32)
     load_weights(model, src.iter_weights())
     return model
 
@@ -69,7 +70,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[st
     results = {}
     for d in model_dirs:
         model = apply_tensor_parallel(load(d), rank, world_size)
-        assert model.layers[0].attention.n_kv_heads == 2 // world_size
+        assert model.layers[0].attn.num_kv_heads == 2 // world_size
         results[d] = greedy_logits(model, PROMPT, STEPS)
     if rank == 0:
         torch.save(results, out_path)
@@ -115,10 +116,10 @@ def test_tp2_engine_matches_tp1(tiny_model_dir):
         full = tp1.llm_engine.core.runner.model.layers[0]
         mine = runner.model.layers[0]
         q, kv = 4 * 16, 2 * 16
-        w = full.attention.wqkv.weight
+        w = full.attn.qkv_proj.weight
         want_qkv = torch.cat([w[: q // 2], w[q : q + kv // 2], w[q + kv : q + kv + kv // 2]])
-        assert torch.equal(mine.attention.wqkv.weight, want_qkv)
-        assert torch.equal(mine.feed_forward.w2.weight, full.feed_forward.w2.weight[:, :64])
+        assert torch.equal(mine.attn.qkv_proj.weight, want_qkv)
+        assert torch.equal(mine.mlp.down_proj.weight, full.mlp.down_proj.weight[:, :64])
         got = [o.outputs[0].token_ids for o in tp2.generate(prompts, greedy, use_tqdm=False)]
         got += [o.outputs[0].token_ids for o in tp2.generate(prompts, seeded, use_tqdm=False)]
     finally:

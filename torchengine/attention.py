@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from enginecore.batch import StepBatch
+from enginecore.step_batch import StepBatch
 from enginecore.config import ConfigError
 
 

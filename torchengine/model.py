@@ -1,25 +1,26 @@
 """One Llama-family decoder for every supported architecture, read top to bottom.
 
-Llama 2/3 (default, linear and llama3 rope scaling), SmolLM2 (tied
-embeddings), Mistral (explicit head_dim, optional sliding window), Qwen2 (q/k/v
-biases) and Qwen3 (per-head RMSNorm of q and k) differ only in `ModelArgs`.
+Llama 2/3, SmolLM2 (tied embeddings), Mistral (explicit head_dim, optional
+sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head RMSNorm of q and k)
+differ only in their `enginecore.arch.ArchConfig`, whose field names this file
+reads as they are.
 
 The model sees one ragged step: all scheduled tokens flattened into
 `input_ids [T]` with their `positions [T]`. It owns no KV cache and knows
-nothing about pages: every attention layer calls the `AttentionFn` handed to
+nothing about blocks: every attention layer calls the `AttentionFn` handed to
 `forward`, `attn(layer_idx, q, k, v) -> o`, which writes k/v into the paged
 cache and attends (see `torchengine.attention`). Tensor parallelism is applied
 afterwards as a transform (`torchengine.tensor_parallel`), so this file stays
 single-device code.
 
 Weights come from `ModelSource.iter_weights()` (numpy, Hugging Face names and
-[out, in] layout); q/k/v and gate/up are fused into one matmul each.
+[out, in] layout) through the shared weight table (`enginecore.arch.WEIGHTS`);
+q/k/v and gate/up are fused into one matmul each. Parameters are named after
+their logical names (`attn.qkv_proj`, `mlp.down_proj`, ...).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
@@ -27,89 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.model_loader import ArchConfig, ModelLoadError
+from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
 
 # attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """Everything that distinguishes one supported architecture from another."""
-
-    vocab_size: int
-    dim: int
-    intermediate_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
-    norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
-    sliding_window: int | None = None  # Mistral
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-
-    @classmethod
-    def from_arch(cls, a: ArchConfig) -> "ModelArgs":
-        return cls(
-            vocab_size=a.vocab_size,
-            dim=a.hidden_size,
-            intermediate_size=a.intermediate_size,
-            n_layers=a.num_hidden_layers,
-            n_heads=a.num_attention_heads,
-            n_kv_heads=a.num_key_value_heads,
-            head_dim=a.head_dim,
-            rope_theta=a.rope_theta,
-            rope_scaling=a.rope_scaling,
-            norm_eps=a.rms_norm_eps,
-            tie_word_embeddings=a.tie_word_embeddings,
-            qkv_bias=a.attention_bias,
-            qk_norm=a.qk_norm,
-            sliding_window=a.sliding_window,
-        )
-
-
-# ---------------------------------------------------------------------------------
-# rotary embeddings
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:  # [D/2] f32
-    """Inverse frequencies, computed exactly as transformers does (float32, on the CPU)."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = args.rope_scaling
-    if not sc:
-        return inv_freq
-    kind = sc.get("rope_type", sc.get("type"))
-    factor = float(sc["factor"])
-    if kind == "linear":
-        return inv_freq / factor
-    if kind == "llama3":
-        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
-        old_len = sc["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
-
-
-def rope_tables(args: ModelArgs, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, D/2] float32 (the two rotary halves share them)."""
-    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(args)[None, :]
-    return freqs.cos(), freqs.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,96 +57,98 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    def __init__(self, arch: ArchConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         # per-device head counts: the tensor-parallel transform divides them
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = D = arch.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * D
+        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         T, hd = x.shape[0], self.head_dim
-        q_size, kv_size = self.n_heads * hd, self.n_kv_heads * hd
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(T, self.n_heads, hd)
-        k = k.view(T, self.n_kv_heads, hd)
-        v = v.view(T, self.n_kv_heads, hd)
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.num_heads, hd)
+        k = k.view(T, self.num_kv_heads, hd)
+        v = v.view(T, self.num_kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.wo(o.reshape(T, q_size))
+        return self.o_proj(o.reshape(T, q_size))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+class MLP(nn.Module):
+    def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, layer_idx)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = Attention(arch, layer_idx)
+        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attn(self.attn_norm(x), cos, sin, attn)
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class Transformer(nn.Module):
-    """The decoder. `forward` -> hidden states [T, dim]; `compute_logits` on the rows you need."""
+    """The decoder. `forward` -> hidden states [T, H]; `compute_logits` on the rows you need."""
 
-    def __init__(self, args: ModelArgs, max_positions: int):
+    def __init__(self, arch: ArchConfig, max_positions: int):
         super().__init__()
-        self.args = args
+        self.arch = arch
         self.max_positions = max_positions
         self.tp_rank, self.tp_size = 0, 1  # set by torchengine.tensor_parallel.apply_tensor_parallel
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
+        self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
-        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # [max_positions, D/2] float32 whatever the model dtype: filled by init_rope()
-        self.register_buffer("rope_cos", torch.empty(max_positions, args.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_positions, args.head_dim // 2), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim // 2), persistent=False)
 
     def init_rope(self) -> None:
-        device = self.tok_embeddings.weight.device
-        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.args, self.max_positions))
+        device = self.embed.weight.device
+        cos, sin = rope_cos_sin(self.arch, self.max_positions)
+        self.rope_cos, self.rope_sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        # input_ids [T], positions [T] -> hidden [T, dim] (before the final norm)
+        # input_ids [T], positions [T] -> hidden [T, H] (before the final norm)
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D/2] f32
         sin = self.rope_sin[positions][:, None, :]
-        x = self.tok_embeddings(input_ids)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [N, dim] -> logits [N, V] float32
-        w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(self.norm(hidden), w).float()
+        # hidden [N, H] -> logits [N, V] float32
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.final_norm(hidden), w).float()
 
 
 # ---------------------------------------------------------------------------------
 # building and loading
 
 
-def build_model(args: ModelArgs, max_positions: int, device: torch.device, dtype: torch.dtype,
+def build_model(arch: ArchConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
                 tp: tuple[int, int, object] | None = None) -> Transformer:
     """An uninitialised model on `device` (no random init: weights come from `load_weights`).
 
@@ -232,7 +156,7 @@ def build_model(args: ModelArgs, max_positions: int, device: torch.device, dtype
     meta device, so a rank allocates only its share and `load_weights` reads only that share.
     """
     with torch.device("meta"):
-        model = Transformer(args, max_positions)
+        model = Transformer(arch, max_positions)
         if tp is not None:
             from torchengine.tensor_parallel import apply_tensor_parallel
 
@@ -242,47 +166,20 @@ def build_model(args: ModelArgs, max_positions: int, device: torch.device, dtype
     return model.eval().requires_grad_(False)
 
 
-def _to_tensor(arr: np.ndarray) -> torch.Tensor:
+def to_tensor(arr: np.ndarray) -> torch.Tensor:
     if arr.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it directly
         return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.array(arr, copy=True))
 
 
-_LAYER_PARTS = {
-    "input_layernorm.weight": ("attention_norm.weight", None),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", None),
-    "self_attn.q_proj.weight": ("attention.wqkv.weight", "q"),
-    "self_attn.k_proj.weight": ("attention.wqkv.weight", "k"),
-    "self_attn.v_proj.weight": ("attention.wqkv.weight", "v"),
-    "self_attn.q_proj.bias": ("attention.wqkv.bias", "q"),
-    "self_attn.k_proj.bias": ("attention.wqkv.bias", "k"),
-    "self_attn.v_proj.bias": ("attention.wqkv.bias", "v"),
-    "self_attn.o_proj.weight": ("attention.wo.weight", None),
-    "self_attn.q_norm.weight": ("attention.q_norm.weight", None),
-    "self_attn.k_norm.weight": ("attention.k_norm.weight", None),
-    "mlp.gate_proj.weight": ("feed_forward.w13.weight", "gate"),
-    "mlp.up_proj.weight": ("feed_forward.w13.weight", "up"),
-    "mlp.down_proj.weight": ("feed_forward.w2.weight", None),
+# Where each logical parameter (enginecore.arch.WEIGHTS) lives in this model.
+_TOP_PARAMS = {"embed": "embed.weight", "final_norm": "final_norm.weight", "lm_head": "lm_head.weight"}
+_LAYER_PARAMS = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "mlp_norm.weight",
+    "qkv_proj": "attn.qkv_proj.weight", "qkv_bias": "attn.qkv_proj.bias", "o_proj": "attn.o_proj.weight",
+    "q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
+    "gate_up_proj": "mlp.gate_up_proj.weight", "down_proj": "mlp.down_proj.weight",
 }
-
-
-# weights the tensor-parallel transform splits: column-parallel by output rows (dim 0), row-parallel by input
-# columns (dim 1); see torchengine.tensor_parallel
-_COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")
-_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def _fused_rows(args: ModelArgs, part: str, tp_size: int = 1) -> slice:
-    """Rows of a fused weight that one Hugging Face tensor (this rank's share of it) fills."""
-    q, kv = args.n_heads * args.head_dim // tp_size, args.n_kv_heads * args.head_dim // tp_size
-    inter = args.intermediate_size // tp_size
-    return {
-        "q": slice(0, q),
-        "k": slice(q, q + kv),
-        "v": slice(q + kv, q + 2 * kv),
-        "gate": slice(0, inter),
-        "up": slice(inter, 2 * inter),
-    }[part]
 
 
 def _tp_share(arr: np.ndarray, dim: int, rank: int, tp_size: int) -> np.ndarray:
@@ -294,37 +191,25 @@ def _tp_share(arr: np.ndarray, dim: int, rank: int, tp_size: int) -> np.ndarray:
 @torch.no_grad()
 def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) -> None:
     """Copy Hugging Face-named numpy weights into `model`; every parameter must be filled exactly."""
-    args = model.args
+    arch = model.arch
     rank, tp_size = model.tp_rank, model.tp_size
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     for hf_name, arr in weights:
-        if hf_name == "model.embed_tokens.weight":
-            name, part = "tok_embeddings.weight", None
-        elif hf_name == "model.norm.weight":
-            name, part = "norm.weight", None
-        elif hf_name == "lm_head.weight":
-            if args.tie_word_embeddings:
-                continue  # some tied checkpoints still store a copy
-            name, part = "output.weight", None
-        elif hf_name.startswith("model.layers."):
-            idx, rest = hf_name[len("model.layers."):].split(".", 1)
-            if tp_size > 1 and rest in _ROW_PARALLEL:
-                arr = _tp_share(arr, 1, rank, tp_size)
-            if rest.endswith("rotary_emb.inv_freq"):
-                continue
-            if rest not in _LAYER_PARTS:
-                raise ModelLoadError(f"unexpected weight {hf_name}")
-            local, part = _LAYER_PARTS[rest]
-            name = f"layers.{idx}.{local}"
-        else:
-            raise ModelLoadError(f"unexpected weight {hf_name}")
+        found = weight_spec(hf_name)
+        if found is None:
+            continue
+        layer, spec = found
+        if spec.param == "lm_head" and arch.tie_word_embeddings:
+            continue  # some tied checkpoints still store a copy
+        stored = spec.fused or spec.param
+        name = _TOP_PARAMS[stored] if layer is None else f"layers.{layer}.{_LAYER_PARAMS[stored]}"
         if name not in params:
-            raise ModelLoadError(f"weight {hf_name} has no place in a model with {args}")
-        if tp_size > 1 and part in _COLUMN_PARALLEL:
-            arr = _tp_share(arr, 0, rank, tp_size)
-        dst = params[name] if part is None else params[name][_fused_rows(args, part, tp_size)]
-        src = _to_tensor(arr)
+            raise ModelLoadError(f"weight {hf_name} has no place in this model (check attention_bias / qk_norm)")
+        if tp_size > 1 and spec.tp_dim is not None:
+            arr = _tp_share(arr, spec.tp_dim, rank, tp_size)
+        dst = params[name] if spec.fused is None else params[name][fused_slices(arch, spec.fused, tp_size)[spec.param]]
+        src = to_tensor(arr)
         if tuple(src.shape) != tuple(dst.shape):
             raise ModelLoadError(f"weight {hf_name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(src)

@@ -1,18 +1,21 @@
 """TorchModelRunner: the torch backend's `enginecore.runner.ModelRunner`.
 
-One step: `InputBatch.update(so)` -> `prepare(so)` (a padded ragged
-`StepBatch`, numpy) -> device tensors (pinned, non-blocking on CUDA) ->
-forward (a captured CUDA graph for pure-decode buckets on CUDA, eager
-otherwise) -> logits only at the last scheduled token of each request (and at
-prompt positions for prompt logprobs) -> sampler -> one copy of the results to
-the host -> `make_runner_output`.
+One step: `InputBatch.update(so)` -> `prepare_step` (a padded ragged
+`StepBatch`, numpy) -> `to_device` (pinned, non-blocking copies on CUDA; the
+slot of every token is derived here) -> forward (a captured CUDA graph for
+pure-decode buckets on CUDA, eager otherwise) -> logits only at the last
+scheduled token of each request -> sampler -> the sampled tokens into
+`last_tokens` on the device (the next step reads its newest tokens from
+there) -> one copy of the results to the host, collected by the handle's
+`result()` -> `finish_step`. On CUDA the copy is asynchronous, so the engine
+builds the next step while this one runs.
 
 Devices: `--platform cpu` runs float32 with the plain-torch attention;
 `--platform cuda` runs bfloat16 with the Triton kernels and CUDA graphs
 (`--enforce-eager` turns them off). `--tensor-parallel-size N` runs one
-process per rank (`torchengine.distributed`): this runner is rank 0 and
-forwards every call to the other ranks, which run the same steps and skip
-sampling.
+process per rank (`torchengine.distributed`): `TensorParallelRunner` is rank
+0's view of them; every rank runs the same steps (sampling included, so each
+keeps its own copy of the tokens) and rank 0 returns the outputs.
 """
 
 from __future__ import annotations
@@ -25,29 +28,25 @@ import time
 import numpy as np
 import torch
 
-from enginecore.batch import InputBatch, StepBatch, make_runner_output, prompt_logprobs_np
+from enginecore.buckets import Buckets
 from enginecore.config import ConfigError, EngineConfig
+from enginecore.input_batch import InputBatch
+from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
-from enginecore.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from enginecore.platform import resolve_dtype
+from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
+    finish_step
 from enginecore.sampling_params import SamplingParams
+from enginecore.step_batch import StepBatch, prepare_step
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
-from torchengine.model import ModelArgs, build_model, load_weights
+from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplingTensors, log_softmax, sample
 
 logger = logging.getLogger("xlaserve.torchengine")
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 PROMPT_LOGPROBS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`--dtype auto`: float32 on the CPU, bfloat16 on CUDA (float16 before Ampere, as vLLM does)."""
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
-    return _DTYPES[name]
 
 
 def cpu_threads(tp_size: int = 1) -> int:
@@ -92,7 +91,7 @@ class HostToDevice:
 
 
 class TorchModelRunner:
-    """Owns the torch model, the paged KV cache (one [NB, BS, Hkv, D] pair per layer) and the input batch."""
+    """One rank: the torch model, the paged KV cache (one [NB, BS, Hkv, D] pair per layer), the input batch."""
 
     def __init__(self, config: EngineConfig, model: ModelSource, rank: int = 0, init_method: str | None = None):
         self.config = config
@@ -104,6 +103,7 @@ class TorchModelRunner:
             raise ConfigError(f"--data-parallel-size {pc.data_parallel_size} is not supported by the torch backend; "
                               "run one server per replica")
         self._init_method = init_method
+        capability = None
         if dc.platform == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("--platform cuda: torch sees no CUDA device (is this a CPU build of torch?)")
@@ -112,41 +112,43 @@ class TorchModelRunner:
                                   f"torch sees {torch.cuda.device_count()}")
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+            capability = torch.cuda.get_device_capability(self.device)
         elif dc.platform == "cpu":
             self.device = torch.device("cpu")
             torch.set_num_threads(cpu_threads(self.tp_size))
         else:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
-        self.dtype = resolve_dtype(mc.canonical_dtype, self.device)
+        self.dtype = _DTYPES[resolve_dtype(mc.dtype, dc.platform, capability)]
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
-        self.args = ModelArgs.from_arch(model.config)
-        if self.args.n_kv_heads % self.tp_size or self.args.n_heads % self.tp_size:
-            raise ConfigError(
-                f"--tensor-parallel-size {self.tp_size} must divide the model's attention heads "
-                f"({self.args.n_heads}) and KV heads ({self.args.n_kv_heads})"
-            )
+        self.arch = model.config
+        heads, kv_heads = self.arch.num_attention_heads, self.arch.num_key_value_heads
+        if kv_heads % self.tp_size or heads % self.tp_size:
+            raise ConfigError(f"--tensor-parallel-size {self.tp_size} must divide the model's attention heads "
+                              f"({heads}) and KV heads ({kv_heads})")
         self.block_size = cc.block_size
         self.max_model_len = sc.max_model_len
+        self.buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, *dc.bucket_minimums)
         self.input_batch = self._new_input_batch()
         self.to_device = HostToDevice(self.device)
         self.attn_backend = make_attention_backend(
-            dc.attention_backend, self.device,
-            num_heads=self.args.n_heads // self.tp_size, num_kv_heads=self.args.n_kv_heads // self.tp_size,
-            head_dim=self.args.head_dim, sliding_window=self.args.sliding_window,
+            dc.attention_backend, self.device, num_heads=heads // self.tp_size,
+            num_kv_heads=kv_heads // self.tp_size, head_dim=self.arch.head_dim,
+            sliding_window=self.arch.sliding_window,
         )
         if self.attn_backend.name == "triton" and self.kv_dtype != self.dtype:
             raise ConfigError(f"--kv-cache-dtype {cc.kv_cache_dtype} must equal the model dtype with the triton attention")
         self.model = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.last_tokens = torch.zeros(sc.max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [S + 1]
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
         self.tp = None  # torchengine.distributed.TPGroup when tp_size > 1
+        self._pending: PendingStep | None = None
 
     def _new_input_batch(self) -> InputBatch:
-        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
-        return InputBatch(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens, cc.block_size,
-                          self.args.vocab_size, mc.max_logprobs)
+        sc = self.config.scheduler_config
+        return InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size, self.arch.vocab_size)
 
-    # -- the protocol (rank 0 forwards each call to the other ranks) -------------------
+    # -- lifecycle --------------------------------------------------------------------------
 
     def load_model(self) -> None:
         if self.tp_size > 1:
@@ -157,23 +159,11 @@ class TorchModelRunner:
         with torch.inference_mode():
             # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
             tp = (self.rank, self.tp_size, self.tp.group) if self.tp is not None else None
-            model = build_model(self.args, self.max_model_len, self.device, self.dtype, tp=tp)
+            model = build_model(self.arch, self.max_model_len + 1, self.device, self.dtype, tp=tp)
             load_weights(model, self.model_source.iter_weights())
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
-
-    def determine_num_blocks(self) -> int:
-        return self._call_all("determine_num_blocks")
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks)
-
-    def warmup(self) -> dict:
-        return self._call_all("warmup")
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute", scheduler_output)
 
     def shutdown(self) -> None:
         """Release the graphs, the model and the cache, then stop the other ranks.
@@ -181,7 +171,7 @@ class TorchModelRunner:
         The graphs go first: they hold the captured all-reduces, and NCCL (>= 2.26) waits for every graph
         using a communicator to be destroyed before it destroys the communicator.
         """
-        self.cuda_graphs, self.kv_caches, self.model = None, [], None
+        self.cuda_graphs, self.kv_caches, self.model, self._pending = None, [], None, None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -190,42 +180,34 @@ class TorchModelRunner:
             self.tp.shutdown(self.rank)
             self.tp = None
 
-    def _call_all(self, name: str, *args):
-        if self.tp is not None and self.rank == 0:
-            self.tp.broadcast((name, args))
-        return getattr(self, "_" + name)(*args)
-
     def serve_rank(self) -> None:
-        """Ranks > 0: run rank 0's calls until it shuts down."""
+        """Ranks > 0: run rank 0's calls until it shuts down (each step to its end: these ranks return nothing)."""
         while True:
             name, args = self.tp.broadcast(None)
             if name == "shutdown":
                 self.shutdown()
                 return
-            getattr(self, "_" + name)(*args)
+            out = getattr(self, name)(*args)
+            if name == "execute":
+                out.result()
 
-    # -- KV cache ------------------------------------------------------------------------
+    # -- KV cache ---------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.args.n_layers * (self.args.n_kv_heads // self.tp_size) * self.args.head_dim
-        return per_token * self.block_size * torch.empty(0, dtype=self.kv_dtype).element_size()
+        itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return self.arch.kv_cache_bytes_per_block(self.block_size, itemsize, self.tp_size)
 
-    def _determine_num_blocks(self) -> int:
-        cc = self.config.cache_config
+    def determine_num_blocks(self) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
         if cc.kv_cache_memory_bytes is not None:
             budget, what = cc.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes}"
         elif self.device.type == "cuda":
             budget = self._profile_kv_budget()
             what = f"--gpu-memory-utilization {cc.gpu_memory_utilization} (KV budget {budget / 2**30:.2f} GiB)"
         else:
-            budget, what = DEFAULT_CPU_KV_CACHE_BYTES, "the default CPU KV cache of 1 GiB"
-        num_blocks = int(budget // self.kv_bytes_per_block())
-        if self.tp is not None:
-            num_blocks = self.tp.min_over_ranks(num_blocks)
-        if num_blocks < 2:
-            raise ConfigError(f"{what} leaves room for {num_blocks} KV blocks of {self.kv_bytes_per_block()} bytes; "
-                              "at least 2 are needed")
-        return num_blocks
+            budget, what = default_cpu_kv_bytes(), "the default CPU KV cache (min(1 GiB, MemAvailable / 4))"
+        n = num_kv_blocks(budget, self.kv_bytes_per_block(), sc.max_num_seqs, sc.max_model_len, self.block_size, what)
+        return self.tp.min_over_ranks(n) if self.tp is not None else n
 
     def _profile_kv_budget(self) -> int:
         """CUDA: memory left for the KV cache after weights and the peak of a max-size step."""
@@ -235,7 +217,7 @@ class TorchModelRunner:
         # every dummy request reads and writes the null block: one block per layer is enough
         self._allocate_kv_cache(1)
         for batch in self._profile_batches():
-            self._run_batch(batch)
+            self._run(batch).result()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -248,43 +230,42 @@ class TorchModelRunner:
         return max(budget, 0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.args.n_kv_heads // self.tp_size, self.args.head_dim)
+        shape = (num_blocks, self.block_size, self.arch.num_key_value_heads // self.tp_size, self.arch.head_dim)
         # one allocation for all layers; zeroed so masked-out slots never hold NaN
-        cache = torch.zeros((self.args.n_layers, 2, *shape), dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.args.n_layers)]
+        cache = torch.zeros((self.arch.num_hidden_layers, 2, *shape), dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
 
-    def _init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
     # -- warmup and CUDA graphs -------------------------------------------------------------
 
-    def _warmup(self) -> dict:
+    def warmup(self) -> dict:
         t0 = time.perf_counter()
         sc, dc = self.config.scheduler_config, self.config.device_config
         stats: dict = {"attention_backend": self.attn_backend.name, "dtype": str(self.dtype).replace("torch.", "")}
-        if self.device.type == "cuda":
+        level = dc.warmup_level if dc.warmup != "auto" else "all"
+        if self.device.type == "cuda" and level != "none":
             # compile the Triton configurations (q block rows, kv splits) of every prefill token bucket and
             # every decode request bucket before serving; eager (--enforce-eager) decode steps use them too
-            for tokens in self.input_batch.token_buckets:
-                self._run_batch(self._dummy_batch(1, min(tokens, self.max_model_len - 1)))
-            for reqs in self.input_batch.req_buckets:
-                self._run_batch(self._dummy_batch(min(reqs, sc.max_num_batched_tokens), 1))
-            use_graphs = not dc.enforce_eager and self.attn_backend.supports_cuda_graphs
-            if use_graphs:
-                from torchengine.cuda_graph import CUDAGraphs, capture_pairs
+            for tokens in self.buckets.token_buckets(level):
+                self._run(self._dummy_batch(1, min(tokens, self.max_model_len - 1))).result()
+            for reqs in self.buckets.reqs:
+                self._run(self._dummy_batch(min(reqs, sc.max_num_batched_tokens), 1)).result()
+            if not dc.enforce_eager and self.attn_backend.supports_cuda_graphs:
+                from torchengine.cuda_graph import CUDAGraphs
 
                 unknown = set(dc.compilation_config) - {"cudagraph_capture_sizes"}
                 if unknown:
                     logger.warning("compilation_config keys ignored by the torch backend: %s", sorted(unknown))
-                sizes = dc.compilation_config.get("cudagraph_capture_sizes")
-                pairs = capture_pairs(self.input_batch, sizes)
-                self.cuda_graphs = CUDAGraphs(self.model, self.attn_backend, self.kv_caches, self.input_batch,
-                                              pairs, self.device)
+                shapes = self.buckets.decode_shapes(dc.compilation_config.get("cudagraph_capture_sizes"))
+                self.cuda_graphs = CUDAGraphs(self.model, self.attn_backend, self.kv_caches,
+                                              self.input_batch.max_blocks_per_req, shapes, self.device)
                 stats["cuda_graphs"] = self.cuda_graphs.capture()
-        else:
-            self._run_batch(self._dummy_batch(min(8, sc.max_num_seqs), 1))
-            self._run_batch(self._dummy_batch(1, min(16, self.max_model_len - 1, sc.max_num_batched_tokens)))
+        elif level != "none":
+            self._run(self._dummy_batch(min(8, sc.max_num_seqs), 1)).result()
+            self._run(self._dummy_batch(1, min(16, self.max_model_len - 1, sc.max_num_batched_tokens))).result()
         stats["warmup_s"] = round(time.perf_counter() - t0, 3)
         return stats
 
@@ -294,9 +275,10 @@ class TorchModelRunner:
         params = params or SamplingParams(temperature=0.0)
         nb = -(-q_len // self.block_size)
         news = [NewRequestData(f"dummy-{i}", [0] * q_len, params, [0] * nb, 0, [], i, 0) for i in range(num_reqs)]
-        so = SchedulerOutput(news, [], {n.req_id: q_len for n in news}, num_reqs * q_len, set(), set())
+        so = SchedulerOutput(news, CachedRequestData(), {n.req_id: q_len for n in news}, num_reqs * q_len,
+                             set(), set())
         ib.update(so)
-        return ib.prepare(so)
+        return prepare_step(ib, so, self.buckets)
 
     def _profile_batches(self) -> list[StepBatch]:
         sc = self.config.scheduler_config
@@ -307,25 +289,32 @@ class TorchModelRunner:
 
     # -- one step -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        self.input_batch.update(so)
+    def execute(self, so: SchedulerOutput) -> PendingStep | DoneStep:
+        ib = self.input_batch
+        ib.update(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        return self._run_batch(self.input_batch.prepare(so))
+            return DoneStep(empty_output())
+        if self._pending is not None and ib.rows_need_token_values(so):
+            self._pending.result()  # penalties / bad words need the previous step's tokens on the host
+        step = self._run(prepare_step(ib, so, self.buckets))
+        self._pending = step
+        return step
 
     @torch.inference_mode()
-    def _run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
+    def _run(self, batch: StepBatch) -> PendingStep:
         T, R = batch.num_tokens, batch.num_reqs
         put = self.to_device
         input_ids = put("input_ids", batch.input_ids, torch.int64)  # [Tp]
+        if (batch.input_from_row >= 0).any():  # tokens the previous step sampled, still only on the device
+            src = put("input_from_row", batch.input_from_row, torch.int64)
+            input_ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], input_ids)
         positions = put("positions", batch.positions, torch.int64)  # [Tp]
         logits_indices = put("logits_indices", batch.logits_indices, torch.int64)  # [Rp]
         meta = AttentionMetadata(
-            slot_mapping=put("slot_mapping", batch.slot_mapping, torch.int64),
+            slot_mapping=put("slot_mapping", self._slot_mapping(batch), torch.int64),
             cu_q_lens=put("cu_q_lens", batch.cu_q_lens),
             kv_lens=put("kv_lens", batch.kv_lens),
-            block_tables=put("block_tables", batch.block_tables),
+            block_tables=put("block_tables", batch.block_tables[:, : batch.num_block_cols]),
             num_reqs=R,
             num_tokens=T,
         )
@@ -337,28 +326,112 @@ class TorchModelRunner:
             meta.slot_mapping = meta.slot_mapping[:T]
             meta.groups = self.attn_backend.plan(batch, self.device, self.block_size)
             attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
-            hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, dim]
+            hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
             logits = self.model.compute_logits(hidden[logits_indices[:R]])  # [R, V]
-        if self.rank != 0:
-            return None  # other ranks only take part in the collectives
         st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
         out = sample(logits, st)
-        # the copy back to the host (waits for the step)
-        host = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
-        plp = {sl.req_id: self._prompt_logprobs(hidden, sl) for sl in batch.prompt_logprobs}
-        return make_runner_output(
-            batch, host(out.sampled), host(out.topk_ids), host(out.topk_logprobs), host(out.sampled_logprobs),
-            host(out.sampled_ranks), prompt_logprobs=plp,
-        )
+        rows = batch.sample_rows[:R]
+        if (rows >= 0).any():  # the tokens the next step may read before this one's results reach the host
+            r = put("sample_rows", np.where(rows >= 0, rows, self.last_tokens.shape[0] - 1), torch.int64)
+            self.last_tokens.index_copy_(0, r, out.sampled)
+        results = {"sampled": out.sampled}
+        if out.topk_ids is not None:
+            results.update(topk_ids=out.topk_ids, topk_logprobs=out.topk_logprobs,
+                           sampled_logprobs=out.sampled_logprobs, sampled_ranks=out.sampled_ranks)
+        event = None
+        if self.device.type == "cuda":
+            host = {k: v.to("cpu", non_blocking=True) for k, v in results.items()}
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = results
+        return PendingStep(self._finish, batch, host=host, event=event,
+                           hidden=hidden if batch.prompt_logprobs else None)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, sl) -> tuple[np.ndarray, ...]:
+    def _slot_mapping(self, batch: StepBatch) -> np.ndarray:
+        """[Tp] cache slot of every token (block * block_size + offset); -1 for padding (writes nothing)."""
+        T, R, bs = batch.num_tokens, batch.num_reqs, self.block_size
+        cu = batch.cu_q_lens
+        tok_req = np.repeat(np.arange(R), np.diff(cu[: R + 1]))
+        pos = batch.positions[:T]
+        slot = np.full(batch.padded_num_tokens, -1, np.int64)
+        slot[:T] = batch.block_tables[tok_req, pos // bs].astype(np.int64) * bs + pos % bs
+        return slot
+
+    def _finish(self, step: PendingStep) -> ModelRunnerOutput:
+        if step.device["event"] is not None:
+            step.device["event"].synchronize()
+        h = {k: v.numpy() for k, v in step.device["host"].items()}
+        batch = step.batch
+        logprobs = None
+        if "topk_ids" in h:
+            logprobs = SampledLogprobs(h["topk_ids"], h["topk_logprobs"], h["sampled_logprobs"], h["sampled_ranks"])
+        plp = None
+        if batch.prompt_logprobs:
+            with torch.inference_mode():
+                plp = {sl.req_id: self._prompt_logprobs(step.device["hidden"], sl) for sl in batch.prompt_logprobs}
+        if self._pending is step:
+            self._pending = None
+        return finish_step(self.input_batch, batch, h["sampled"], logprobs, plp)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sl) -> PromptLogprobs:
         """One request's prompt logprobs, PROMPT_LOGPROBS_ROWS positions at a time: a long prompt's full
         [positions, vocab] float32 matrix (8k x 128k: 4 GiB) is never materialised, which the memory profile
-        does not account for."""
+        does not account for. Top-k is taken on the device; only [rows, k] comes back."""
         parts = []
+        k = sl.num_logprobs
         for s in range(0, sl.num_tokens, PROMPT_LOGPROBS_ROWS):
             e = min(s + PROMPT_LOGPROBS_ROWS, sl.num_tokens)
-            rows = hidden[sl.token_start + s : sl.token_start + e]
-            lp = log_softmax(self.model.compute_logits(rows)).cpu().numpy()
-            parts.append(prompt_logprobs_np(lp, sl.target_ids[s:e], sl.num_logprobs))
-        return tuple(np.concatenate(x) for x in zip(*parts))
+            lp = log_softmax(self.model.compute_logits(hidden[sl.token_start + s : sl.token_start + e]))
+            tgt_ids = torch.from_numpy(sl.target_ids[s:e].astype(np.int64)).to(lp.device)
+            tgt = lp.gather(1, tgt_ids[:, None])[:, 0]
+            rank = (lp > tgt[:, None]).sum(-1) + 1
+            vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
+            parts.append([x.cpu().numpy() for x in (tgt, rank, ids[:, :k], vals[:, :k])])
+        return PromptLogprobs(*(np.concatenate(x) for x in zip(*parts)))
+
+
+class TensorParallelRunner:
+    """Rank 0 of `--tensor-parallel-size N`: each call is broadcast to the other ranks, then run here.
+
+    The other ranks (`torchengine.distributed` workers) run the same calls on their own
+    `TorchModelRunner`, meeting rank 0 in the collectives; only rank 0's results are returned.
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelSource):
+        self.local = TorchModelRunner(config, model, rank=0)
+
+    def _call_all(self, name: str, *args):
+        if self.local.tp is not None:
+            self.local.tp.broadcast((name, args))
+        return getattr(self.local, name)(*args)
+
+    def load_model(self) -> None:
+        self.local.load_model()  # creates the group: the other ranks load theirs on their own
+
+    def determine_num_blocks(self) -> int:
+        return self._call_all("determine_num_blocks")
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("init_kv_cache", num_blocks)
+
+    def warmup(self) -> dict:
+        return self._call_all("warmup")
+
+    def execute(self, so: SchedulerOutput):
+        return self._call_all("execute", so)
+
+    def shutdown(self) -> None:
+        self.local.shutdown()  # broadcasts "shutdown" itself
+
+    def __getattr__(self, name):  # model, input_batch, kv_caches ... for tests and tools
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+
+def create_runner(config: EngineConfig, model: ModelSource):
+    """The torch backend's runner: one rank, or rank 0 of a tensor-parallel group."""
+    if config.parallel_config.tensor_parallel_size > 1:
+        return TensorParallelRunner(config, model)
+    return TorchModelRunner(config, model)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from enginecore.batch import SamplingBatch
+from enginecore.sampling_batch import SamplingBatch
 from enginecore.sampling_ref import GREEDY_EPS
 
 
@@ -41,7 +41,7 @@ class SamplingTensors:
     use_top_p: bool
     use_min_p: bool
     max_top_k: int
-    num_logprobs: int
+    num_logprobs: int  # -1: no logprobs
     bias: torch.Tensor | None = None  # [Rp, V] f32
     output_counts: torch.Tensor | None = None  # [Rp, V] f32
     prompt_mask: torch.Tensor | None = None  # [Rp, V] bool
@@ -169,7 +169,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         drawn = inverse_cdf(softmax(x), st.uniform)
         sampled = torch.where(greedy, greedy_tokens, drawn)
     out = SamplerOutput(sampled=sampled)
-    if st.num_logprobs > 0:
+    if st.num_logprobs >= 0:
         lp = log_softmax(logits)
         vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
         out.topk_ids, out.topk_logprobs = ids[:, : st.num_logprobs], vals[:, : st.num_logprobs]

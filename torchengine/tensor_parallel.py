@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from enginecore.arch import FUSED, param_rows
 from torchengine.model import Transformer
 
 
@@ -72,19 +73,19 @@ def apply_tensor_parallel(model: Transformer, rank: int, world_size: int, group=
     """Shard `model` in place for `rank` of `world_size`; returns it."""
     if world_size == 1:
         return model
-    a = model.args
-    for what, n in (("attention heads", a.n_heads), ("KV heads", a.n_kv_heads),
+    a = model.arch
+    for what, n in (("attention heads", a.num_attention_heads), ("KV heads", a.num_key_value_heads),
                     ("intermediate size", a.intermediate_size)):
         if n % world_size:
             raise ValueError(f"tensor parallel size {world_size} does not divide the model's {what} ({n})")
-    hd = a.head_dim
+    qkv = [param_rows(a, p) for p in FUSED["qkv_proj"]]
+    gate_up = [param_rows(a, p) for p in FUSED["gate_up_proj"]]
     for layer in model.layers:
-        attn, ffn = layer.attention, layer.feed_forward
-        attn.wqkv = _column_parallel(attn.wqkv, [a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd],
-                                     rank, world_size)
-        attn.wo = _row_parallel(attn.wo, rank, world_size, group)
-        attn.n_heads, attn.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
-        ffn.w13 = _column_parallel(ffn.w13, [a.intermediate_size, a.intermediate_size], rank, world_size)
-        ffn.w2 = _row_parallel(ffn.w2, rank, world_size, group)
+        attn, mlp = layer.attn, layer.mlp
+        attn.qkv_proj = _column_parallel(attn.qkv_proj, qkv, rank, world_size)
+        attn.o_proj = _row_parallel(attn.o_proj, rank, world_size, group)
+        attn.num_heads, attn.num_kv_heads = a.num_attention_heads // world_size, a.num_key_value_heads // world_size
+        mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, gate_up, rank, world_size)
+        mlp.down_proj = _row_parallel(mlp.down_proj, rank, world_size, group)
     model.tp_rank, model.tp_size = rank, world_size
     return model

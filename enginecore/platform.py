@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from enginecore.config import ConfigError
+from enginecore.config import DTYPE_ALIASES, ConfigError
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
 BACKENDS = ("auto", "jax", "torch")
@@ -35,3 +35,19 @@ def resolve_platform_and_backend(platform: str = "auto", backend: str = "auto") 
     if plat == "tpu" and backend == "torch":
         raise ConfigError("--backend torch does not run on --platform tpu; use --backend jax (or auto) on TPUs.")
     return plat, backend
+
+
+def resolve_dtype(dtype: str, platform: str, compute_capability: tuple[int, int] | None = None) -> str:
+    """`--dtype` -> float32 | bfloat16 | float16, the same rule for both backends.
+
+    auto: float32 on the CPU (bf16 matmuls are slow there and less exact), bfloat16 on TPUs and GPUs,
+    float16 on GPUs before Ampere (no bf16 tensor cores), as vLLM does.
+    """
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    if platform == "cpu":
+        return "float32"
+    if platform == "cuda" and compute_capability is not None and compute_capability[0] < 8:
+        return "float16"
+    return "bfloat16"

@@ -1,0 +1,194 @@
+"""Our own per-step cost: a decode step of a tiny model, where the model costs next to nothing.
+
+    python -m benchmarks.bench_step [--batches 1,64,256] [--backends jax,torch] [--steps 64] [--profile]
+
+The model has 2 layers, hidden size 64 and SmolLM2's vocabulary (49152), random
+weights: at batch 1 its forward pass is a fraction of a millisecond, so a
+decode step's time is almost all the engine's own work (scheduling, batch
+building, dispatch, sampling, output handling, detokenization). Each backend
+runs in its own subprocess through the offline API (`LLM.generate`, greedy,
+ignore_eos, exactly --steps new tokens per request, 16-token prompts, prefix
+caching off). The decode step time is (time for --steps tokens - time for 1
+token) / (--steps - 1), the prefill excluded. A warm-up run of each shape comes
+first, so no compilation is timed. The same run also times the bare model
+forward + sampling on the device for the same shapes (`device ms`), so
+`host ms` = step - device is the engine's own per-step cost.
+
+--profile adds, per backend and batch, the functions where a step's time goes
+(cProfile, own time, top 12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+TINY_DIR = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "tiny-llama-h64")
+
+
+def tiny_model_dir() -> str:
+    """A 2-layer, hidden-64 Llama with SmolLM2's vocabulary and tokenizer (written once, then reused)."""
+    if os.path.isfile(os.path.join(TINY_DIR, "model.safetensors")):
+        return TINY_DIR
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    from enginecore.model_loader import resolve_model, save_hf_folder
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    model = tf.LlamaForCausalLM(cfg)
+    tmp = TINY_DIR + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    with tempfile.TemporaryDirectory() as d:
+        save_hf_folder(resolve_model(None), d)
+        for fn in os.listdir(d):
+            if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
+                shutil.copy(os.path.join(d, fn), tmp)
+    os.replace(tmp, TINY_DIR)
+    return TINY_DIR
+
+
+# ---- the worker (one backend, in its own process) ----------------------------------------------
+
+
+def _device_time(llm, batch: int, reps: int = 20) -> float | None:
+    """Seconds of one bare decode forward + greedy sample at this batch, on the runner (None if unknown)."""
+    runner = llm.llm_engine.core.runner
+    fn = getattr(runner, "time_decode_step", None)
+    if fn is None:
+        return None
+    return fn(batch, reps)
+
+
+def worker(backend: str, batches: list[int], steps: int, profile: bool) -> dict:
+    from enginecore import LLM, SamplingParams
+
+    model = tiny_model_dir()
+    max_b = max(batches)
+    llm = LLM(model, backend=backend, max_num_seqs=max(max_b, 8), max_model_len=256,
+              max_num_batched_tokens=max(2048, 16 * max_b), enable_prefix_caching=False, seed=0)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in batches:
+        prompts = [[int(t) for t in rng.integers(100, 40000, 16)] for _ in range(b)]
+
+        def gen(n, prompts=prompts):
+            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            assert all(len(r.outputs[0].token_ids) == n for r in res)
+            return time.perf_counter() - t0
+
+        gen(steps)  # warm-up: every bucket this shape meets
+        gen(1)
+        t1 = min(gen(1) for _ in range(3))
+        tn = min(gen(steps) for _ in range(2))
+        step = (tn - t1) / (steps - 1)
+        dev = _device_time(llm, b)
+        row = {"step_ms": 1e3 * step, "device_ms": None if dev is None else 1e3 * dev,
+               "prefill_ms": 1e3 * t1, "tok_s": b / step}
+        if profile:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            gen(steps)
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+            row["profile"] = s.getvalue()
+        out[str(b)] = row
+        print(f"  {backend} batch {b}: {row['step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
+    return out
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--backends", default="jax,torch")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.worker:
+        res = worker(args.worker, batches, args.steps, args.profile)
+        with open(args.out, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    from benchmarks._sysload import OtherCpu
+    from frontend.bench.common import format_table
+
+    tiny_model_dir()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results, noise = {}, {}
+    for be in backends:
+        print(f"running {be} ...", file=sys.stderr, flush=True)
+        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", be, "--out", out,
+               "--batches", args.batches, "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
+        with OtherCpu() as n:
+            p = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        noise[be] = n.share
+        if p.returncode != 0:
+            results[be] = {"error": f"exited {p.returncode}"}
+            continue
+        with open(out) as f:
+            results[be] = json.load(f)
+    headers = ["batch"]
+    for be in backends:
+        headers += [f"{be} step ms", f"{be} device ms", f"{be} host ms", f"{be} tok/s"]
+    rows = []
+    for b in batches:
+        row = [b]
+        for be in backends:
+            r = results[be].get(str(b)) if "error" not in results[be] else None
+            if r is None:
+                row += [None] * 4
+                continue
+            dev = r["device_ms"]
+            row += [r["step_ms"], dev, None if dev is None else r["step_ms"] - dev, r["tok_s"]]
+        rows.append(row)
+    cores = len(os.sched_getaffinity(0))
+    print(f"\ntiny Llama (2 layers, hidden 64, vocab 49152), 16-token prompts, {args.steps} greedy steps, "
+          f"{cores} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    for be in backends:
+        print(f"  {be}: " + (results[be]["error"] if "error" in results[be] else
+                             f"other processes used {100 * noise[be]:.0f}% of the CPU meanwhile"))
+    print(format_table(headers, rows, digits=2))
+    if args.profile:
+        for be in backends:
+            for b in batches:
+                r = results[be].get(str(b)) if "error" not in results[be] else None
+                if r and r.get("profile"):
+                    print(f"\n---- {be}, batch {b}: where {args.steps} steps went (cProfile, own time) ----")
+                    print("\n".join(r["profile"].splitlines()[:30]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "batches": batches, "steps": args.steps}, f, indent=1)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
