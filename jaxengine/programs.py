@@ -9,8 +9,8 @@ A step runs two programs (plus a third, rarely):
   of Tp tokens has at most that many requests), so the model program depends
   on the token bucket only. Token ids that the previous step sampled and the
   host has not seen yet are read from ``last_tokens`` on the device.
-* ``sample`` (one per request bucket Rp, and one with penalty / token-mask
-  inputs): LM head on the first Rp gathered rows, the sampler, and the sampled
+* ``sample`` (per request bucket Rp, three sampler variants: greedy, sample,
+  full): LM head on the first Rp gathered rows, the sampler, and the sampled
   tokens written into ``last_tokens`` for the next step.
 * ``prompt_logprobs`` (rare): log-softmax top-k of given hidden rows.
 
@@ -40,13 +40,13 @@ class ProgramKey(NamedTuple):
 
     kind: str  # "model" | "sample" | "prompt_logprobs"
     size: int  # padded tokens (model), padded requests (sample), hidden rows (prompt_logprobs)
-    processed: bool = False  # sample: with the [Rp, V] penalty / token-mask inputs
+    mode: str = ""  # sample: the sampler variant (jaxengine.sampler.SAMPLER_MODES)
 
     def describe(self) -> str:
         if self.kind == "model":
             return f"model tokens={self.size}"
         if self.kind == "sample":
-            return f"sample reqs={self.size}" + (" +penalties/masks" if self.processed else "")
+            return f"sample reqs={self.size} {self.mode}"
         return f"{self.kind} rows={self.size}"
 
 
@@ -167,14 +167,35 @@ def processed_inputs(sb: SamplingBatch, reqs: int, vocab_size: int) -> tuple[np.
 
 
 def sample_step(params, rows, last_tokens, packed, *processed, layout: SampleLayout, arch: ArchConfig,
-                num_logprobs: int, method: str):
-    """-> (out [Rp, 3 + 2N] i32: sampled, top-N ids, top-N logprobs, sampled logprob, rank; last_tokens)."""
+                mode: str, num_logprobs: int, method: str, chunk_rows: int | None = None):
+    """-> (out [Rp, 3 + 2N] i32: sampled, top-N ids, top-N logprobs, sampled logprob, rank; last_tokens).
+
+    `chunk_rows`: run the LM head and the sampler over that many rows at a time (a loop), so the
+    [rows, V] logits are never all alive at once. On a CPU a large temporary is a fresh mapping
+    whose first touch page-faults: 256 rows x 49152 logits took twice as long in one piece.
+    """
     R = layout.reqs
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)
-    logits = compute_logits(params, rows[:R], arch)
-    sampled, (ids, lps, tok_lp, rank) = sample(
-        logits, temperature, top_k, top_p, min_p, uniform, flags[0], flags[1], flags[2],
-        processed if processed else None, num_logprobs=num_logprobs, method=method)
+
+    def head(hidden, per_row, processed):
+        logits = compute_logits(params, hidden, arch)
+        return sample(logits, *per_row, flags[0], flags[1], flags[2], processed if processed else None,
+                      mode=mode, num_logprobs=num_logprobs, method=method)
+
+    per_row = (temperature, top_k, top_p, min_p, uniform)
+    if chunk_rows is None or R <= chunk_rows:
+        sampled, (ids, lps, tok_lp, rank) = head(rows[:R], per_row, processed)
+    else:
+        n = -(-R // chunk_rows)
+        pad = n * chunk_rows - R
+
+        def split(a):
+            a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+            return a.reshape(n, chunk_rows, *a.shape[1:])
+
+        res = lax.map(lambda xs: head(xs[0], xs[1], xs[2]),
+                      (split(rows[:R]), tuple(map(split, per_row)), tuple(map(split, processed))))
+        sampled, (ids, lps, tok_lp, rank) = jax.tree.map(lambda a: a.reshape(n * chunk_rows, *a.shape[2:])[:R], res)
     S = last_tokens.shape[0]
     last_tokens = last_tokens.at[jnp.where(sample_rows >= 0, sample_rows, S)].set(sampled, mode="drop")
     bits = lambda a: lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731

@@ -50,6 +50,7 @@ from jaxengine.programs import (
     sample_step,
     unpack_sample_output,
 )
+from jaxengine.sampler import SAMPLER_MODES, sampler_mode
 from jaxengine.sharding import ShardingRules, kv_cache_sharding, make_mesh, param_shardings, replicated, \
     shard_attention
 
@@ -88,6 +89,8 @@ class JaxModelRunner:
         opts = dict(dc.compilation_config or {})
         self.scan_layers = bool(opts.get("scan_layers", True))
         self.sampler_method = opts.get("sampler_method", "topk")
+        # CPU: LM head + sampler 64 rows at a time (see programs.sample_step)
+        self.logits_chunk_rows = opts.get("logits_chunk_rows", 64 if self.platform == "cpu" else None)
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         if self.cache_dir:
@@ -199,12 +202,13 @@ class JaxModelRunner:
             H, V, R = self.arch.hidden_size, self.arch.vocab_size, key.size
             rows = jax.ShapeDtypeStruct((self.num_rows, H), jnp_dtype(self.dtype), sharding=rep)
             extra = ()
-            if key.processed:
+            if key.mode == "processed":
                 f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=rep)  # noqa: E731
                 extra = (f32(R, V), f32(R, V), jax.ShapeDtypeStruct((R, V), jnp.bool_, sharding=rep),
                          f32(R), f32(R), f32(R))
-            fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, num_logprobs=self.max_logprobs,
-                                           method=self.sampler_method),
+            fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, mode=key.mode,
+                                           num_logprobs=self.max_logprobs, method=self.sampler_method,
+                                           chunk_rows=self.logits_chunk_rows),
                          donate_argnums=(2,), out_shardings=(rep, rep))
             return fn.lower(params, rows, last, i32(layout.size), *extra)
         if key.kind == "prompt_logprobs":
@@ -231,9 +235,9 @@ class JaxModelRunner:
         keys = [ProgramKey("model", t) for t in self.buckets.token_buckets(level)]
         if level == "none":
             return keys
-        keys += [ProgramKey("sample", r) for r in self.buckets.reqs]
+        modes = SAMPLER_MODES if level == "all" else ("greedy", "sample")
+        keys += [ProgramKey("sample", r, m) for r in self.buckets.reqs for m in modes]
         if level == "all":
-            keys += [ProgramKey("sample", r, True) for r in self.buckets.reqs]
             keys += [ProgramKey("prompt_logprobs", n) for n in PROMPT_LOGPROB_ROWS]
         return keys
 
@@ -298,8 +302,9 @@ class JaxModelRunner:
             hidden, rows, self.kv_cache = self._program(ProgramKey("model", Tp))(
                 self.params, self.kv_cache, self.last_tokens, self.rope, layout.pack(batch))
             sb = batch.sampling
-            extra = processed_inputs(sb, Rp, self.arch.vocab_size) if sb.processed else ()
-            out, self.last_tokens = self._program(ProgramKey("sample", Rp, sb.processed))(
+            mode = sampler_mode(sb.all_greedy, sb.num_logprobs >= 0, sb.processed)
+            extra = processed_inputs(sb, Rp, self.arch.vocab_size) if mode == "processed" else ()
+            out, self.last_tokens = self._program(ProgramKey("sample", Rp, mode))(
                 self.params, rows, self.last_tokens, SampleLayout(Rp).pack(sb, batch.sample_rows), *extra)
         step = PendingStep(self._finish, batch, out=out, hidden=hidden if batch.prompt_logprobs else None)
         self._pending = step

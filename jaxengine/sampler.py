@@ -4,10 +4,9 @@ Order per row (see sampling_ref): additive bias -> penalties -> greedy argmax, o
 temperature -> min-p -> top-k (ties kept) -> top-p (ties kept) -> inverse CDF
 with the host's seeded uniform. Logprobs are those of the raw logits.
 
-Which work a batch needs (sampling at all, filtering, logprobs) is decided
-at run time by `lax.cond` on traced flags, so one program per request bucket
-serves every batch; penalties and token masks, which add [R, V] inputs, are
-the one compiled variant.
+Three compiled variants per request bucket (`SAMPLER_MODES`): greedy, sample
+and full; inside them, which work a batch needs (filtering, logprobs, all
+greedy) is decided at run time by `lax.cond` on traced flags.
 
 Top-k and top-p thresholds, three ways, all exact (the k-th largest logit;
 sampling_ref's top-p cut value, up to float summation order):
@@ -182,6 +181,23 @@ def inverse_cdf(probs, u, block: int = 256):
     return jnp.where(bad, last_nz, idx)
 
 
+def argmax_rows(x, block: int = 1024):
+    """x [R, V] -> int32 [R]: the first index of each row's maximum (jnp.argmax's result).
+
+    Two passes over blocks of `block` columns (block maxima, then the winning block): XLA:CPU
+    vectorizes plain max reductions but not the variadic reduce of argmax, which made a
+    [64, 49152] argmax ~7x slower than this.
+    """
+    R, V = x.shape
+    nb = -(-V // block)
+    if nb < 2:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    xb = jnp.pad(x, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf).reshape(R, nb, block)
+    b = jnp.argmax(jnp.max(xb, axis=-1), axis=-1).astype(jnp.int32)  # first block holding the maximum
+    within = jnp.argmax(jnp.take_along_axis(xb, b[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    return b * block + within
+
+
 def raw_logprobs(logits, sampled, num_logprobs: int):
     """Top-N of log_softmax(raw logits) plus the sampled token's logprob and rank (1 = most likely)."""
     lp = jax.nn.log_softmax(logits, axis=-1)
@@ -189,6 +205,18 @@ def raw_logprobs(logits, sampled, num_logprobs: int):
     tok_lp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lp > tok_lp[:, None], axis=-1, dtype=jnp.int32) + 1
     return top_ids.astype(jnp.int32), top_lp, tok_lp, rank
+
+
+SAMPLER_MODES = ("greedy", "sample", "full", "processed")
+
+
+def sampler_mode(all_greedy: bool, wants_logprobs: bool, processed: bool) -> str:
+    """The cheapest compiled sampler that serves a batch (see `sample`)."""
+    if processed:
+        return "processed"
+    if wants_logprobs:
+        return "full"
+    return "greedy" if all_greedy else "sample"
 
 
 def sample(
@@ -204,32 +232,37 @@ def sample(
     processed=None,  # None or (bias [R, V], output_counts [R, V], prompt_mask [R, V], presence, frequency,
     #                  repetition [R]): penalties and token masks
     *,
+    mode: str = "full",
     num_logprobs: int,
     method: str = "topk",
 ):
     """-> (sampled [R] i32, (topk_ids [R, N] i32, topk_logprobs [R, N], sampled_logprobs [R], ranks [R] i32)).
 
-    The three flags are traced: one compiled program serves every mix of greedy, filtered and
-    logprob-returning rows, and `lax.cond` runs only the work a batch needs (a plain greedy batch
-    is one argmax). The logprob arrays are zeros when no row asked for them.
+    `mode` (static) is the compiled variant: "greedy" (every row greedy, no logprobs, no
+    penalties: one argmax), "sample" (temperature rows too, filtering decided at run time by
+    `needs_filtering`), "full" (`all_greedy` and `want_logprobs` decided at run time too),
+    "processed" (full, plus the `processed` penalty / token-mask inputs). Variants and not only run-time `lax.cond`s, because on XLA:CPU a cond
+    holding a softmax over the logits made the logits matmul before it 2-3x slower even when
+    the branch was not taken. The logprob arrays are zeros when no row asked for them.
     """
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
+    R, N = logits.shape[0], num_logprobs
+    no_logprobs = (jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.float32),
+                   jnp.zeros((R,), jnp.int32))
+    if mode == "greedy":
+        return argmax_rows(logits), no_logprobs
     x = logits if processed is None else apply_bias_and_penalties(logits, *processed)
-    greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def draw(x):
         greedy = temperature < GREEDY_EPS
         xs = _div_rows(x, jnp.where(greedy, 1.0, temperature))
         xs = lax.cond(needs_filtering, lambda v: filter_logits(v, top_k, top_p, min_p, method), lambda v: v, xs)
-        return jnp.where(greedy, greedy_tok, inverse_cdf(_softmax(xs), uniform))
+        return jnp.where(greedy, argmax_rows(x), inverse_cdf(_softmax(xs), uniform))
 
-    sampled = lax.cond(all_greedy, lambda x: greedy_tok, draw, x)
-    R = logits.shape[0]
-    N = num_logprobs
-
-    def no_logprobs(_):
-        return (jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.float32),
-                jnp.zeros((R,), jnp.int32))
-
-    lps = lax.cond(want_logprobs, lambda s: raw_logprobs(logits, s, N), no_logprobs, sampled)
+    if mode == "sample":
+        return draw(x), no_logprobs
+    sampled = lax.cond(all_greedy, argmax_rows, draw, x)
+    lps = lax.cond(want_logprobs, lambda ops: raw_logprobs(*ops, N), lambda _: no_logprobs, (logits, sampled))
     return sampled, lps

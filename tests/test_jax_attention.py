@@ -103,6 +103,20 @@ def test_matches_numpy_reference(case, window):
     np.testing.assert_array_equal(np.asarray(cache), want_cache)  # padding wrote nothing
 
 
+@pytest.mark.parametrize("case", [
+    ([1, 1, 1, 1, 1], [700, 30, 600, 5, 519]),  # five decode rows (the 8-row branch), long contexts
+    ([1, 1, 1, 1, 1, 1, 40], [3, 9, 1, 14, 2, 511, 0]),  # six decode rows and a prefill
+])
+def test_decode_branches_rows_and_kv_runs(case):
+    """The decode switch: more decode rows than the 4-row branch holds, and contexts of many kv runs."""
+    args = make_batch(*case, Hq=4, Hkv=2, D=16, num_pages=400, pps=100, Tp=64, Rp=8, seed=7)
+    out, cache = attention(*map(jnp.asarray, args), sm_scale=0.25, sliding_window=None)
+    want_out, want_cache = numpy_reference(*args, sm_scale=0.25)
+    T = int(args[6][int(args[7][2])])
+    np.testing.assert_allclose(np.asarray(out)[:T], want_out[:T], rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(cache), want_cache)
+
+
 def test_agrees_with_pallas_reference():
     pk = pytest.importorskip("pallas_kernels")
     if not hasattr(pk, "ref_ragged_paged_attention"):

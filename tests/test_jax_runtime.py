@@ -56,7 +56,7 @@ def test_recompilation_guard_passes_after_full_warmup(tiny, monkeypatch):
     keys = {p["key"] for p in stats["programs"]}
     # CPU buckets start at 1 token / 1 request; one model program per token bucket
     assert {ProgramKey("model", t) for t in (1, 2, 4, 8, 16, 32)} <= keys
-    assert ProgramKey("sample", 8) in keys and ProgramKey("sample", 8, True) in keys
+    assert {ProgramKey("sample", 8, m) for m in ("greedy", "sample", "full", "processed")} <= keys
     assert any(k.kind == "prompt_logprobs" for k in keys)
     mixed = [
         SamplingParams(temperature=0.0, max_tokens=5),

@@ -14,20 +14,22 @@ from jaxengine import sampler as S  # noqa: E402
 V = 4096
 METHODS = ("sort", "bisect", "topk")
 filter_logits = jax.jit(S.filter_logits, static_argnames=("method", "num_candidates"))
-_sample = jax.jit(S.sample, static_argnames=("num_logprobs", "method"))
+_sample = jax.jit(S.sample, static_argnames=("mode", "num_logprobs", "method"))
 
 
 def run_sample(x, temp, top_k, top_p, min_p, u, processed=None, *, num_logprobs=0, method="topk",
-               all_greedy=None, needs_filtering=None):
+               all_greedy=None, needs_filtering=None, mode=None):
     """S.sample with its run-time flags derived from the rows (or forced), as the runner packs them."""
     sampling = temp >= 1e-5
     if all_greedy is None:
         all_greedy = not sampling.any()
     if needs_filtering is None:
         needs_filtering = bool(np.any(sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))))
+    if mode is None:
+        mode = S.sampler_mode(bool(all_greedy), num_logprobs > 0, processed is not None)
     sampled, (ids, lps, tok_lp, rank) = _sample(
         x, temp, top_k, top_p, min_p, u, np.bool_(all_greedy), np.bool_(needs_filtering), np.bool_(num_logprobs > 0),
-        processed, num_logprobs=num_logprobs, method=method)
+        processed, mode=mode, num_logprobs=num_logprobs, method=method)
     return {"sampled": np.asarray(sampled), "topk_ids": np.asarray(ids), "topk_logprobs": np.asarray(lps),
             "sampled_logprobs": np.asarray(tok_lp), "sampled_ranks": np.asarray(rank)}
 
@@ -168,8 +170,11 @@ def test_run_time_flags_only_skip_work():
     base = run_sample(x, temp, top_k, top_p, min_p, u)
     forced = run_sample(x, temp, top_k, top_p, min_p, u, needs_filtering=True, num_logprobs=4)
     assert base["sampled"].tolist() == forced["sampled"].tolist()
+    full = run_sample(x, temp, top_k, top_p, min_p, u, mode="full")
+    assert base["sampled"].tolist() == full["sampled"].tolist()
     greedy = np.zeros(n, np.float32)
     a = run_sample(x, greedy, top_k, top_p, min_p, u)
-    b = run_sample(x, greedy, top_k, top_p, min_p, u, all_greedy=False, needs_filtering=True)
-    assert a["sampled"].tolist() == b["sampled"].tolist() == [int(np.argmax(r)) for r in x]
+    b = run_sample(x, greedy, top_k, top_p, min_p, u, all_greedy=False, needs_filtering=True, mode="full")
+    c = run_sample(x, greedy, top_k, top_p, min_p, u, mode="sample")
+    assert a["sampled"].tolist() == b["sampled"].tolist() == c["sampled"].tolist() == [int(np.argmax(r)) for r in x]
     assert not base["topk_ids"].size and (forced["topk_ids"] >= 0).all() and forced["topk_ids"].shape == (n, 4)

@@ -41,7 +41,7 @@ from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, prepare_step
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
 from torchengine.model import build_model, load_weights
-from torchengine.sampler import SamplingTensors, log_softmax, sample
+from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -143,6 +143,8 @@ class TorchModelRunner:
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
         self.tp = None  # torchengine.distributed.TPGroup when tp_size > 1
         self._pending: PendingStep | None = None
+        # CPU: LM head + sampler 64 rows at a time (see sampler.sample_in_chunks)
+        self.logits_chunk_rows = 64 if self.device.type == "cpu" else None
 
     def _new_input_batch(self) -> InputBatch:
         sc = self.config.scheduler_config
@@ -319,17 +321,16 @@ class TorchModelRunner:
             num_tokens=T,
         )
         hidden = None
+        st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
         if self.cuda_graphs is not None and not batch.prompt_logprobs and self.cuda_graphs.can_replay(batch):
-            logits = self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R]
+            out = sample(self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R], st)
         else:
             # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
             meta.slot_mapping = meta.slot_mapping[:T]
             meta.groups = self.attn_backend.plan(batch, self.device, self.block_size)
             attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
             hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
-            logits = self.model.compute_logits(hidden[logits_indices[:R]])  # [R, V]
-        st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
-        out = sample(logits, st)
+            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows)
         rows = batch.sample_rows[:R]
         if (rows >= 0).any():  # the tokens the next step may read before this one's results reach the host
             r = put("sample_rows", np.where(rows >= 0, rows, self.last_tokens.shape[0] - 1), torch.int64)
