@@ -297,6 +297,15 @@ def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tupl
 # saving (used by tests and `xlaserve convert`)
 
 
+def _np_dtype(name: str):
+    """numpy dtype of a dtype name; bfloat16 comes from ml_dtypes (numpy does not know the name)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
 def save_hf_folder(src: ModelSource, out_dir: str, dtype: str = "float32") -> str:
     """Write config.json + model.safetensors + tokenizer files for `src` into out_dir."""
     from safetensors.numpy import save_file
@@ -312,7 +321,7 @@ def save_hf_folder(src: ModelSource, out_dir: str, dtype: str = "float32") -> st
     for name, arr in src.iter_weights():
         if name == "lm_head.weight" and src.config.tie_word_embeddings:
             continue
-        weights[name] = np.ascontiguousarray(arr.astype(dtype))
+        weights[name] = np.ascontiguousarray(arr.astype(_np_dtype(dtype)))
     save_file(weights, os.path.join(out_dir, "model.safetensors"))
     tok = load_tokenizer(src)
     tok.hf.save_pretrained(out_dir)

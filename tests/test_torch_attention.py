@@ -88,11 +88,17 @@ def test_torch_attention_matches_reference(case, heads, window, pad_tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_triton_attention_wrapper_in_interpreter():
-    """TritonAttention passes the metadata the kernels expect (CPU tensors run the Triton interpreter)."""
+def test_triton_attention_wrapper():
+    """TritonAttention passes the metadata the kernels expect: on a GPU, or in the Triton interpreter on CPU."""
     tk = pytest.importorskip("triton_kernels")
     if not tk.HAS_TRITON:
         pytest.skip("triton is not installed")
+    if tk.interpreted():
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from torchengine.attention import TritonAttention
 
     Hq, Hkv, D, bs = 4, 2, 16, 8
@@ -102,6 +108,9 @@ def test_triton_attention_wrapper_in_interpreter():
                                                        meta.block_tables.int())
     backend = TritonAttention(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, sliding_window=None)
     want, want_kc, _ = reference_out(meta, q, k, v, kc, vc, backend.sm_scale, None)
+    for name in ("slot_mapping", "cu_q_lens", "kv_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    q, k, v, kc, vc = (t.to(device) for t in (q, k, v, kc, vc))
     got = backend.forward(q, k, v, kc, vc, meta)
-    torch.testing.assert_close(kc, want_kc, rtol=0, atol=0)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kc.cpu(), want_kc, rtol=0, atol=0)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

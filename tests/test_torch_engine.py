@@ -110,3 +110,12 @@ def test_logprobs_agree_across_batch_shapes(tiny_llama, monkeypatch):
         for s, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
             assert s.keys() == t.keys()
             np.testing.assert_allclose([v.logprob for v in s.values()], [v.logprob for v in t.values()], atol=1e-4)
+
+
+def test_request_bucket_larger_than_max_num_seqs(tiny_llama):
+    """GPU-style buckets (8 requests at least) with --max-num-seqs 4: warm-up and serving pad to the bucket
+    instead of asking the input batch for rows it does not have (a GPU warm-up crash, issue 13)."""
+    llm = llm_for(tiny_llama, max_num_seqs=4, min_seq_bucket=8, min_token_bucket=16, warmup="all")
+    batch = llm.llm_engine.core.runner._dummy_batch(8, 1)
+    assert batch.num_reqs == 4 and batch.padded_num_reqs == 8 and batch.padded_num_tokens == 16
+    assert tokens(llm, GREEDY, PROMPTS[:5]) == tokens(llm_for(tiny_llama), GREEDY, PROMPTS[:5])

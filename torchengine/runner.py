@@ -272,7 +272,12 @@ class TorchModelRunner:
         return stats
 
     def _dummy_batch(self, num_reqs: int, q_len: int, params: SamplingParams | None = None) -> StepBatch:
-        """A step of `num_reqs` fresh requests of `q_len` tokens, all in the null block."""
+        """A step of `num_reqs` fresh requests of `q_len` tokens, all in the null block.
+
+        A request bucket may be larger than --max-num-seqs (the smallest one is 8 on a GPU): the batch then
+        holds --max-num-seqs requests and is padded to the bucket, as a real step would be.
+        """
+        num_reqs = min(num_reqs, self.config.scheduler_config.max_num_seqs)
         ib = self._new_input_batch()
         params = params or SamplingParams(temperature=0.0)
         nb = -(-q_len // self.block_size)
