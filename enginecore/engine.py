@@ -18,7 +18,7 @@ from enginecore.processor import InputProcessor, OutputProcessor
 from enginecore.request import Request, RequestStatus
 from enginecore.runner import create_runner
 from enginecore.sampling_params import SamplingParams
-from enginecore.scheduler import Scheduler, SchedulerStats
+from enginecore.scheduler import RequestRejectedError, Scheduler, SchedulerStats
 from enginecore.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("xlaserve.engine")
@@ -114,15 +114,14 @@ def served_model_names(config: EngineConfig, model: ModelSource) -> list[str]:
 
 
 class LLMEngine:
-    """In-process engine with tokenization and detokenization."""
+    """In-process engine with tokenization and detokenization (the offline `LLM`, run-batch)."""
 
     def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer, core: EngineCore | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.core = core or EngineCore(config, model)
-        vocab = max(model.config.vocab_size, 0)
-        self.input_processor = InputProcessor(config, tokenizer, vocab)
+        self.input_processor = InputProcessor(config, tokenizer, max(model.config.vocab_size, 0))
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod
@@ -131,10 +130,12 @@ class LLMEngine:
         return cls(config, model, tokenizer)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> list[str]:
+        """Validate and submit; returns the engine ids of its children. Raises as the server's client does."""
         if self.output_processor.has(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
         text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
-        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs])
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs],
+                                          arrival_time=reqs[0].arrival_time)
         added = []
         try:
             for r in reqs:
@@ -150,7 +151,7 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            self.core.abort_requests(self.output_processor.child_ids(rid))
+            self.core.abort_requests(self.output_processor.unfinished_child_ids(rid))
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
@@ -161,4 +162,4 @@ class LLMEngine:
         results, to_abort = self.output_processor.process_outputs(outs)
         if to_abort:
             self.core.abort_requests(to_abort)
-        return results
+        return [ro for _, ro in results]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from enginecore.config import ConfigError

@@ -1,15 +1,23 @@
-"""Input and output processing around the engine core (in the API process).
+"""The API side of a request, around the engine core: validation in, detokenization out.
 
-`InputProcessor`: prompt -> token ids, validation against the model, seeds,
-and the split of an `n > 1` request into n child `Request`s.
-`OutputProcessor`: `EngineCoreOutput`s -> `RequestOutput`s: incremental
-detokenization, stop strings, logprobs, aggregation of children.
+`InputProcessor.process` is the one validation of a request, used by the
+server and by the offline `LLM` alike: prompt -> token ids, every check that
+needs the model or the engine's limits, the seed, and the split of an `n > 1`
+request into n child `Request`s. The scheduler keeps only capacity checks
+(KV blocks, the waiting queue).
+
+`RequestState` is everything the API side keeps about one request (its
+children's detokenizers, tokens, logprobs, timings, and for the server its
+output queue); `OutputProcessor` owns them and turns `EngineCoreOutput`s into
+`RequestOutput`s: incremental detokenization, stop strings, logprobs,
+aggregation of children, and the per-request events of the metrics.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,6 +26,7 @@ from enginecore.detokenizer import IncrementalDetokenizer
 from enginecore.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
 from enginecore.request import Request
 from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from enginecore.scheduler import RequestRejectedError
 from enginecore.tokenizer import Tokenizer
 
 
@@ -52,15 +61,12 @@ class InputProcessor:
             return None, [int(t) for t in prompt]
         raise PromptError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def process(
-        self,
-        request_id: str,
-        prompt,
-        params: SamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> tuple[str | None, list[int], list[Request]]:
-        text, ids = self.tokenize_prompt(prompt)
+    def validate(self, ids: list[int], params: SamplingParams, priority: int) -> int:
+        """Every check a request must pass before it reaches the engine; returns its resolved max_tokens.
+
+        Raises PromptError or SamplingParamsError (HTTP 400), naming the field and the limit.
+        """
+        sc = self.config.scheduler_config
         if not ids:
             raise PromptError("the prompt is empty: it must contain at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -69,7 +75,7 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise PromptError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{len(ids)} input tokens. Please reduce the length of the input."
+                f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of the input."
             )
         params.verify_for_model(self.vocab_size, self.config.model_config.max_logprobs)
         room = self.max_model_len - len(ids)
@@ -80,7 +86,27 @@ class InputProcessor:
                 "completion). Please reduce the length of the input or the completion.",
                 "max_tokens",
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if priority != 0 and sc.scheduling_policy != "priority":
+            raise SamplingParamsError(
+                f"got priority {priority}, but priority scheduling is off: start the server with "
+                "--scheduling-policy priority", "priority")
+        if params.n > sc.max_waiting_requests:  # its n sequences wait together: it could never be admitted
+            raise SamplingParamsError(
+                f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
+                f"{sc.max_waiting_requests} (--max-waiting-requests): it could never be admitted", "n")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def process(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, list[int], list[Request]]:
+        """Validate and build the engine requests: (prompt text or None, prompt ids, one Request per child)."""
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.validate(ids, params, priority)
         eos = tuple(self.tokenizer.eos_token_ids)
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
@@ -113,8 +139,22 @@ class InputProcessor:
         return out
 
 
+class OutputObserver(Protocol):
+    """Per-request events (the server's metrics implement it)."""
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+
+    def on_inter_token(self, latency_s: float) -> None: ...
+
+    def on_generation_tokens(self, n: int) -> None: ...
+
+    def on_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+
 @dataclass
-class _Child:
+class ChildState:
+    """One of the n sequences of a request (the engine's `Request` of that id)."""
+
     index: int
     detok: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
@@ -122,69 +162,84 @@ class _Child:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # for DELTA output
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # what DELTA outputs have handed out
     sent_tokens: int = 0
     sent_logprobs: int = 0
 
 
 @dataclass
-class _RequestState:
+class RequestState:
+    """Everything the API side keeps about one request."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: dict[str, _Child]
+    children: dict[str, ChildState]  # engine request id -> child
+    arrival_time: float
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    num_generation_tokens: int = 0
+    queue: Any = None  # the server's asyncio.Queue of RequestOutputs (None offline)
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
 
+    @property
+    def first_token_time(self) -> float | None:
+        times = [c.first_token_time for c in self.children.values() if c.first_token_time is not None]
+        return min(times) if times else None
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, observer: OutputObserver | None = None):
         self.tokenizer = tokenizer
-        self.states: dict[str, _RequestState] = {}
+        self.observer = observer
+        self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt, prompt_ids: list[int], params: SamplingParams, child_ids: list[str],
-                    arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                    child_ids: list[str], arrival_time: float | None = None, queue=None) -> RequestState:
+        if request_id in self.states:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
         children = {}
         for i, cid in enumerate(child_ids):
-            detok = (
-                IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-                )
-                if params.detokenize
-                else None
-            )
-            children[cid] = _Child(
-                i, detok, logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
-            )
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
+                                            params.include_stop_str_in_output) if params.detokenize else None)
+            children[cid] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[cid] = request_id
-        self.states[request_id] = _RequestState(
-            request_id, prompt, prompt_ids, params, children,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            arrival_time=arrival_time or time.monotonic(),
-        )
+        st = RequestState(request_id, prompt, prompt_ids, params, children, arrival_time or time.monotonic(),
+                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None, queue=queue)
+        self.states[request_id] = st
+        return st
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
 
-    def child_ids(self, request_id: str) -> list[str]:
+    def unfinished_child_ids(self, request_id: str) -> list[str]:
         st = self.states.get(request_id)
-        return list(st.children) if st else []
+        return [cid for cid, c in st.children.items() if c.finish_reason is None] if st else []
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, now: float | None = None) -> RequestState | None:
+        """Forget a request; its unfinished children count as aborted. Returns its state (None if unknown)."""
         st = self.states.pop(request_id, None)
-        if st:
-            for cid in st.children:
-                self.child_to_parent.pop(cid, None)
+        if st is None:
+            return None
+        now = now or time.monotonic()
+        for cid, ch in st.children.items():
+            self.child_to_parent.pop(cid, None)
+            if ch.finish_reason is None:
+                ch.finish_reason = "abort"
+                self._finished(st, ch, now)
+        return st
+
+    def _finished(self, st: RequestState, ch: ChildState, now: float) -> None:
+        if self.observer is not None:
+            self.observer.on_finished(ch.finish_reason, now - st.arrival_time, len(st.prompt_token_ids),
+                                      len(ch.token_ids))
 
     def _decode_one(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
@@ -199,11 +254,13 @@ class OutputProcessor:
         first = lp.token_ids[0]
         return {first: d[first], **{t: v for t, v in d.items() if t != first}}
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the request outputs to deliver and the child ids the core must abort (stop strings)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        now: float | None = None) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """-> ([(state, output to deliver)], engine child ids to abort (stop strings matched here))."""
+        now = now or time.monotonic()
         updated: dict[str, set[str]] = {}
         to_abort: list[str] = []
-        now = time.monotonic()
+        obs = self.observer
         for o in outputs:
             pid = self.child_to_parent.get(o.request_id)
             if pid is None:
@@ -216,37 +273,47 @@ class OutputProcessor:
             if o.prompt_logprobs is not None and st.prompt_logprobs is not None and ch.index == 0:
                 k = st.params.prompt_logprobs
                 st.prompt_logprobs.extend(self._to_logprob_dict(lp, k) if lp else None for lp in o.prompt_logprobs)
-            if o.new_token_ids and st.first_token_time is None:
-                st.first_token_time = now
-            st.num_generation_tokens += len(o.new_token_ids)
-            ch.token_ids.extend(o.new_token_ids)
+            n = len(o.new_token_ids)
+            if n:
+                if obs is not None:
+                    if ch.first_token_time is None:
+                        obs.on_first_token(now - st.arrival_time, len(st.prompt_token_ids))
+                    else:
+                        obs.on_inter_token(now - ch.last_token_time)
+                    obs.on_generation_tokens(n)
+                if ch.first_token_time is None:
+                    ch.first_token_time = now
+                ch.last_token_time = now
+                ch.token_ids.extend(o.new_token_ids)
             if ch.logprobs is not None and o.new_logprobs:
                 for lp in o.new_logprobs:
                     ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
                     ch.cumulative_logprob += lp.logprobs[0]
-            stop_hit = None
-            if ch.detok is not None:
-                stop_hit = ch.detok.add_tokens(o.new_token_ids)
+            stop_hit = ch.detok.add_tokens(o.new_token_ids) if ch.detok is not None and n else None
             if stop_hit is not None:
                 ch.finish_reason, ch.stop_reason = "stop", stop_hit
                 if o.finish_reason is None:
                     to_abort.append(o.request_id)
+                self._finished(st, ch, now)
             elif o.finish_reason is not None:
                 ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
                 if ch.detok is not None and o.finish_reason != "abort":
                     ch.detok.flush_text()
+                self._finished(st, ch, now)
             updated.setdefault(pid, set()).add(o.request_id)
         results = []
         for pid, cids in updated.items():
             st = self.states[pid]
             ro = self._make_output(st, cids)
             if ro is not None:
-                results.append(ro)
+                results.append((st, ro))
             if st.finished:
-                self.abort(pid)
+                self.states.pop(pid, None)
+                for cid in st.children:
+                    self.child_to_parent.pop(cid, None)
         return results, to_abort
 
-    def _make_output(self, st: _RequestState, updated: set[str]) -> RequestOutput | None:
+    def _make_output(self, st: RequestState, updated: set[str]) -> RequestOutput | None:
         kind = st.params.output_kind
         finished = st.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -274,7 +341,7 @@ class OutputProcessor:
         metrics = {
             "arrival_time": st.arrival_time,
             "first_token_time": st.first_token_time,
-            "num_generation_tokens": st.num_generation_tokens,
+            "num_generation_tokens": sum(len(c.token_ids) for c in st.children.values()),
         }
         return RequestOutput(
             request_id=st.request_id,

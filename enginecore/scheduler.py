@@ -68,16 +68,15 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        """Capacity checks only (requests were validated by `InputProcessor.validate`): a request that can
+        never fit the context or the KV cache gets RequestRejectedError (HTTP 400), a full waiting queue
+        SchedulerOverloadedError (HTTP 503)."""
         if req.request_id in self.requests:
             raise RequestRejectedError(f"request id {req.request_id!r} is already in use")
-        if req.num_prompt_tokens == 0:
-            raise RequestRejectedError("the prompt is empty: it must contain at least one token")
-        if req.num_prompt_tokens >= self.max_model_len:
+        if not 0 < req.num_prompt_tokens < self.max_model_len:
             raise RequestRejectedError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{req.num_prompt_tokens} input tokens, which leaves no room for output. Please reduce the length "
-                "of the input."
-            )
+                f"a prompt of {req.num_prompt_tokens} tokens does not fit --max-model-len {self.max_model_len} "
+                "with room for output")
         need = -(-(req.num_prompt_tokens + 1) // self.block_size)
         if need > self.kv.pool.num_usable_blocks:
             raise RequestRejectedError(

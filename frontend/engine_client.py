@@ -1,9 +1,10 @@
 """The API process's handle on the engine core: ZeroMQ + msgpack to its process (or thread).
 
-`AsyncEngineClient` tokenizes and validates (InputProcessor), sends the
-requests over a PUSH socket, and awaits the engine's messages on a PULL socket
-with zmq.asyncio: one task reads them, detokenizes (OutputProcessor), and puts
-each `RequestOutput` on its request's asyncio queue. Nothing polls.
+`AsyncEngineClient` validates and tokenizes (`InputProcessor`, the same
+validation as the offline `LLM`), sends the requests over a PUSH socket, and
+awaits the engine's messages on a PULL socket with zmq.asyncio: one task reads
+them, detokenizes (`OutputProcessor`), and puts each `RequestOutput` on the
+queue of its request's `RequestState`. Nothing polls.
 
 Both modes speak the same protocol (`frontend.wire`): the default runs
 `frontend.engine_proc` in a spawned process over `ipc://`; with
@@ -22,8 +23,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import zmq
@@ -33,8 +32,8 @@ from enginecore.config import EngineConfig
 from enginecore.engine import EngineCore
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import EngineCoreOutput, RequestOutput
-from enginecore.processor import InputProcessor, OutputProcessor
-from enginecore.sampling_params import SamplingParams, SamplingParamsError
+from enginecore.processor import InputProcessor, OutputObserver, OutputProcessor
+from enginecore.sampling_params import SamplingParams
 from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError, SchedulerStats
 from enginecore.tokenizer import Tokenizer
 from frontend import wire
@@ -52,29 +51,10 @@ class EngineStartupError(RuntimeError):
     """The engine core could not start; the message says why."""
 
 
-class StatsObserver(Protocol):
-    """What the client reports per engine request (child) and per engine message (metrics, stats log)."""
+class StatsObserver(OutputObserver, Protocol):
+    """What the client reports: per-request events (OutputObserver) and each engine message's stats."""
 
     def on_engine_stats(self, stats: SchedulerStats) -> None: ...
-
-    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
-
-    def on_inter_token(self, latency_s: float) -> None: ...
-
-    def on_generation_tokens(self, n: int) -> None: ...
-
-    def on_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
-
-
-@dataclass
-class _ChildTiming:
-    parent: str
-    arrival: float
-    prompt_len: int
-    first: float | None = None
-    last: float | None = None
-    generated: int = 0
-    done: bool = False
 
 
 class RequestStream:
@@ -116,14 +96,11 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer
         self.observer = observer
         self.input_processor = InputProcessor(config, tokenizer, max(model.config.vocab_size, 0))
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, observer)
         self.stats = SchedulerStats()
         self.num_blocks = 0
         self.dead_reason: str | None = None
         self.on_dead: list[Callable[[str], None]] = []
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._children: dict[str, list[str]] = {}  # parent id -> child ids
-        self._timings: dict[str, _ChildTiming] = {}  # child id -> timing
         self._pending_adds: dict[str, asyncio.Future] = {}
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -236,7 +213,7 @@ class AsyncEngineClient:
         self.dead_reason = reason
         logger.error("engine core is dead: %s", reason)
         err = EngineDeadError(f"the engine is dead: {reason}")
-        for q in self._queues.values():
+        for q in self._queues():
             q.put_nowait(err)
         for fut in list(self._pending_adds.values()) + list(self._pending_calls.values()):
             if not fut.done():
@@ -250,7 +227,7 @@ class AsyncEngineClient:
     def fail_all(self, reason: str) -> None:
         """End every in-flight request with EngineDeadError(reason) (HTTP 503); their streams abort them."""
         err = EngineDeadError(reason)
-        for q in self._queues.values():
+        for q in self._queues():
             q.put_nowait(err)
         for fut in self._pending_adds.values():
             if not fut.done():
@@ -288,7 +265,7 @@ class AsyncEngineClient:
                 await self._reader_task
             except (asyncio.CancelledError, Exception):
                 pass
-        for q in self._queues.values():
+        for q in self._queues():
             q.put_nowait(EngineDeadError("the server is shutting down"))
         for sock in (self._in, self._out):
             if sock is not None:
@@ -304,6 +281,9 @@ class AsyncEngineClient:
     def _send(self, msg) -> None:
         self._in.send(wire.pack(msg), zmq.NOBLOCK)
 
+    def _queues(self):
+        return [st.queue for st in self.output_processor.states.values() if st.queue is not None]
+
     async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
         """Validate, tokenize and submit; returns once the engine accepted it.
 
@@ -312,27 +292,12 @@ class AsyncEngineClient:
         """
         if self.is_dead or self._closing:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason or 'the server is shutting down'}")
-        if request_id in self._queues:
-            raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
-            raise SamplingParamsError(
-                f"got priority {priority}, but priority scheduling is off: start the server with "
-                "--scheduling-policy priority", "priority")
-        limit = self.config.scheduler_config.max_waiting_requests
-        if params.n > limit:  # its n sequences wait together: it could never be accepted
-            raise SamplingParamsError(
-                f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
-                f"{limit} (--max-waiting-requests): it could never be admitted", "n")
         text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
-        fut = asyncio.get_running_loop().create_future()
-        self._queues[request_id] = queue
-        self._pending_adds[request_id] = fut
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs],
-                                          arrival_time=reqs[0].arrival_time)
-        self._children[request_id] = [r.request_id for r in reqs]
-        for r in reqs:
-            self._timings[r.request_id] = _ChildTiming(request_id, r.arrival_time, len(ids))
+                                          arrival_time=reqs[0].arrival_time, queue=queue)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending_adds[request_id] = fut
         try:
             self._send(("add", request_id, [wire.encode_request(r) for r in reqs]))
             err = await fut
@@ -342,24 +307,18 @@ class AsyncEngineClient:
         finally:
             self._pending_adds.pop(request_id, None)
         if err is not None:
-            self._forget(request_id)
             self.output_processor.abort(request_id)
             kind, message = err
             raise (SchedulerOverloadedError if kind == "overloaded" else RequestRejectedError)(message)
         return RequestStream(self, request_id, queue)
 
     def _forget(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-        for cid in self._children.pop(request_id, ()):
-            self._timings.pop(cid, None)
+        """Its stream ended (the last output or an error): drop what is left of its state."""
+        self.output_processor.abort(request_id)
 
     def _abort(self, request_id: str) -> None:
-        child_ids = self.output_processor.child_ids(request_id)
+        child_ids = self.output_processor.unfinished_child_ids(request_id)
         self.output_processor.abort(request_id)
-        now = time.monotonic()
-        for cid in self._children.get(request_id, ()):
-            self._finish_child(self._timings.get(cid), "abort", now)
-        self._forget(request_id)
         if child_ids and not self.is_dead and not self._closing:
             try:
                 self._send(("abort", child_ids))
@@ -388,7 +347,7 @@ class AsyncEngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self.output_processor.states)
 
     # ---- the engine's messages ----------------------------------------------------------
 
@@ -434,38 +393,9 @@ class AsyncEngineClient:
             self._mark_dead(msg["dead"])
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        now = time.monotonic()
-        op, obs = self.output_processor, self.observer
-        for o in outputs:
-            t = self._timings.get(o.request_id)
-            if t is None or t.done:
-                continue
-            n = len(o.new_token_ids)
-            if n and obs is not None:
-                if t.first is None:
-                    obs.on_first_token(now - t.arrival, t.prompt_len)
-                else:
-                    obs.on_inter_token(now - t.last)
-                obs.on_generation_tokens(n)
-            if n:
-                t.first = t.first if t.first is not None else now
-                t.last = now
-                t.generated += n
-            if o.finish_reason is not None:
-                self._finish_child(t, o.finish_reason, now)
-        results, to_abort = op.process_outputs(outputs)
+        results, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:  # stop strings matched in the API process: the engine must drop these
-            for cid in to_abort:
-                self._finish_child(self._timings.get(cid), "stop", now)
             self._send(("abort", to_abort))
-        for ro in results:
-            q = self._queues.get(ro.request_id)
-            if q is not None:
-                q.put_nowait(ro)
-
-    def _finish_child(self, t: _ChildTiming | None, reason: str, now: float) -> None:
-        if t is None or t.done:
-            return
-        t.done = True
-        if self.observer is not None:
-            self.observer.on_finished(reason, now - t.arrival, t.prompt_len, t.generated)
+        for st, ro in results:
+            if st.queue is not None:
+                st.queue.put_nowait(ro)

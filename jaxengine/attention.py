@@ -28,7 +28,6 @@ Logits, softmax and the weighted sum run in float32.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

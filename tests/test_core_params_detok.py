@@ -149,6 +149,35 @@ def test_detokenizer_multibyte_split_across_tokens(smollm2_tokenizer):
     assert d.output_text == text
 
 
+def test_detokenizer_stream_path_equals_decode_path(smollm2_tokenizer):
+    """The DecodeStream path (fast tokenizers) gives the text of the decode-a-window path, delta by delta,
+    for real text, special tokens (skipped or kept) and random token soup with dangling UTF-8 bytes."""
+    import random
+
+    tok = smollm2_tokenizer
+    rng = random.Random(0)
+    cases = [tok.encode(t, add_special_tokens=False) for t in (
+        "Unicode: 你好，世界 — café, 😀🎉 🧑‍🚀", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|> kept? <|im_start|>assistant", " a\n\tb  c ")]
+    cases += [[rng.randrange(0, 49152) for _ in range(60)] for _ in range(12)]
+
+    def run(d, ids):
+        out = []
+        for t in ids:
+            d.add_tokens([t])
+            out.append(d.get_delta(False))
+        d.flush_text()
+        out.append(d.get_delta(True))
+        return out
+
+    for skip in (True, False):
+        for ids in cases:
+            fast = IncrementalDetokenizer(tok, [1, 2, 3], skip_special_tokens=skip)
+            slow = IncrementalDetokenizer(tok, [1, 2, 3], skip_special_tokens=skip)
+            slow._stream = None
+            assert fast._stream is not None
+            assert run(fast, ids) == run(slow, ids)
+
+
 def test_seeded_uniform_is_stable_and_uniform():
     from enginecore.sampling_ref import seeded_uniform
 

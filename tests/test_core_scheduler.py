@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from enginecore.config import EngineArgs
 from enginecore.engine import EngineCore
-from enginecore.request import Request, RequestStatus
+from enginecore.request import Request
 from enginecore.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner
 
@@ -238,7 +238,7 @@ def test_rejects_requests_that_cannot_run():
     from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError
 
     core = make_core(num_blocks=8, block_size=4, max_model_len=128)
-    with pytest.raises(RequestRejectedError, match="maximum context length"):
+    with pytest.raises(RequestRejectedError, match="does not fit --max-model-len 128"):
         core.add_request(req("a", list(range(200))))
     with pytest.raises(RequestRejectedError, match="blocks"):
         core.add_request(req("b", list(range(100))))

@@ -130,7 +130,7 @@ class TorchAttention(AttentionBackend):
 
     def _group(self, batch, reqs, starts, q_lens, kv, block_size, device) -> RequestGroup:
         group = self.num_heads // self.num_kv_heads
-        n, L = len(reqs), int(q_lens.max())
+        L = int(q_lens.max())
         P = int(-(-kv.max() // block_size))
         S = P * block_size
         l_idx = np.arange(L)[None, :]  # [1, L]
