@@ -6,8 +6,8 @@
 
 On a GPU: decode batches (32/128 requests, kv 1k-4k, Hq=32, Hkv=8, D=128,
 bf16, block 16) and a prefill batch, each timed for
-- `triton`: `unified_attention` (one launch, pages read in place),
-- `sdpa`: gather each request's pages into a dense tensor, then torch SDPA
+- `triton`: `unified_attention` (one launch, blocks read in place),
+- `sdpa`: gather each request's blocks into a dense tensor, then torch SDPA
   (what a backend without a paged kernel would do), and `sdpa-only` without
   the gather,
 - `ref`: the float32 per-request reference (a correctness oracle, not a rival).
@@ -15,10 +15,9 @@ Decode is bandwidth-bound, so it is scored as K/V bytes read per second and as
 a fraction of the GPU's device-to-device copy bandwidth (read + write bytes of
 a large copy_). Prefill is scored in TFLOP/s of causal attention.
 
-Without a GPU it says so, prints a small CPU table of `paged_attention_torch`
-(the torch backend's CPU path) against the reference, and exits 0.
-`--cpu-smoke` instead runs the GPU tables with tiny shapes through the Triton
-interpreter, to check this script itself; its numbers mean nothing.
+Without a GPU it says so and exits 0. `--cpu-smoke` instead runs the GPU
+tables with tiny shapes through the Triton interpreter, to check this script
+itself; its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -36,17 +35,17 @@ BLOCK_SIZE = 16
 
 
 def make_paged_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype, device, seed=0):
-    """Random cache + a ragged batch whose requests own shuffled pages (block 0 stays the null block)."""
+    """Random cache + a ragged batch whose requests own shuffled blocks (block 0 stays the null block)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    pages = [-(-kv // BLOCK_SIZE) for kv in kv_lens]
-    max_blocks = max(pages)
-    num_blocks = 1 + sum(pages)
+    blocks = [-(-kv // BLOCK_SIZE) for kv in kv_lens]
+    max_blocks = max(blocks)
+    num_blocks = 1 + sum(blocks)
     key_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=device, dtype=dtype)
     value_cache = torch.randn_like(key_cache)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
     block_tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.int32)
     start = 0
-    for r, n in enumerate(pages):
+    for r, n in enumerate(blocks):
         block_tables[r, :n] = order[start : start + n]
         start += n
     cu = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
@@ -62,7 +61,7 @@ def make_paged_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype
 
 
 def sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
-    """Dense torch path: gather pages per request (padded to the longest), then one SDPA call.
+    """Dense torch path: gather blocks per request (padded to the longest), then one SDPA call.
 
     Equal lengths only (the tables below use equal lengths), so no mask is needed:
     decode is q_len 1 over the full kv; prefill is q_len == kv_len with is_causal.
@@ -81,11 +80,11 @@ def sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
 
 
 def gather_pages(batch, kv_len):
-    num_pages = -(-kv_len // BLOCK_SIZE)
-    pages = batch["block_tables"][:, :num_pages].long()
+    num_blocks_read = -(-kv_len // BLOCK_SIZE)
+    blocks = batch["block_tables"][:, :num_blocks_read].long()
 
     def dense(cache):  # [B, Hkv, S, D]
-        return cache[pages].flatten(1, 2)[:, :kv_len].transpose(1, 2)
+        return cache[blocks].flatten(1, 2)[:, :kv_len].transpose(1, 2)
 
     return dense(batch["key_cache"]), dense(batch["value_cache"])
 
@@ -196,30 +195,6 @@ def tk_config(batch, q_lens):
     return pick_config(q.shape[0], len(q_lens), q.shape[1], batch["key_cache"].shape[2], q.shape[2], q.dtype, q.device)
 
 
-def run_cpu_table() -> None:
-    """The torch backend's CPU path against the reference, SmolLM2-135M heads (Hq=9, Hkv=3, D=64), float32."""
-    from triton_kernels import paged_attention_torch, ref_unified_attention
-
-    timer = Timer(torch.device("cpu"), 0)
-    hq, hkv, d = 9, 3, 64
-    print(f"CPU: paged_attention_torch vs ref_unified_attention, Hq={hq} Hkv={hkv} D={d} float32, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'case':>28} {'torch ms':>9} {'ref ms':>8} {'err':>8}")
-    cases = [
-        ("decode 8 x kv 512", [1] * 8, [512] * 8),
-        ("decode 32 x kv 1024", [1] * 32, [1024] * 32),
-        ("prefill 1 x 512", [512], [512]),
-        ("mixed 16 decode + 256 chunk", [1] * 16 + [256], [700] * 16 + [768]),
-    ]
-    for label, q_lens, kv_lens in cases:
-        batch = make_paged_batch(q_lens, kv_lens, hq, hkv, d, torch.float32, torch.device("cpu"))
-        kwargs = dict(sm_scale=d**-0.5)
-        t_fast = timer(lambda: paged_attention_torch(**batch, **kwargs))
-        t_ref = timer(lambda: ref_unified_attention(**batch, **kwargs), slow=True)
-        err = max_abs_err(paged_attention_torch(**batch, **kwargs), ref_unified_attention(**batch, **kwargs))
-        print(f"{label:>28} {t_fast:9.2f} {t_ref:8.2f} {err:8.1e}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--splits", action="store_true", help="also sweep num_kv_splits for each decode shape")
@@ -237,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         run_gpu_tables(args, torch.device("cpu"))
         return 0
     if not torch.cuda.is_available():
-        print("no CUDA GPU present: Triton kernel timings skipped")
-        run_cpu_table()
+        print("no CUDA GPU present: Triton kernel timings skipped (--cpu-smoke runs the tables in the interpreter)")
         return 0
     args.heads, args.decode_batches, args.decode_kv = (32, 8, 128), [32, 128], [1024, 2048, 4096]
     args.prefill, args.copy_mib, args.ref_limit = (4, 2048), 2048, 32 * 4096

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-_GREEDY_EPS = 1e-5
+from enginecore.sampling_ref import GREEDY_EPS
+
 DEFAULT_MAX_LOGPROBS = 20
 
 
@@ -151,7 +152,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def uses_penalties(self) -> bool:

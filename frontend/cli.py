@@ -54,7 +54,7 @@ def _bench_missing(_parser, _argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from frontend.logging_setup import configure_logging
+    from enginecore.logging_setup import configure_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

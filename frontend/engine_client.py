@@ -6,8 +6,8 @@ awaits the engine's messages on a PULL socket with zmq.asyncio: one task reads
 them, detokenizes (`OutputProcessor`), and puts each `RequestOutput` on the
 queue of its request's `RequestState`. Nothing polls.
 
-Both modes speak the same protocol (`frontend.wire`): the default runs
-`frontend.engine_proc` in a spawned process over `ipc://`; with
+Both modes speak the same protocol (`enginecore.wire`): the default runs
+`enginecore.engine_proc` in a spawned process over `ipc://`; with
 `--disable-frontend-multiprocessing` the same loop runs in a thread over
 `inproc://`. A dead engine (process exit or a failed step) fails every
 in-flight request with `EngineDeadError` (HTTP 503) and calls `on_dead`.
@@ -36,7 +36,7 @@ from enginecore.processor import InputProcessor, OutputObserver, OutputProcessor
 from enginecore.sampling_params import SamplingParams
 from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError, SchedulerStats
 from enginecore.tokenizer import Tokenizer
-from frontend import wire
+from enginecore import wire
 
 logger = logging.getLogger("xlaserve.engine_client")
 
@@ -158,7 +158,7 @@ class AsyncEngineClient:
         await self._ready
 
     def _start_process(self, in_addr: str, out_addr: str) -> None:
-        from frontend.engine_proc import run_engine_process
+        from enginecore.engine_proc import run_engine_process
 
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLogger("xlaserve").getEffectiveLevel()
@@ -169,7 +169,7 @@ class AsyncEngineClient:
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_process_exit)
 
     def _start_thread(self, in_addr: str, out_addr: str, core_factory) -> None:
-        from frontend.engine_proc import serve_engine_core
+        from enginecore.engine_proc import serve_engine_core
 
         build = core_factory or EngineCore
 

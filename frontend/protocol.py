@@ -33,20 +33,6 @@ class OpenAIBaseModel(BaseModel):
         return sorted((self.model_extra or {}).keys())
 
 
-# ---- errors -------------------------------------------------------------------------
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 # ---- shared pieces -------------------------------------------------------------------
 
 

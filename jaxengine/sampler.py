@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-GREEDY_EPS = 1e-5
+from enginecore.sampling_ref import GREEDY_EPS
+
 
 
 def _div_rows(x, d):

@@ -19,7 +19,7 @@ from enginecore.outputs import EngineCoreOutput, LogprobsLists
 from enginecore.request import Request
 from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from enginecore.scheduler import SchedulerOverloadedError
-from frontend import wire
+from enginecore import wire
 from frontend.api_server import HTTPOptions, ServerState, build_app
 from frontend.engine_client import AsyncEngineClient, EngineDeadError
 from frontend.metrics import ServerMetrics, StatsLogger

@@ -59,26 +59,26 @@ def make_batch(
 ):  # fmt: skip
     """A ragged batch whose cache is NaN everywhere except positions [0, kv_len) of each request.
 
-    NaN in the null block, in page tails and in other requests' pages makes any
+    NaN in the null block, in block tails and in other requests' blocks makes any
     read the kernel should not do show up in the output.
     """
     gen = torch.Generator().manual_seed(seed)
     num_q_heads = num_kv_heads * group
-    pages_per_req = [-(-kv // block_size) for kv in kv_lens]
-    max_blocks = max(pages_per_req) + extra_blocks
-    num_blocks = 1 + sum(pages_per_req) + 3
+    blocks_per_req = [-(-kv // block_size) for kv in kv_lens]
+    max_blocks = max(blocks_per_req) + extra_blocks
+    num_blocks = 1 + sum(blocks_per_req) + 3
     key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     num_slots = len(q_lens) + pad_reqs
     block_tables = torch.zeros(num_slots, max_blocks, dtype=torch.int32)
-    for r, (n, kv) in enumerate(zip(pages_per_req, kv_lens)):
-        pages = [order.pop() for _ in range(n)]
-        block_tables[r, :n] = torch.tensor(pages, dtype=torch.int32)
+    for r, (n, kv) in enumerate(zip(blocks_per_req, kv_lens)):
+        blocks = [order.pop() for _ in range(n)]
+        block_tables[r, :n] = torch.tensor(blocks, dtype=torch.int32)
         for pos in range(kv):
-            page, row = pages[pos // block_size], pos % block_size
-            key_cache[page, row] = torch.randn(num_kv_heads, head_dim, generator=gen)
-            value_cache[page, row] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            block, row = blocks[pos // block_size], pos % block_size
+            key_cache[block, row] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            value_cache[block, row] = torch.randn(num_kv_heads, head_dim, generator=gen)
     num_tokens = sum(q_lens) + pad_tokens
     q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)
     cu = [0]
@@ -140,9 +140,9 @@ def test_reference_matches_dense_causal_attention(sliding_window):
     batch = make_batch([q_len], [context + q_len], num_kv_heads=hkv, group=group, head_dim=head_dim,
                        block_size=16, dtype=torch.float32, device="cpu")  # fmt: skip
     got = tk.ref_unified_attention(**batch, sm_scale=0.125, sliding_window=sliding_window)
-    pages = batch["block_tables"][0, :2].long()
-    k = batch["key_cache"][pages].flatten(0, 1)[: context + q_len].transpose(0, 1)  # [Hkv, S, D]
-    v = batch["value_cache"][pages].flatten(0, 1)[: context + q_len].transpose(0, 1)
+    blocks = batch["block_tables"][0, :2].long()
+    k = batch["key_cache"][blocks].flatten(0, 1)[: context + q_len].transpose(0, 1)  # [Hkv, S, D]
+    v = batch["value_cache"][blocks].flatten(0, 1)[: context + q_len].transpose(0, 1)
     pos = torch.arange(context + q_len)
     allowed = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
@@ -280,8 +280,8 @@ def test_cache_write_and_attention_replay_in_cuda_graph():
 
     gen = torch.Generator().manual_seed(4)
     for q_lens, lens in [([1, 1, 1], [5, 40, 100]), ([1, 9, 3], [77, 9, 30])]:
-        pages = torch.randperm(num_blocks - 1, generator=gen)[: num_slots * max_blocks] + 1
-        tables = pages.view(num_slots, max_blocks).to(torch.int32)
+        blocks = torch.randperm(num_blocks - 1, generator=gen)[: num_slots * max_blocks] + 1
+        tables = blocks.view(num_slots, max_blocks).to(torch.int32)
         cu = [0]
         for n in q_lens + [0] * (num_slots - len(q_lens)):
             cu.append(cu[-1] + n)
@@ -312,7 +312,7 @@ def test_unified_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="not a multiple of Hkv"):
         tk.ref_unified_attention(**{**batch, "q": batch["q"][:, :3]}, sm_scale=1.0)
     with pytest.raises(ValueError, match="num_reqs=3"):
-        tk.paged_attention_torch(**batch, sm_scale=1.0, num_reqs=3)
+        tk.ref_unified_attention(**batch, sm_scale=1.0, num_reqs=3)
     if tk.HAS_TRITON:
         with pytest.raises(ValueError, match="cu_q_lens"):
             tk.unified_attention(**{**batch, "cu_q_lens": batch["cu_q_lens"][:2]}, sm_scale=1.0)
@@ -320,20 +320,6 @@ def test_unified_attention_rejects_bad_shapes():
             tk.unified_attention(**batch, sm_scale=1.0, sliding_window=0)
         with pytest.raises(ValueError, match="num_kv_splits=3"):
             tk.unified_attention(**batch, sm_scale=1.0, num_kv_splits=3)
-
-
-# ---------------------------------------------------------------- the CPU path
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_torch_matches_reference(case, dtype):
-    batch, kwargs = _run_case(case, dtype, "cpu", pad_tokens=3, pad_reqs=2)
-    kwargs.pop("num_kv_splits", None)
-    out = tk.paged_attention_torch(**batch, **kwargs)
-    ref = _reference(batch, kwargs)
-    _assert_close(out, ref, dtype)
-    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
 
 
 # ---------------------------------------------------------------- packaging and compilation
@@ -354,7 +340,7 @@ _HIDE_TRITON = """
     assert tk.HAS_TRITON is False
     q, cache = torch.zeros(2, 2, 16), torch.zeros(3, 16, 1, 16)
     cu, kv_lens, tables = torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[1]])
-    tk.paged_attention_torch(q, cache, cache, cu, kv_lens, tables, sm_scale=1.0)
+    tk.ref_unified_attention(q, cache, cache, cu, kv_lens, tables, sm_scale=1.0)
     try:
         tk.unified_attention(q, cache, cache, cu, kv_lens, tables, sm_scale=1.0)
     except ImportError as e:
@@ -424,7 +410,7 @@ _COMPILE_FOR_HOPPER = """
         pointers = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, part_m_ptr="*fp32", part_l_ptr="*fp32",
                         part_acc_ptr="*fp32", cu_q_lens_ptr="*i32", kv_lens_ptr="*i32", block_tables_ptr="*i32")
         constants = dict(NUM_Q_HEADS=8 * group, QUERIES_PER_KV=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim,
-                         PAGE_SIZE=16, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
+                         CACHE_BLOCK_SIZE=16, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
                          SLIDING_WINDOW=window, USE_SOFT_CAP=cap, NUM_SPLITS=cfg.num_splits,
                          DOT_PRECISION="ieee" if dt == "fp32" else "tf32")
         compile(_unified_attention_kernel, pointers, constants, cfg.num_warps, cfg.num_stages)
@@ -432,7 +418,7 @@ _COMPILE_FOR_HOPPER = """
             dict(NUM_Q_HEADS=32, NUM_SPLITS=4, HEAD_DIM=128, HEAD_DIM_PAD=128), 4)
     compile(_reshape_and_cache_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
                                             value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, PAGE_SIZE=16), 4)
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, CACHE_BLOCK_SIZE=16), 4)
     print("compiled")
 """
 

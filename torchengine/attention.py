@@ -7,7 +7,7 @@ writes this step's k/v into their slots and attends over the ragged batch:
 - `TorchAttention` ("torch"): plain torch, the CPU serving path. Requests are
   split into groups, decodes (one new token) by kv length and the rest by
   query length; each group is padded to [n requests, L queries] and attends
-  with one masked SDPA over its requests' pages, gathered only up to the
+  with one masked SDPA over its requests' blocks, gathered only up to the
   group's longest kv length (never max_model_len). The plan (index tensors and masks) is built once per step
   on the host from the numpy batch and shared by every layer. Not capturable
   in a CUDA graph (its shapes depend on the lengths).
@@ -37,7 +37,7 @@ class RequestGroup:
     """Requests attended together, padded to [n, L] query rows over S = P * block_size cache slots."""
 
     token_index: torch.Tensor  # [n, L] i64 flat token of each query row (padding rows repeat a real one)
-    pages: torch.Tensor  # [n, P] i64 block ids
+    blocks: torch.Tensor  # [n, P] i64 block ids
     mask: torch.Tensor  # [n, 1, G*L, S] bool: query row (g, l) may see cache slot s
     out_rows: torch.Tensor  # [m] i64 rows of the [n*L] padded queries that are real
     out_tokens: torch.Tensor  # [m] i64 their flat token index
@@ -150,7 +150,7 @@ class TorchAttention(AttentionBackend):
             np.array_equal(flat_tokens, np.arange(len(flat_tokens))))
         return RequestGroup(
             token_index=to(token_index.astype(np.int64)),
-            pages=to(batch.block_tables[reqs, :P].astype(np.int64)),
+            blocks=to(batch.block_tables[reqs, :P].astype(np.int64)),
             mask=to(mask),
             out_rows=to(np.nonzero(flat_valid)[0].astype(np.int64)),
             out_tokens=to(flat_tokens[flat_valid].astype(np.int64)),
@@ -169,8 +169,8 @@ class TorchAttention(AttentionBackend):
             n, L = g.token_index.shape
             qg = q[:T] if g.whole_batch else q[g.token_index]
             qg = qg.view(n, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * L, D)
-            kg = key_cache[g.pages].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
-            vg = value_cache[g.pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            kg = key_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
+            vg = value_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.sm_scale)
             o = o.view(n, Hkv, G, L, D).permute(0, 3, 1, 2, 4).reshape(n * L, Hq, D)
             if g.whole_batch and q.shape[0] == T:

@@ -4,7 +4,6 @@
   one launch (GQA, sliding window, logit soft-cap, split-KV for small batches).
 - `reshape_and_cache`: writes this step's K/V into the paged cache.
 - `ref_unified_attention`, `ref_reshape_and_cache`: the references.
-- `paged_attention_torch`: the attention contract in plain torch, fast on CPU.
 
 The package imports without triton: `HAS_TRITON` is then False and the two
 kernels raise ImportError when called. Triton decides once, when it is first
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from triton_kernels.reference import paged_attention_torch, ref_reshape_and_cache, ref_unified_attention
+from triton_kernels.reference import ref_reshape_and_cache, ref_unified_attention
 
 try:
     import triton  # noqa: F401
@@ -29,7 +28,6 @@ else:
 __all__ = [
     "HAS_TRITON",
     "interpreted",
-    "paged_attention_torch",
     "ref_reshape_and_cache",
     "ref_unified_attention",
     "reshape_and_cache",
@@ -40,7 +38,7 @@ __all__ = [
 def _needs_triton(name: str) -> Callable[..., Any]:
     def launcher(*args: Any, **kwargs: Any) -> Any:
         raise ImportError(
-            f"triton_kernels.{name} needs triton; on CPU use paged_attention_torch / ref_reshape_and_cache"
+            f"triton_kernels.{name} needs triton; on CPU use ref_unified_attention / ref_reshape_and_cache"
         )
 
     launcher.__name__ = launcher.__qualname__ = name

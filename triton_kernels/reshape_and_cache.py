@@ -1,7 +1,7 @@
 """KV-cache write: scatter this step's K/V rows into their paged cache slots.
 
 One program per token copies its [Hkv, D] key and value rows to slot
-slot_mapping[t] (page slot // block_size, row slot % block_size). Slots < 0
+slot_mapping[t] (block slot // block_size, row slot % block_size). Slots < 0
 are skipped, so padded tokens can either point at the null block (block 0)
 or be dropped. No host synchronisation: safe inside CUDA-graph capture.
 """
@@ -38,21 +38,21 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    page = slot // PAGE_SIZE
-    in_page = slot % PAGE_SIZE
+    block = slot // CACHE_BLOCK_SIZE
+    in_block = slot % CACHE_BLOCK_SIZE
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + token * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-    k_dst = key_cache_ptr + page * stride_kc_b + in_page * stride_kc_s
-    v_dst = value_cache_ptr + page * stride_vc_b + in_page * stride_vc_s
+    k_dst = key_cache_ptr + block * stride_kc_b + in_block * stride_kc_s
+    v_dst = value_cache_ptr + block * stride_vc_b + in_block * stride_vc_s
     k_dst = k_dst + offs_h[:, None] * stride_kc_h + offs_d[None, :]
     v_dst = v_dst + offs_h[:, None] * stride_vc_h + offs_d[None, :]
     tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -104,6 +104,6 @@ def reshape_and_cache(
             HEAD_DIM=head_dim,
             HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            PAGE_SIZE=key_cache.shape[1],
+            CACHE_BLOCK_SIZE=key_cache.shape[1],
             num_warps=4,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """Unified ragged paged attention: decode and chunked prefill in one launch.
 
 The batch is vLLM's ragged layout: q [T, Hq, D] holds every request's new
-tokens back to back (cu_q_lens), the cache holds pages of block_size tokens
+tokens back to back (cu_q_lens), the cache holds blocks of block_size tokens
 (block_tables), kv_lens counts each request's tokens including the new ones.
 
 Grid (dim 0): q blocks. A q block is BLOCK_Q consecutive new tokens of one
@@ -22,7 +22,7 @@ them. Splitting keeps the GPU busy when there are few (request, kv head)
 pairs and long contexts, i.e. small decode batches.
 
 Inside a program: online softmax in float32, base-2 exponentials, K/V tiles
-of TILE_N cache positions gathered page by page through the block table, so
+of TILE_N cache positions gathered block by block through the block table, so
 TILE_N and block_size are independent. Sliding windows skip whole tiles
 before the window.
 """
@@ -74,7 +74,7 @@ def _unified_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -128,7 +128,7 @@ def _unified_attention_kernel(
     # Cache positions this block can see: [window start of its first token,
     # its last token]. The tail sees nothing and only writes zeros.
     last_pos = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-    kv_stop = tl.where(is_real, tl.minimum(last_pos + 1, max_blocks * PAGE_SIZE), 0)
+    kv_stop = tl.where(is_real, tl.minimum(last_pos + 1, max_blocks * CACHE_BLOCK_SIZE), 0)
     tile_lo = pid * 0
     if SLIDING_WINDOW > 0:
         first_pos = context_len + q_block * BLOCK_Q
@@ -151,10 +151,10 @@ def _unified_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n
         kv_ok = kv_pos < kv_stop
-        page = tl.load(table + kv_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        in_page = kv_pos % PAGE_SIZE
+        block = tl.load(table + kv_pos // CACHE_BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        in_block = kv_pos % CACHE_BLOCK_SIZE
         k = tl.load(  # [HEAD_DIM_PAD, TILE_N]
-            k_head + (page * stride_k_b + in_page * stride_k_s)[None, :] + offs_d[:, None],
+            k_head + (block * stride_k_b + in_block * stride_k_s)[None, :] + offs_d[:, None],
             mask=d_ok[:, None] & kv_ok[None, :],
             other=0.0,
         )
@@ -178,7 +178,7 @@ def _unified_attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(  # [TILE_N, HEAD_DIM_PAD]
-            v_head + (page * stride_v_b + in_page * stride_v_s)[:, None] + offs_d[None, :],
+            v_head + (block * stride_v_b + in_block * stride_v_s)[:, None] + offs_d[None, :],
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
@@ -328,7 +328,7 @@ def unified_attention(
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
@@ -364,7 +364,7 @@ def unified_attention(
             QUERIES_PER_KV=num_q_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            PAGE_SIZE=page_size,
+            CACHE_BLOCK_SIZE=block_size,
             BLOCK_Q=cfg.block_q,
             BLOCK_M=cfg.block_m,
             TILE_N=cfg.tile_n,

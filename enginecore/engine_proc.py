@@ -21,7 +21,7 @@ import zmq
 from enginecore.config import EngineConfig
 from enginecore.engine import EngineCore
 from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError
-from frontend import wire
+from enginecore import wire
 
 logger = logging.getLogger("xlaserve.engine_core")
 
@@ -197,7 +197,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     # Ctrl-C reaches the whole process group: the API process decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    from frontend.logging_setup import configure_logging
+    from enginecore.logging_setup import configure_logging
 
     configure_logging(log_level, prefix="EngineCore")
     if os.getppid() != parent_pid:
