@@ -67,8 +67,8 @@ def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, 
     A loop over runs of `_DECODE_RUN` kv tokens per row: each iteration gathers the run's
     blocks of every row, scores the G query heads of each kv head against them (einsums over
     [R, Hkv, G, D] x [R, run, Hkv, D]) and folds them into an online softmax. Short runs keep
-    the temporaries in cache: on XLA:CPU, 64-token runs were 3-4x faster than 512-token ones
-    and than scoring on the interleaved K/V axis (R=32, context 160 and 1000, SmolLM2 heads).
+    the temporaries in cache: on XLA:CPU, 64-token runs beat longer ones and scoring on the
+    interleaved K/V axis by a wide margin (benchmarks/README.md, "CPU step notes").
     """
     R, Hq, D = q_rows.shape
     block_size, two_hkv = kv_cache.shape[1], kv_cache.shape[2]
@@ -246,9 +246,10 @@ def ragged_paged_attention_xla(
     valid = t < cu_q_lens[distribution[2]]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
-    # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row per slot) lets XLA:CPU push the reshape through the in-place
-    # write, duplicating the write, and each duplicate copies the whole cache, every layer of every step
-    # (seen: decode 100x slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
+    # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row
+    # per slot) lets XLA:CPU push the reshape through the in-place write, duplicating the write, and each
+    # duplicate copies the whole cache, every layer of every step (decode became two orders of magnitude
+    # slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
     kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
 
     # decode rows: request r's only query is token cu_q_lens[r]

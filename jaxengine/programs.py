@@ -172,7 +172,7 @@ def sample_step(params, rows, last_tokens, packed, *processed, layout: SampleLay
 
     `chunk_rows`: run the LM head and the sampler over that many rows at a time (a loop), so the
     [rows, V] logits are never all alive at once. On a CPU a large temporary is a fresh mapping
-    whose first touch page-faults: 256 rows x 49152 logits took twice as long in one piece.
+    whose first touch page-faults, which made 256 rows x 49152 logits much slower in one piece.
     """
     R = layout.reqs
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)

@@ -13,12 +13,10 @@ sampling_ref's top-p cut value, up to float summation order):
 "sort" (full sorts), "bisect" (no sort: a bit-by-bit search over the float32
 bit patterns of the threshold, 32 counting passes over the row), and "topk"
 (lax.top_k of 256 candidates settles every row whose cut falls among them,
-bisect as the fallback under a lax.cond). Measured on the shared 2-core CPU,
-V=49152, top_k=50, top_p=0.9 (benchmarks/bench_jax_sampler.py), ms per call:
-8 rows: sort 195-213, bisect 16-20, topk 6; 64 rows: sort 1700-1830, bisect
-310-330, topk 100-106 (no filtering at all: 3 / 15-23). XLA:CPU sorts are
-slow, so "topk" is the default (compilation_config {"sampler_method": ...}
-overrides it); it needs no sort on TPU/GPU either.
+bisect as the fallback under a lax.cond). XLA:CPU sorts are slow (an order of
+magnitude behind "topk": benchmarks/bench_jax_sampler.py, timings in
+benchmarks/README.md), so "topk" is the default (compilation_config
+{"sampler_method": ...} overrides it); it needs no sort on TPU/GPU either.
 """
 
 from __future__ import annotations
@@ -187,7 +185,7 @@ def argmax_rows(x, block: int = 1024):
 
     Two passes over blocks of `block` columns (block maxima, then the winning block): XLA:CPU
     vectorizes plain max reductions but not the variadic reduce of argmax, which made a
-    [64, 49152] argmax ~7x slower than this.
+    row argmax several times slower than this (benchmarks/README.md, "CPU step notes").
     """
     R, V = x.shape
     nb = -(-V // block)
@@ -243,7 +241,7 @@ def sample(
     penalties: one argmax), "sample" (temperature rows too, filtering decided at run time by
     `needs_filtering`), "full" (`all_greedy` and `want_logprobs` decided at run time too),
     "processed" (full, plus the `processed` penalty / token-mask inputs). Variants and not only run-time `lax.cond`s, because on XLA:CPU a cond
-    holding a softmax over the logits made the logits matmul before it 2-3x slower even when
+    holding a softmax over the logits made the logits matmul before it much slower even when
     the branch was not taken. The logprob arrays are zeros when no row asked for them.
     """
     if mode not in SAMPLER_MODES:

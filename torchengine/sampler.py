@@ -176,7 +176,7 @@ def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, 
     """LM head + `sample` over `chunk` rows of `hidden` [R, H] at a time (all at once when chunk is None).
 
     On a CPU a [rows, V] logits tensor past glibc's mmap threshold is a fresh mapping every step whose
-    first touch page-faults: 256 x 49152 float32 took twice as long in one piece as in 64-row pieces.
+    first touch page-faults, which made 256 x 49152 float32 logits much slower in one piece than in 64-row pieces.
     """
     R = hidden.shape[0]
     if chunk is None or R <= chunk:
