@@ -47,25 +47,25 @@ def _peaks(device):
         return _PEAKS.get(device.device_kind, (float("nan"), float("nan")))
 
 
-def _batch(q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed=0):
+def _batch(q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     num_reqs = len(q_lens)
-    pages_per_seq = -(-max(kv_lens) // page_size)
-    num_pages = 1 + num_reqs * pages_per_seq
+    blocks_per_seq = -(-max(kv_lens) // block_size)
+    num_blocks = 1 + num_reqs * blocks_per_seq
     num_tokens = sum(q_lens)
     key = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(key[0], (num_tokens, num_q_heads, head_dim), dtype)
     k = jax.random.normal(key[1], (num_tokens, num_kv_heads, head_dim), dtype)
     v = jax.random.normal(key[2], (num_tokens, num_kv_heads, head_dim), dtype)
-    cache = jax.random.normal(key[3], (num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
-    pages = 1 + np.random.default_rng(seed).permutation(num_reqs * pages_per_seq).astype(np.int32)
+    cache = jax.random.normal(key[3], (num_blocks, block_size, 2 * num_kv_heads, head_dim), dtype)
+    blocks = 1 + np.random.default_rng(seed).permutation(num_reqs * blocks_per_seq).astype(np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     decode = sum(1 for n in q_lens if n == 1)
     dist = np.array([decode, num_reqs, num_reqs], np.int32)
-    meta = (np.asarray(kv_lens, np.int32), pages, cu, dist)
+    meta = (np.asarray(kv_lens, np.int32), blocks, cu, dist)
     return (q, k, v, cache) + tuple(jnp.asarray(x) for x in meta)
 
 
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-kv-pages-per-block", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks-per-chunk", type=int, default=16)
     p.add_argument("--num-queries-per-block", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
@@ -115,11 +115,11 @@ def main(argv=None) -> int:
 
     hbm_peak, flops_peak = _peaks(device)
     heads = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                 page_size=args.page_size, dtype=jnp.bfloat16)
+                 block_size=args.block_size, dtype=jnp.bfloat16)
     sm_scale = args.head_dim ** -0.5
     kernel = functools.partial(
         ragged_paged_attention, sm_scale=sm_scale,
-        num_kv_pages_per_block=args.num_kv_pages_per_block, num_queries_per_block=args.num_queries_per_block)
+        num_kv_blocks_per_chunk=args.num_kv_blocks_per_chunk, num_queries_per_block=args.num_queries_per_block)
     reference = jax.jit(functools.partial(ref_ragged_paged_attention, sm_scale=sm_scale), donate_argnums=3)
     print(f"device: {device.device_kind}; peaks: {hbm_peak / 1e9:.0f} GB/s HBM, {flops_peak / 1e12:.0f} TFLOP/s bf16")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,10 +151,20 @@ class DeviceConfig:
     # Smallest token / request buckets; None: 16 / 8 on TPU and GPU, 1 / 1 on CPU.
     min_token_bucket: int | None = None
     min_seq_bucket: int | None = None
+    # A TPU slice such as "v5e:2x2": `xlaserve warmup` compiles for it without a TPU; `serve` checks
+    # that the attached chips are that kind. None: whatever is attached.
+    topology: str | None = None
 
     def __post_init__(self) -> None:
         if self.warmup not in ("auto", "none", "decode", "all"):
             raise ConfigError(f"--warmup must be one of auto, none, decode, all; got {self.warmup!r}.")
+        if self.topology is not None:
+            if not re.fullmatch(r"(v5e|v6e):\d+x\d+|v5p:\d+x\d+x\d+", self.topology):
+                raise ConfigError(f"--topology must name a TPU slice such as v5e:2x2, v6e:2x4 or v5p:2x2x1; "
+                                  f"got {self.topology!r}.")
+            if self.platform != "tpu":
+                raise ConfigError(f"--topology {self.topology} names TPU chips; it needs --platform tpu, "
+                                  f"not {self.platform}.")
         for name in ("min_token_bucket", "min_seq_bucket"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -223,6 +234,7 @@ class EngineArgs:
     warmup: str = "auto"
     min_token_bucket: int | None = None
     min_seq_bucket: int | None = None
+    topology: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -312,5 +324,6 @@ class EngineArgs:
             warmup=self.warmup,
             min_token_bucket=self.min_token_bucket,
             min_seq_bucket=self.min_seq_bucket,
+            topology=self.topology,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)

@@ -87,6 +87,9 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
                          "TPU/GPU, 1 on CPU).", None),
     "min_seq_bucket": ("DeviceConfig", "Smallest padded request count of a step, a power of two (default 8 on "
                        "TPU/GPU, 1 on CPU).", None),
+    "topology": ("DeviceConfig", "TPU slice, e.g. v5e:2x2, v6e:2x4, v5p:2x2x1. `xlaserve warmup --topology` compiles "
+                 "every program for it on any host, no TPU needed (libtpu); `serve` checks the attached chips "
+                 "match it.", None),
 }
 
 _INT_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")

@@ -10,6 +10,9 @@
 - programs.py: the step's jitted programs (model, sample, prompt logprobs) and their packed inputs.
 - runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: persistent
   cache, compile counting and the recompilation guard; warmup.py: `xlaserve warmup`.
+- aot.py: `xlaserve warmup --topology`: every program compiled for a TPU slice on a host
+  without one (tpu_target.py: chips, topology names, libtpu's compile-only devices; hbm.py:
+  the fit check against a chip's HBM; step_cost.py: FLOPs / bytes / roofline per program).
 
 Importing this package does not import jax; the submodules do.
 """

@@ -240,9 +240,12 @@ def compute_logits(params: ModelParams, hidden, arch: ArchConfig):
     return jnp.einsum("nh,vh->nv", h, w, preferred_element_type=jnp.float32)
 
 
-def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-    """All layers in one array: [L * num_blocks, block_size, 2 * Hkv, D]."""
-    return (arch.num_hidden_layers * num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
+def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int | None = None,
+                   head_dim: int | None = None) -> tuple[int, int, int, int]:
+    """All layers in one array: [L * num_blocks, block_size, 2 * Hkv, D]. `kv_heads` / `head_dim` override
+    Hkv / D: the Pallas path on TPU stores them padded (`jaxengine.platform.pallas_cache_heads`)."""
+    return (arch.num_hidden_layers * num_blocks, block_size, 2 * (kv_heads or arch.num_key_value_heads),
+            head_dim or arch.head_dim)
 
 
 __all__ = [

@@ -10,7 +10,10 @@ Programs are described in `jaxengine.programs`.
 Every program is compiled ahead of time from abstract shapes (`warmup`:
 `--warmup all` for `serve`, in parallel, through the persistent compilation
 cache) or, with `--warmup none`, on first use. ``XLASERVE_CHECK_RECOMPILATION=1``
-turns any compilation after warmup into an error (`compilation.py`).
+turns any compilation after warmup into an error (`compilation.py`). The
+abstract inputs come from the config and the mesh alone (`abstract_inputs`), so
+the same lowering compiles for a TPU this host does not have: given libtpu's
+compile-only devices and no weights (`jaxengine.aot`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,8 @@ from enginecore.step_batch import StepBatch, prepare_step
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
 from jaxengine.compilation import CompileGuard, CompileMonitor, enable_persistent_cache, resolve_cache_dir
-from jaxengine.model import abstract_params, jnp_dtype, kv_cache_shape
+from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
+from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape
 from jaxengine.programs import (
     ModelLayout,
     ProgramKey,
@@ -53,16 +59,30 @@ from jaxengine.programs import (
 from jaxengine.sampler import SAMPLER_MODES, sampler_mode
 from jaxengine.sharding import ShardingRules, kv_cache_sharding, make_mesh, param_shardings, replicated, \
     shard_attention
+from jaxengine.tpu_target import check_attached
 
 logger = logging.getLogger("xlaserve.jax")
 
 PROMPT_LOGPROB_ROWS = (32, 256)  # row buckets of the prompt-logprobs program
 
 
-class JaxModelRunner:
-    """The JAX backend: functional model, paged KV cache, jitted sampler, TP over a mesh."""
+class AbstractInputs(NamedTuple):
+    """The device-resident inputs of the step programs, as ShapeDtypeStructs with their shardings."""
 
-    def __init__(self, config: EngineConfig, model: ModelSource) -> None:
+    params: object  # ModelParams of ShapeDtypeStruct
+    kv_cache: jax.ShapeDtypeStruct  # [L * num_blocks, block_size, 2 * Hkv, D]
+    last_tokens: jax.ShapeDtypeStruct  # [num_rows] i32
+    rope: tuple  # (cos, sin) [max_model_len + 1, D / 2] f32
+
+
+class JaxModelRunner:
+    """The JAX backend: functional model, paged KV cache, jitted sampler, TP over a mesh.
+
+    `devices`: where the mesh lives; default the platform's devices. `jaxengine.aot` passes
+    libtpu's compile-only devices of a TPU topology to compile without a TPU.
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelSource, devices=None) -> None:
         self.config = config
         self.source = model
         mc, cc, sc, pc, dc = (config.model_config, config.cache_config, config.scheduler_config,
@@ -73,13 +93,14 @@ class JaxModelRunner:
                 "(run one server per replica); use --tensor-parallel-size"
             )
         self.platform = dc.platform
-        self.devices = plat.devices_for(self.platform)
+        self.devices = list(devices) if devices is not None else plat.devices_for(self.platform)
         self.arch = model.config
         self.dtype = resolve_dtype(mc.dtype, self.platform)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)
         self.rules = ShardingRules.for_model(self.arch, self.mesh)
+        self.heads_tp = self.mesh.shape["model"] if self.rules.shard_heads else 1
         self.attention_backend = plat.resolve_attention_backend(dc.attention_backend, self.platform)
         self.block_size = cc.block_size
         self.buckets = Buckets.create(sc.max_num_batched_tokens, sc.max_num_seqs, *dc.bucket_minimums)
@@ -98,7 +119,11 @@ class JaxModelRunner:
         self.monitor = CompileMonitor().install()
         self.guard = CompileGuard(self.monitor)
         self._rep = replicated(self.mesh)
-        self._attention = shard_attention(self._attention_fn(), self.mesh, self.rules)
+        # per device, as the KV cache stores them (padded for the Pallas kernel on TPU)
+        self.cache_kv_heads, self.cache_head_dim = plat.pallas_cache_heads(
+            self.arch.num_key_value_heads // self.heads_tp, self.arch.head_dim, self.platform, self.attention_backend)
+        self._attention = shard_attention(self._attention_fn(), self.mesh, self.rules,
+                                          opaque=self.attention_backend == "pallas")
         self._programs: dict[ProgramKey, object] = {}
         self._pending: PendingStep | None = None
         self.params = None
@@ -113,7 +138,9 @@ class JaxModelRunner:
     def _attention_fn(self):
         if self.attention_backend == "reference":
             return ragged_paged_attention_xla
-        return plat.pallas_attention(self.platform)
+        return plat.pallas_attention(self.platform, self.devices[0].device_kind, arch=self.arch,
+                                     block_size=self.block_size, kv_heads_per_device=self.cache_kv_heads,
+                                     kv_dtype=jnp_dtype(self.kv_dtype))
 
     def load_model(self) -> None:
         from jaxengine.checkpoint import is_orbax_checkpoint, load_orbax_params
@@ -121,6 +148,11 @@ class JaxModelRunner:
 
         if self.platform == "cpu":
             plat.tune_host_allocator()
+        if self.platform == "tpu":  # before any weight is read: a model that cannot fit fails now
+            if self.config.device_config.topology:
+                check_attached(self.config.device_config.topology, self.devices)
+            check_fit(self.config, self.arch, self.mesh, self.rules, self.kv_bytes_per_block(),
+                      device_hbm_bytes(self.devices[0]), self.devices[0].device_kind)
         t0 = time.perf_counter()
         shardings = param_shardings(abstract_params(self.arch, self.dtype), self.rules, self.mesh)
         fmt = self.config.model_config.load_format
@@ -137,8 +169,13 @@ class JaxModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """On one device: the KV cache splits over heads when the heads are sharded."""
-        tp = self.mesh.shape["model"] if self.rules.shard_heads else 1
-        return self.arch.kv_cache_bytes_per_block(self.block_size, jnp.dtype(jnp_dtype(self.kv_dtype)).itemsize, tp)
+        shape = kv_cache_shape(self.arch, 1, self.block_size, kv_heads=self.cache_kv_heads,
+                               head_dim=self.cache_head_dim)
+        return int(np.prod(shape)) * jnp.dtype(jnp_dtype(self.kv_dtype)).itemsize
+
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return kv_cache_shape(self.arch, num_blocks, self.block_size, kv_heads=self.cache_kv_heads * self.heads_tp,
+                              head_dim=self.cache_head_dim)
 
     def determine_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
@@ -153,14 +190,14 @@ class JaxModelRunner:
                              what)
 
     def _activation_bytes(self) -> int:
-        a, sc = self.arch, self.config.scheduler_config
-        T, R = sc.max_num_batched_tokens, sc.max_num_seqs
-        per_tok = a.hidden_size * 6 + a.intermediate_size * 3 + a.num_attention_heads * a.head_dim * 4
-        return int(4 * (T * per_tok + R * a.vocab_size * 6)) + (256 << 20)
+        return step_temporaries_bytes(self.config, self.arch, self.mesh, self.rules)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, allocate: bool = True) -> None:
+        """allocate=False only fixes the cache shape the programs are compiled for (AOT: no device memory)."""
         self.num_blocks = num_blocks
-        shape = kv_cache_shape(self.arch, num_blocks, self.block_size)
+        if not allocate:
+            return
+        shape = self._kv_cache_shape(num_blocks)
         dtype = jnp_dtype(self.kv_dtype)
         self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)()
         self.last_tokens = jax.jit(lambda: jnp.zeros(self.num_rows, jnp.int32), out_shardings=self._rep)()
@@ -183,20 +220,39 @@ class JaxModelRunner:
         reqs = pick_bucket(self.buckets.reqs, min(tokens, self.buckets.max_reqs))
         return ModelLayout(tokens, reqs, self.input_batch.max_blocks_per_req)
 
-    def _abstract(self, x):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), x)
+    def abstract_inputs(self) -> AbstractInputs:
+        """The programs' device inputs from the config and the mesh alone: what `load_model` and
+        `init_kv_cache` create, without reading or allocating anything."""
+        if not self.num_blocks:
+            raise RuntimeError("the KV cache shape is not fixed yet: call init_kv_cache(num_blocks) first")
+        rep = self._rep
+        spec = abstract_params(self.arch, self.dtype)
+        shardings = param_shardings(spec, self.rules, self.mesh)
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings,
+                              is_leaf=is_spec)
+        kv = jax.ShapeDtypeStruct(self._kv_cache_shape(self.num_blocks), jnp_dtype(self.kv_dtype),
+                                  sharding=self._kv_sharding)
+        table = jax.ShapeDtypeStruct((self.config.scheduler_config.max_model_len + 1, self.arch.head_dim // 2),
+                                     jnp.float32, sharding=rep)
+        return AbstractInputs(params, kv, jax.ShapeDtypeStruct((self.num_rows,), jnp.int32, sharding=rep),
+                              (table, table))
 
     def _lower(self, key: ProgramKey):
+        # Pallas reads the TPU generation from the default device: make it this runner's
+        # (libtpu's compile-only devices when compiling for a TPU target from a CPU host).
+        with jax.default_device(self.devices[0]):
+            return self._lower_program(key, self.abstract_inputs())
+
+    def _lower_program(self, key: ProgramKey, inputs: AbstractInputs):
         rep = self._rep
         i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)  # noqa: E731
-        params = self._abstract(self.params)
-        last = self._abstract(self.last_tokens)
+        params, last = inputs.params, inputs.last_tokens
         if key.kind == "model":
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
                                            attention_fn=self._attention, scan_layers=self.scan_layers),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
-            return fn.lower(params, self._abstract(self.kv_cache), last, self._abstract(self.rope), i32(layout.size))
+            return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":
             layout = SampleLayout(key.size)
             H, V, R = self.arch.hidden_size, self.arch.vocab_size, key.size
@@ -220,6 +276,11 @@ class JaxModelRunner:
 
     def _compile(self, key: ProgramKey):
         return self._lower(key).compile()
+
+    @property
+    def programs(self) -> MappingProxyType:
+        """The compiled programs so far, by key (read-only: memory and cost analyses read them)."""
+        return MappingProxyType(self._programs)
 
     def _program(self, key: ProgramKey):
         prog = self._programs.get(key)

@@ -92,12 +92,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def shard_attention(attention_fn, mesh: Mesh, rules: ShardingRules):
-    """Run attention per device on its heads (shard_map) when heads are sharded; as is otherwise."""
-    if not rules.shard_heads:
+def shard_attention(attention_fn, mesh: Mesh, rules: ShardingRules, opaque: bool = False):
+    """Run attention per device on its heads (shard_map) when heads are sharded; as is otherwise.
+
+    `opaque`: attention_fn is a custom call XLA cannot partition (a Mosaic kernel), so with
+    replicated heads on a multi-device mesh it still runs under shard_map, every device on all
+    heads (XLA would refuse: "Mosaic kernels cannot be automatically partitioned").
+    """
+    if not rules.shard_heads and not (opaque and mesh.size > 1):
         return attention_fn
-    heads = P(None, "model", None)
-    cache = P(None, None, "model", None)
+    axis = "model" if rules.shard_heads else None
+    heads = P(None, axis, None)
+    cache = P(None, None, axis, None)
     rep = P()
 
     def fn(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution, **kw):

@@ -1,15 +1,15 @@
 """Pure-JAX reference for ragged paged attention (and the JAX backend's CPU/GPU path).
 
 Same contract as :func:`pallas_kernels.ragged_paged_attention`: one ragged
-batch of new tokens, a paged KV cache ``[num_pages, page_size, 2 * Hkv, D]``
+batch of new tokens, a paged KV cache ``[num_blocks, block_size, 2 * Hkv, D]``
 with K of kv head ``h`` at index ``2h`` and V at ``2h + 1``, block tables
-flattened into ``page_indices``.
+flattened into ``block_tables``.
 
 It is jittable with static shapes and vectorised over tokens: every token
-gathers, block by block, the pages of its own request and runs an online
+gathers, chunk by chunk, the blocks of its own request and runs an online
 softmax over them. The loop stops at the longest ``kv_len`` of the batch, so a
-batch of short requests does not pay for ``pages_per_seq * page_size``; a
-block is at most ``_BLOCK_TOKENS`` positions and one block's gather at most
+batch of short requests does not pay for ``blocks_per_seq * block_size``; a
+chunk is at most ``_CHUNK_TOKENS`` positions and one chunk's gather at most
 ``_GATHER_BUDGET`` elements, whatever the token bucket.
 """
 
@@ -23,11 +23,11 @@ from jax import lax
 # Masked logits get this instead of -inf so that exp(m_old - m_new) of a row
 # with nothing visible yet stays finite (exp(0) = 1, not nan).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Per kv-block step: at most this many gathered K/V elements (bounds memory),
+# Per kv-chunk step: at most this many gathered K/V elements (bounds memory),
 # and at most this many key positions (the loop runs to the longest kv_len a
-# block at a time, so small blocks let a batch of short requests stop early).
+# chunk at a time, so small chunks let a batch of short requests stop early).
 _GATHER_BUDGET = 1 << 24
-_BLOCK_TOKENS = 256
+_CHUNK_TOKENS = 256
 
 
 def token_metadata(cu_q_lens, kv_lens, distribution, num_tokens: int):
@@ -53,40 +53,40 @@ def token_metadata(cu_q_lens, kv_lens, distribution, num_tokens: int):
 def write_kv_ref(
     k,             # [T, Hkv, D]
     v,             # [T, Hkv, D]
-    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    kv_cache,      # [NB, block_size, 2 * Hkv, D]
     kv_lens,       # [R] int32
-    page_indices,  # [R * pages_per_seq] int32
+    block_tables,  # [R * blocks_per_seq] int32
     cu_q_lens,     # [R + 1] int32
     distribution,  # [3] int32
 ):
-    """Scatters the new K/V of every real token into its page slot.
+    """Scatters the new K/V of every real token into its block slot.
 
     Padding tokens write nothing (their scatter index is out of range and
     dropped). Returns the updated cache.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
-    num_pages, page_size = kv_cache.shape[:2]
-    pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
+    num_blocks, block_size = kv_cache.shape[:2]
+    blocks_per_seq = block_tables.shape[0] // kv_lens.shape[0]
     req, valid, pos = token_metadata(cu_q_lens, kv_lens, distribution, num_tokens)
-    page = page_indices[req * pages_per_seq + pos // page_size]
-    page = jnp.where(valid, page, num_pages)  # out of range -> dropped
-    slot = pos % page_size
+    block = block_tables[req * blocks_per_seq + pos // block_size]
+    block = jnp.where(valid, block, num_blocks)  # out of range -> dropped
+    slot = pos % block_size
     new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
-    return kv_cache.at[page, slot].set(new_kv.astype(kv_cache.dtype), mode="drop")
+    return kv_cache.at[block, slot].set(new_kv.astype(kv_cache.dtype), mode="drop")
 
 
-def _block_pages(num_tokens: int, page_size: int, pages_per_seq: int, row_elems: int) -> int:
-    pages = min(_BLOCK_TOKENS // page_size, _GATHER_BUDGET // max(num_tokens * page_size * row_elems, 1))
-    return max(1, min(pages_per_seq, pages))
+def _chunk_blocks(num_tokens: int, block_size: int, blocks_per_seq: int, row_elems: int) -> int:
+    blocks = min(_CHUNK_TOKENS // block_size, _GATHER_BUDGET // max(num_tokens * block_size * row_elems, 1))
+    return max(1, min(blocks_per_seq, blocks))
 
 
 def ref_ragged_paged_attention(
     q,             # [T, Hq, D]
     k,             # [T, Hkv, D]
     v,             # [T, Hkv, D]
-    kv_cache,      # [P, page_size, 2 * Hkv, D]
+    kv_cache,      # [NB, block_size, 2 * Hkv, D]
     kv_lens,       # [R] int32: tokens in cache after this step
-    page_indices,  # [R * pages_per_seq] int32
+    block_tables,  # [R * blocks_per_seq] int32
     cu_q_lens,     # [R + 1] int32
     distribution,  # [3] int32: (decode_end, prefill_end, mixed_end)
     *,
@@ -99,7 +99,7 @@ def ref_ragged_paged_attention(
     Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``. Padding rows are 0.
     Logits, softmax and the weighted sum run in float32.
 
-    Cost: every token gathers its own request's pages, so the work is about
+    Cost: every token gathers its own request's blocks, so the work is about
     ``T * max(kv_lens) * 2 * Hkv * D`` gathered elements: right for decode,
     wasteful for long prefills (a request's K/V is gathered once per new token).
     Scoring every token against every request's keys instead (no duplication,
@@ -108,38 +108,38 @@ def ref_ragged_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
-    page_size = kv_cache.shape[1]
+    block_size = kv_cache.shape[1]
     num_reqs = kv_lens.shape[0]
-    pages_per_seq = page_indices.shape[0] // num_reqs
+    blocks_per_seq = block_tables.shape[0] // num_reqs
 
-    kv_cache = write_kv_ref(k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    kv_cache = write_kv_ref(k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution)
     req, valid, pos = token_metadata(cu_q_lens, kv_lens, distribution, num_tokens)
 
-    blk_pages = _block_pages(num_tokens, page_size, pages_per_seq, 2 * num_kv_heads * head_dim)
-    blk = blk_pages * page_size
-    num_blocks_max = math.ceil(pages_per_seq / blk_pages)
-    table = page_indices.reshape(num_reqs, pages_per_seq)
-    table = jnp.pad(table, ((0, 0), (0, num_blocks_max * blk_pages - pages_per_seq)))
+    chunk_blocks = _chunk_blocks(num_tokens, block_size, blocks_per_seq, 2 * num_kv_heads * head_dim)
+    chunk = chunk_blocks * block_size
+    num_chunks_max = math.ceil(blocks_per_seq / chunk_blocks)
+    table = block_tables.reshape(num_reqs, blocks_per_seq)
+    table = jnp.pad(table, ((0, 0), (0, num_chunks_max * chunk_blocks - blocks_per_seq)))
     real = jnp.arange(num_reqs) < distribution[2]
-    num_blocks = (jnp.max(jnp.where(real, kv_lens, 0)) + blk - 1) // blk   # dynamic: skip unused blocks
+    num_chunks = (jnp.max(jnp.where(real, kv_lens, 0)) + chunk - 1) // chunk   # dynamic: skip unused chunks
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     hi = lax.Precision.HIGHEST
 
     def body(carry):
         j, m, l, acc = carry
-        pages = lax.dynamic_slice_in_dim(table, j * blk_pages, blk_pages, axis=1)[req]  # [T, bp]
-        kv = kv_cache[pages].reshape(num_tokens, blk, num_kv_heads, 2, head_dim)
-        kb, vb = kv[..., 0, :], kv[..., 1, :].astype(jnp.float32)                     # [T, blk, Hkv, D]
+        blocks = lax.dynamic_slice_in_dim(table, j * chunk_blocks, chunk_blocks, axis=1)[req]  # [T, cb]
+        kv = kv_cache[blocks].reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
+        kb, vb = kv[..., 0, :], kv[..., 1, :].astype(jnp.float32)                     # [T, chunk, Hkv, D]
         s = jnp.einsum("thgd,tbhd->thgb", qg, kb, preferred_element_type=jnp.float32, precision=hi)
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = j * blk + jnp.arange(blk, dtype=jnp.int32)
+        kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = (kpos[None, :] <= pos[:, None]) & valid[:, None]
         if sliding_window is not None:
             mask &= kpos[None, :] > pos[:, None] - sliding_window
-        mask = mask[:, None, None, :]                                                  # [T, 1, 1, blk]
+        mask = mask[:, None, None, :]                                                  # [T, 1, 1, chunk]
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -155,6 +155,6 @@ def ref_ragged_paged_attention(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros(shape + (head_dim,), jnp.float32),
     )
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < num_blocks, body, init)
+    _, _, l, acc = lax.while_loop(lambda c: c[0] < num_chunks, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_cache

@@ -19,14 +19,14 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 def sharded_ragged_paged_attention(
     mesh: Mesh,
-    q,             # [T, Hq, D]                  sharded on Hq
-    k,             # [T, Hkv, D]                 sharded on Hkv
-    v,             # [T, Hkv, D]                 sharded on Hkv
-    kv_cache,      # [P, page_size, 2 * Hkv, D]  sharded on axis 2
-    kv_lens,       # [R] int32                   replicated
-    page_indices,  # [R * pages_per_seq] int32   replicated
-    cu_q_lens,     # [R + 1] int32               replicated
-    distribution,  # [3] int32                   replicated
+    q,             # [T, Hq, D]                    sharded on Hq
+    k,             # [T, Hkv, D]                   sharded on Hkv
+    v,             # [T, Hkv, D]                   sharded on Hkv
+    kv_cache,      # [NB, block_size, 2 * Hkv, D]  sharded on axis 2
+    kv_lens,       # [R] int32                     replicated
+    block_tables,  # [R * blocks_per_seq] int32    replicated
+    cu_q_lens,     # [R + 1] int32                 replicated
+    distribution,  # [3] int32                     replicated
     *,
     axis_name: str = "model",
     **kernel_kwargs,
@@ -34,7 +34,7 @@ def sharded_ragged_paged_attention(
     """``ragged_paged_attention`` under ``jax.shard_map`` with kv heads on ``axis_name``.
 
     Returns ``(out [T, Hq, D] sharded on Hq, kv_cache sharded on axis 2)``.
-    ``kernel_kwargs`` go to the kernel (``sm_scale``, block sizes, ``interpret``...).
+    ``kernel_kwargs`` go to the kernel (``sm_scale``, chunk and q-block sizes, ``interpret``...).
     """
     n = mesh.shape[axis_name]
     num_kv_heads = k.shape[1]
@@ -46,7 +46,7 @@ def sharded_ragged_paged_attention(
     cache = P(None, None, axis_name, None)
     rep = P()
     specs = (heads, heads, heads, cache, rep, rep, rep, rep)
-    args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    args = (q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution)
     if AxisType.Explicit in mesh.axis_types:
         # Explicit meshes make shard_map check, not convert, input shardings.
         args = tuple(jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs))

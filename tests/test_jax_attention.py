@@ -48,12 +48,12 @@ def make_batch(q_lens, ctx, *, Hq=4, Hkv=2, D=16, num_pages=96, pps=24, Tp=160, 
     return q, k_new, v_new, cache, kv_lens, table.reshape(-1), cu, dist
 
 
-def numpy_reference(q, k, v, cache, kv_lens, page_indices, cu, dist, sm_scale, window=None):
+def numpy_reference(q, k, v, cache, kv_lens, block_tables, cu, dist, sm_scale, window=None):
     Tp, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     R = len(kv_lens)
-    table = page_indices.reshape(R, -1)
+    table = block_tables.reshape(R, -1)
     cache = cache.copy()
     out = np.zeros_like(q)
     for r in range(int(dist[2])):

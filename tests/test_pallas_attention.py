@@ -63,54 +63,54 @@ def _fresh_interpreter():
     pltpu.reset_tpu_interpret_mode_state()
 
 
-def make_batch(seed, reqs, *, T, R, page_size, pages_per_seq, num_pages, Hq, Hkv, D, dtype, pad_head_dim=None):
+def make_batch(seed, reqs, *, T, R, block_size, blocks_per_seq, num_blocks, Hq, Hkv, D, dtype, pad_head_dim=None):
     """A ragged batch: reqs = [(q_len, kv_len)] already ordered decode, prefill, mixed.
 
-    Pages are distinct, random and never the null page 0. With pad_head_dim the
+    Blocks are distinct, random and never the null block 0. With pad_head_dim the
     data has D real dims and is zero-padded to pad_head_dim (what the TPU caller does).
     """
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((T, Hq, D), np.float32)
     k = rng.standard_normal((T, Hkv, D), np.float32)
     v = rng.standard_normal((T, Hkv, D), np.float32)
-    cache = rng.standard_normal((num_pages, page_size, 2 * Hkv, D), np.float32)
+    cache = rng.standard_normal((num_blocks, block_size, 2 * Hkv, D), np.float32)
     if pad_head_dim:
         widen = lambda x: np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad_head_dim - D)])  # noqa: E731
         q, k, v, cache = (widen(x) for x in (q, k, v, cache))
     kv_lens = np.zeros(R, np.int32)
     cu = np.zeros(R + 1, np.int32)
-    pages = np.zeros(R * pages_per_seq, np.int32)
-    free = list(rng.permutation(np.arange(1, num_pages)))
+    tables = np.zeros(R * blocks_per_seq, np.int32)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
     for r, (ql, kl) in enumerate(reqs):
         kv_lens[r], cu[r + 1] = kl, cu[r] + ql
-        for j in range(-(-kl // page_size)):
-            pages[r * pages_per_seq + j] = free.pop()
+        for j in range(-(-kl // block_size)):
+            tables[r * blocks_per_seq + j] = free.pop()
     cu[len(reqs) + 1:] = cu[len(reqs)]
     # decode: leading q_len == 1; prefill: then q_len == kv_len (no cached context); the rest mixed.
     decode = next((i for i, (ql, _) in enumerate(reqs) if ql != 1), len(reqs))
     prefill = decode + next((i for i, (ql, kl) in enumerate(reqs[decode:]) if ql != kl), len(reqs) - decode)
     dist = np.array([decode, prefill, len(reqs)], np.int32)
     arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v, cache))
-    return arrays + tuple(jnp.asarray(x) for x in (kv_lens, pages, cu, dist))
+    return arrays + tuple(jnp.asarray(x) for x in (kv_lens, tables, cu, dist))
 
 
-def naive_attention(q, k, v, cache, kv_lens, pages, cu, dist, *, sm_scale, sliding_window=None, soft_cap=None):
+def naive_attention(q, k, v, cache, kv_lens, blocks, cu, dist, *, sm_scale, sliding_window=None, soft_cap=None):
     """Request by request, token by token, float64."""
     q, k, v, cache = (np.asarray(x, np.float64) for x in (q, k, v, cache))
-    kv_lens, pages, cu, dist = (np.asarray(x) for x in (kv_lens, pages, cu, dist))
+    kv_lens, blocks, cu, dist = (np.asarray(x) for x in (kv_lens, blocks, cu, dist))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    ps = cache.shape[1]
-    pps = pages.shape[0] // kv_lens.shape[0]
+    bs = cache.shape[1]
+    bps = blocks.shape[0] // kv_lens.shape[0]
     cache, out = cache.copy(), np.zeros_like(q)
     for r in range(dist[2]):
         s, ql, kl = cu[r], cu[r + 1] - cu[r], kv_lens[r]
         for j in range(ql):
             pos = kl - ql + j
-            cache[pages[r * pps + pos // ps], pos % ps] = np.stack([k[s + j], v[s + j]], 1).reshape(2 * Hkv, D)
+            cache[blocks[r * bps + pos // bs], pos % bs] = np.stack([k[s + j], v[s + j]], 1).reshape(2 * Hkv, D)
     for r in range(dist[2]):
         s, ql, kl = cu[r], cu[r + 1] - cu[r], kv_lens[r]
-        kv = cache[pages[r * pps: r * pps + -(-kl // ps)]].reshape(-1, 2 * Hkv, D)[:kl]
+        kv = cache[blocks[r * bps: r * bps + -(-kl // bs)]].reshape(-1, 2 * Hkv, D)[:kl]
         for j in range(ql):
             pos, idx = kl - ql + j, np.arange(kl)
             visible = idx <= pos
@@ -152,20 +152,20 @@ def check_against_reference(args, *, atol, rtol=0.0, **kw):
 
 
 def check_kv_write(args, new_cache):
-    """Directly: each real token's K/V sit at (page, slot) of its position; every other slot is unchanged."""
-    q, k, v, cache, kv_lens, pages, cu, dist = (np.asarray(x, np.float32) if i < 4 else np.asarray(x)
+    """Directly: each real token's K/V sit at (block, slot) of its position; every other slot is unchanged."""
+    q, k, v, cache, kv_lens, blocks, cu, dist = (np.asarray(x, np.float32) if i < 4 else np.asarray(x)
                                                 for i, x in enumerate(args))
     new_cache = np.asarray(new_cache, np.float32)
-    ps, pps = cache.shape[1], pages.shape[0] // kv_lens.shape[0]
+    bs, bps = cache.shape[1], blocks.shape[0] // kv_lens.shape[0]
     written = np.zeros(cache.shape[:2], bool)
     for r in range(dist[2]):
         ql = cu[r + 1] - cu[r]
         for j in range(ql):
             pos, t = kv_lens[r] - ql + j, cu[r] + j
-            page, slot = pages[r * pps + pos // ps], pos % ps
-            np.testing.assert_array_equal(new_cache[page, slot, 0::2], k[t])
-            np.testing.assert_array_equal(new_cache[page, slot, 1::2], v[t])
-            written[page, slot] = True
+            block, slot = blocks[r * bps + pos // bs], pos % bs
+            np.testing.assert_array_equal(new_cache[block, slot, 0::2], k[t])
+            np.testing.assert_array_equal(new_cache[block, slot, 1::2], v[t])
+            written[block, slot] = True
     np.testing.assert_array_equal(new_cache[~written], cache[~written])
 
 
@@ -177,8 +177,8 @@ def check_kv_write(args, new_cache):
     dict(sliding_window=6, soft_cap=3.0),
 ])
 def test_reference_matches_naive(kw):
-    args = make_batch(0, [(1, 5), (1, 17), (7, 7), (9, 40), (3, 50)], T=32, R=8, page_size=16,
-                      pages_per_seq=4, num_pages=24, Hq=6, Hkv=2, D=32, dtype=jnp.float32)
+    args = make_batch(0, [(1, 5), (1, 17), (7, 7), (9, 40), (3, 50)], T=32, R=8, block_size=16,
+                      blocks_per_seq=4, num_blocks=24, Hq=6, Hkv=2, D=32, dtype=jnp.float32)
     want_out, want_cache = naive_attention(*args, sm_scale=0.2, **kw)
     out, cache = _reference(args, sm_scale=0.2, **kw)
     np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5)
@@ -190,33 +190,33 @@ def test_reference_matches_naive(kw):
 
 
 def test_kernel_mixed_batch_f32():
-    """Decode + prefill + mixed, GQA 3, page 16, D 64, a padded request slot and
-    padded tokens, kv lens off page boundaries, requests spanning q blocks and
-    kv blocks, both the single-token tile and the full-block path."""
+    """Decode + prefill + mixed, GQA 3, block 16, D 64, a padded request slot and
+    padded tokens, kv lens off block boundaries, requests spanning q blocks and
+    kv chunks, both the single-token tile and the full-block path."""
     reqs = [(1, 5), (1, 17), (1, 33), (7, 7), (5, 5), (9, 40), (3, 50)]  # 29 tokens
-    args = make_batch(1, reqs, T=32, R=8, page_size=16, pages_per_seq=4, num_pages=32,
+    args = make_batch(1, reqs, T=32, R=8, block_size=16, blocks_per_seq=4, num_blocks=32,
                       Hq=6, Hkv=2, D=64, dtype=jnp.float32)
-    check_against_reference(args, atol=1e-5, sm_scale=0.125, num_queries_per_block=16, num_kv_pages_per_block=2)
+    check_against_reference(args, atol=1e-5, sm_scale=0.125, num_queries_per_block=16, num_kv_blocks_per_chunk=2)
 
 
 def test_kernel_prefill_bf16_window_softcap():
-    """Prefill only, bf16, GQA 4, page 32, D 128, sliding window and soft cap, T
+    """Prefill only, bf16, GQA 4, block 32, D 128, sliding window and soft cap, T
     not a multiple of the q block (the wrapper pads it)."""
     reqs = [(17, 17), (11, 11), (6, 6)]  # 34 tokens
-    args = make_batch(2, reqs, T=40, R=4, page_size=32, pages_per_seq=2, num_pages=8,
+    args = make_batch(2, reqs, T=40, R=4, block_size=32, blocks_per_seq=2, num_blocks=8,
                       Hq=4, Hkv=1, D=128, dtype=jnp.bfloat16)
     # Outputs of both are rounded to bf16: allow an ulp at any magnitude.
     check_against_reference(args, atol=2e-2, rtol=2e-2, sm_scale=0.09, sliding_window=9, soft_cap=5.0,
-                            num_queries_per_block=16, num_kv_pages_per_block=1)
+                            num_queries_per_block=16, num_kv_blocks_per_chunk=1)
 
 
-def test_kernel_decode_mha_page64_and_padded_head_dim():
-    """Decode only, MHA (GQA 1), page 64, D 128; then the same shapes carrying a
+def test_kernel_decode_mha_block64_and_padded_head_dim():
+    """Decode only, MHA (GQA 1), block 64, D 128; then the same shapes carrying a
     head_dim of 64 zero-padded to 128, checked against the unpadded reference."""
     rng = np.random.default_rng(3)
     reqs = [(1, int(n)) for n in rng.integers(1, 190, size=10)]
-    shape = dict(T=16, R=16, page_size=64, pages_per_seq=3, num_pages=40, Hq=2, Hkv=2, dtype=jnp.float32)
-    kw = dict(sm_scale=0.125, num_queries_per_block=16, num_kv_pages_per_block=2)
+    shape = dict(T=16, R=16, block_size=64, blocks_per_seq=3, num_blocks=40, Hq=2, Hkv=2, dtype=jnp.float32)
+    kw = dict(sm_scale=0.125, num_queries_per_block=16, num_kv_blocks_per_chunk=2)
     check_against_reference(make_batch(3, reqs, D=128, **shape), atol=1e-5, **kw)
 
     padded = make_batch(4, reqs, D=64, pad_head_dim=128, **shape)
@@ -233,12 +233,12 @@ def test_sharded_over_kv_heads():
         pytest.skip("needs >1 device (tests/conftest.py forces 8 fake CPU devices)")
     mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
     reqs = [(1, 9), (1, 20), (6, 6), (4, 30)]
-    args = make_batch(5, reqs, T=16, R=4, page_size=16, pages_per_seq=2, num_pages=12,
+    args = make_batch(5, reqs, T=16, R=4, block_size=16, blocks_per_seq=2, num_blocks=12,
                       Hq=4, Hkv=2, D=64, dtype=jnp.float32)
     ref_out, ref_cache = _reference(args, sm_scale=0.125)
     q, k, v, cache, *meta = args
     fn = jax.jit(functools.partial(sharded_ragged_paged_attention, mesh, sm_scale=0.125,
-                                   num_queries_per_block=8, num_kv_pages_per_block=1, interpret=INTERPRET))
+                                   num_queries_per_block=8, num_kv_blocks_per_chunk=1, interpret=INTERPRET))
     out, new_cache = jax.block_until_ready(_run_fast(fn, q, k, v, jnp.array(cache, copy=True), *meta))
     assert not _races_found()
     np.testing.assert_allclose(np.asarray(out[:12]), np.asarray(ref_out[:12]), atol=1e-5)
@@ -252,8 +252,8 @@ def test_sharded_over_kv_heads():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_to_mosaic_for_tpu(dtype):
     """The TPU paths (packed bf16 and strided f32 K/V loads, no interpreter) lower
-    to Mosaic. Compiling the Mosaic module needs a real TPU; this only runs jax's
-    Pallas->Mosaic lowering."""
+    to Mosaic. This only runs jax's Pallas->Mosaic lowering (no libtpu needed);
+    tests/test_tpu_aot.py compiles the Mosaic module for v5e/v6e with libtpu."""
     try:
         from jax._src import mesh as mesh_lib
 
@@ -262,9 +262,9 @@ def test_lowers_to_mosaic_for_tpu(dtype):
     except (ImportError, AttributeError, TypeError) as e:  # private API moved
         pytest.skip(f"cannot fake a TPU device kind: {e}")
     sd, i32 = jax.ShapeDtypeStruct, jnp.int32
-    T, R, Hq, Hkv, D, P, ps, pps = 64, 8, 32, 8, 128, 64, 16, 8
+    T, R, Hq, Hkv, D, NB, bs, bps = 64, 8, 32, 8, 128, 64, 16, 8
     args = (sd((T, Hq, D), dtype), sd((T, Hkv, D), dtype), sd((T, Hkv, D), dtype),
-            sd((P, ps, 2 * Hkv, D), dtype), sd((R,), i32), sd((R * pps,), i32), sd((R + 1,), i32), sd((3,), i32))
+            sd((NB, bs, 2 * Hkv, D), dtype), sd((R,), i32), sd((R * bps,), i32), sd((R + 1,), i32), sd((3,), i32))
     fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, sliding_window=64, soft_cap=30.0))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.export.export(fn, platforms=("tpu",))(*args).mlir_module()
@@ -275,7 +275,7 @@ def test_lowers_to_mosaic_for_tpu(dtype):
 @pytest.mark.parametrize("mode,dtype", [("index", jnp.float32), ("strided", jnp.float32),
                                         ("packed", jnp.bfloat16)])
 def test_load_kv_head(mode, dtype):
-    """Every way of pulling one head's K and V out of the page buffer agrees.
+    """Every way of pulling one head's K and V out of the block buffer agrees.
     "strided" and "packed" (the TPU ways) run under the generic interpreter
     (interpret=True), which unlike InterpretParams reads through Ref.reshape/bitcast."""
     heads = 8
@@ -297,48 +297,48 @@ def test_load_kv_head(mode, dtype):
 
 
 def test_validation_errors():
-    base = dict(T=16, R=4, page_size=16, pages_per_seq=2, num_pages=12, Hq=4, Hkv=2, D=64, dtype=jnp.float32)
-    q, k, v, cache, kv_lens, pages, cu, dist = make_batch(6, [(1, 9), (4, 4)], **base)
+    base = dict(T=16, R=4, block_size=16, blocks_per_seq=2, num_blocks=12, Hq=4, Hkv=2, D=64, dtype=jnp.float32)
+    q, k, v, cache, kv_lens, tables, cu, dist = make_batch(6, [(1, 9), (4, 4)], **base)
     call = lambda *a, **kw: ragged_paged_attention(*a, **{"sm_scale": 1.0, **kw})  # noqa: E731
 
     with pytest.raises(ValueError, match="num_q_heads=4 is not divisible by num_kv_heads=3"):
-        call(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), cache[:, :, :6], kv_lens, pages, cu, dist)
+        call(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), cache[:, :, :6], kv_lens, tables, cu, dist)
     with pytest.raises(ValueError, match="head_dim mismatch"):
-        call(q[..., :32], k, v, cache, kv_lens, pages, cu, dist)
+        call(q[..., :32], k, v, cache, kv_lens, tables, cu, dist)
     with pytest.raises(ValueError, match="share one dtype"):
-        call(q.astype(jnp.bfloat16), k, v, cache, kv_lens, pages, cu, dist)
+        call(q.astype(jnp.bfloat16), k, v, cache, kv_lens, tables, cu, dist)
     with pytest.raises(ValueError, match="not a positive multiple of R=4"):
-        call(q, k, v, cache, kv_lens, pages[:7], cu, dist)
+        call(q, k, v, cache, kv_lens, tables[:7], cu, dist)
     with pytest.raises(ValueError, match="must be int32"):
-        call(q, k, v, cache, kv_lens.astype(jnp.int16), pages, cu, dist)
+        call(q, k, v, cache, kv_lens.astype(jnp.int16), tables, cu, dist)
     with pytest.raises(ValueError, match="2 \\* num_kv_heads"):
-        call(q, k, v, cache[:, :, :2], kv_lens, pages, cu, dist)
+        call(q, k, v, cache[:, :, :2], kv_lens, tables, cu, dist)
     with pytest.raises(ValueError, match="num_queries_per_block=12"):
-        call(q, k, v, cache, kv_lens, pages, cu, dist, num_queries_per_block=12)
+        call(q, k, v, cache, kv_lens, tables, cu, dist, num_queries_per_block=12)
     with pytest.raises(ValueError, match="vmem_limit_bytes=1024"):
-        call(q, k, v, cache, kv_lens, pages, cu, dist, vmem_limit_bytes=1024)
+        call(q, k, v, cache, kv_lens, tables, cu, dist, vmem_limit_bytes=1024)
 
     args = (q, k, v, cache)
-    validate_inputs_dynamic(*args, kv_lens, pages, cu, dist)
+    validate_inputs_dynamic(*args, kv_lens, tables, cu, dist)
     with pytest.raises(ValueError, match="out of range"):
-        validate_inputs_dynamic(*args, kv_lens, pages.at[0].set(99), cu, dist)
+        validate_inputs_dynamic(*args, kv_lens, tables.at[0].set(99), cu, dist)
     with pytest.raises(ValueError, match="non-decreasing"):
-        validate_inputs_dynamic(*args, kv_lens, pages, jnp.array([0, 1, 0, 0, 0], jnp.int32), dist)
+        validate_inputs_dynamic(*args, kv_lens, tables, jnp.array([0, 1, 0, 0, 0], jnp.int32), dist)
     with pytest.raises(ValueError, match="q_len \\(4\\) <= kv_len \\(3\\)"):
-        validate_inputs_dynamic(*args, kv_lens.at[1].set(3), pages, cu, dist)
-    with pytest.raises(ValueError, match="pages_per_seq \\* page_size \\(32\\)"):
-        validate_inputs_dynamic(*args, kv_lens.at[1].set(40), pages, cu, dist)
-    with pytest.raises(ValueError, match="null page"):
-        validate_inputs_dynamic(*args, kv_lens, pages.at[0].set(0), cu, dist)
+        validate_inputs_dynamic(*args, kv_lens.at[1].set(3), tables, cu, dist)
+    with pytest.raises(ValueError, match="blocks_per_seq \\* block_size \\(32\\)"):
+        validate_inputs_dynamic(*args, kv_lens.at[1].set(40), tables, cu, dist)
+    with pytest.raises(ValueError, match="null block"):
+        validate_inputs_dynamic(*args, kv_lens, tables.at[0].set(0), cu, dist)
 
 
 def test_default_blocks_fit_v5e_scoped_vmem():
-    # Llama-3-8B per device without TP: Hkv=8, G=4, D=128, bf16, page 16 and 64.
-    for page_size in (16, 64):
-        need = estimate_vmem_bytes(num_kv_heads=8, group=4, head_dim=128, page_size=page_size,
-                                   dtype=jnp.bfloat16, num_kv_pages_per_block=16, num_queries_per_block=32)
-        assert need <= 16 * 2**20, (page_size, need)
-    assert math.isclose(estimate_vmem_bytes(num_kv_heads=1, group=1, head_dim=128, page_size=16,
-                                            dtype=jnp.float32, num_kv_pages_per_block=1,
+    # Llama-3-8B per device without TP: Hkv=8, G=4, D=128, bf16, block 16 and 64.
+    for block_size in (16, 64):
+        need = estimate_vmem_bytes(num_kv_heads=8, group=4, head_dim=128, block_size=block_size,
+                                   dtype=jnp.bfloat16, num_kv_blocks_per_chunk=16, num_queries_per_block=32)
+        assert need <= 16 * 2**20, (block_size, need)
+    assert math.isclose(estimate_vmem_bytes(num_kv_heads=1, group=1, head_dim=128, block_size=16,
+                                            dtype=jnp.float32, num_kv_blocks_per_chunk=1,
                                             num_queries_per_block=8),
                         2 * 16 * 8 * 128 * 4 + 4 * 8 * 128 * 4 + 8 * 128 * 4 + 2 * 8 * 128 * 4)

@@ -1,0 +1,310 @@
+"""`xlaserve warmup --topology v5e:2x2`: compile the TPU server's programs on a host without a TPU.
+
+The runner is built on libtpu's compile-only devices of the named slice
+(`jaxengine.tpu_target`), its KV cache shape fixed by the fit check
+(`jaxengine.hbm`) but never allocated, its weights never read: the programs
+are lowered from `JaxModelRunner.abstract_inputs` (ShapeDtypeStructs with
+their shardings), exactly as `serve` lowers them on a TPU, and compiled by
+libtpu for that chip, in parallel, into the persistent compilation cache.
+
+What this proves, and what it does not
+--------------------------------------
+Verified: every program the TPU server would run (each token bucket's model
+step with the Pallas attention compiled by Mosaic, sharded over the slice's
+mesh; each request bucket's sampler variants; prompt logprobs) compiles for
+that chip, and its HBM footprint (XLA's ``memory_analysis``) fits. Not
+verified: that the programs run correctly or fast on a TPU, and that a TPU
+host *hits* these cache entries: the key covers the HLO, jaxlib and libtpu
+versions, XLA_FLAGS / LIBTPU_INIT_ARGS, the compile options and libtpu's
+fingerprint of the topology, and only a TPU can tell whether its attached
+topology fingerprints like the compile-only one. Hence the second artifact:
+serialized executables (``executables_dir``), which a TPU host loads with
+`load_executables` without any cache-key matching (same jax/jaxlib/libtpu).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import re
+
+from enginecore.arch import ArchConfig, ModelLoadError
+from enginecore.config import ConfigError, EngineArgs
+from enginecore.model_loader import ModelSource, resolve_model
+from jaxengine.hbm import MemoryPlan, check_fit
+from jaxengine.step_cost import ShardedShape, StepCost, model_step_cost, prompt_logprobs_cost, sample_step_cost
+from jaxengine.tpu_target import GiB, LIBTPU_PIN, Topology, num_hosts, parse_topology, topology_devices
+
+logger = logging.getLogger("xlaserve.aot")
+
+DEFAULT_ROOFLINE_CONTEXT = 1024  # cached tokens per request assumed by the roofline of a model step
+ROW_MAJOR_4D = "3,2,1,0"  # an XLA layout's dims, minor to major
+
+
+def resolve_aot_model(model: str | None) -> ModelSource:
+    """Like `resolve_model`, and also a folder holding only config.json: AOT compilation needs no weights."""
+    path = os.path.expanduser(model) if model else None
+    if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) \
+            and not any(f.endswith((".safetensors", ".gguf")) for f in os.listdir(path)):
+        cfg_path = os.path.join(path, "config.json")
+        try:
+            with open(cfg_path) as f:
+                arch = ArchConfig.from_hf_dict(json.load(f), cfg_path)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{cfg_path}: not a model config ({type(e).__name__}: {e})") from None
+        return ModelSource("hf", os.path.abspath(path), os.path.basename(os.path.normpath(path)), arch)
+    return resolve_model(model)
+
+
+@dataclasses.dataclass
+class AotReport:
+    """What `run_aot_warmup` compiled, for which target, and how it sizes up."""
+
+    target: dict  # topology, device_kind, chips, hosts, mesh, chip peaks
+    plan: MemoryPlan
+    rows: list[dict]  # one per program
+    fit: dict  # the compiled programs' per-device HBM peak against the chip
+    cache_dir: str | None
+    executables_dir: str | None
+    notes: list[str]
+
+
+def _engine_config(engine_args: EngineArgs, topo: Topology):
+    from jaxengine.compilation import DEFAULT_CACHE_DIR, resolve_cache_dir
+
+    args = dataclasses.replace(engine_args, topology=topo.name)
+    if args.platform == "auto":
+        args.platform = "tpu"
+    if args.platform != "tpu":
+        raise ConfigError(f"--topology {topo.name} compiles for a TPU; it needs --platform tpu (or auto), "
+                          f"not --platform {args.platform}")
+    if args.backend == "auto":
+        args.backend = "jax"
+    if args.compilation_cache_dir is None:
+        args.compilation_cache_dir = resolve_cache_dir(None) or DEFAULT_CACHE_DIR
+    source = resolve_aot_model(args.model)
+    return args.create_engine_config(model_max_len=source.config.max_position_embeddings), source
+
+
+def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *, executables_dir: str | None = None,
+                   roofline_context: int = DEFAULT_ROOFLINE_CONTEXT, threads: int | None = None,
+                   progress=None) -> AotReport:
+    """Compile every program of `level` for the TPU slice `topology` ("v5e:2x2") from abstract weights.
+
+    Raises ConfigError before compiling anything when libtpu is missing, the slice has too few chips
+    for --tensor-parallel-size, or the model does not fit the chip's HBM (`jaxengine.hbm.check_fit`).
+    """
+    import jax
+
+    from jaxengine.runner import JaxModelRunner
+
+    topo = parse_topology(topology)
+    config, source = _engine_config(engine_args, topo)
+    devices = topology_devices(topo)
+    tp = config.parallel_config.tensor_parallel_size
+    if tp > len(devices):
+        raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} chips; --topology {topo.name} has {len(devices)}")
+    jax.clear_caches()  # programs already in memory would never reach the persistent cache
+    runner = JaxModelRunner(config, source, devices=devices)
+    try:
+        where = f"{topo.name} ({topo.chip.device_kind})"
+        plan = check_fit(config, runner.arch, runner.mesh, runner.rules, runner.kv_bytes_per_block(),
+                         topo.chip.hbm_bytes, where)
+        runner.init_kv_cache(plan.num_blocks, allocate=False)
+        logger.info("aot: %s, tp %d, %s", where, tp, plan.describe())
+        stats = runner.warmup(level, threads=threads, progress=progress)
+        rows = _rows(runner, stats, topo, roofline_context)
+        fit = _compiled_fit(rows, plan)
+        saved = _save_executables(runner, executables_dir, topo, plan) if executables_dir else None
+    finally:
+        runner.shutdown()
+    mesh_devices = list(runner.mesh.devices.flat)
+    target = {"topology": topo.name, "device_kind": topo.chip.device_kind, "chips": topo.num_chips,
+              "hosts": num_hosts(devices), "mesh_chips": len(mesh_devices), "mesh_hosts": num_hosts(mesh_devices),
+              "tensor_parallel_size": tp, "heads_sharded": runner.rules.shard_heads,
+              "hbm_gib_per_chip": topo.chip.hbm_bytes / GiB, "peak_bf16_tflops": topo.chip.peak_bf16_flops / 1e12,
+              "hbm_gbps": topo.chip.hbm_bandwidth / 1e9, "num_programs": len(rows),
+              "attention": runner.attention_backend, "dtype": runner.dtype, "kv_dtype": runner.kv_dtype,
+              "num_blocks": plan.num_blocks, "roofline_context": roofline_context}
+    notes = _notes(target, rows, config, runner.cache_dir, saved)
+    return AotReport(target, plan, rows, fit, runner.cache_dir, saved, notes)
+
+
+def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
+    import jax.numpy as jnp
+
+    from jaxengine.model import jnp_dtype
+
+    arch, sc = runner.arch, runner.config.scheduler_config
+    stored = runner.cache_kv_heads * runner.heads_tp * runner.cache_head_dim  # K/V elements per token, padded
+    padding = stored / (arch.num_key_value_heads * arch.head_dim)
+    shape = ShardedShape.of(arch, runner.mesh.shape["model"], runner.rules.shard_heads,
+                            jnp.dtype(jnp_dtype(runner.dtype)).itemsize, jnp.dtype(jnp_dtype(runner.kv_dtype)).itemsize,
+                            padding)
+    peak, bw = topo.chip.peak_bf16_flops, topo.chip.hbm_bandwidth
+    kv = runner.abstract_inputs().kv_cache
+    kv_local = kv.sharding.shard_shape(kv.shape)
+    rows = []
+    for p in stats["programs"]:
+        key = p["key"]
+        prog = runner.programs[key]
+        mem = prog.memory_analysis()
+        cost = _program_cost(key, arch, shape, sc.max_num_seqs, context)
+        rows.append({
+            "key": key, "bucket": key.describe(), "compile_s": p["seconds"],
+            "status": "hit" if p["cache_hits"] and not p["cache_misses"] else "compiled",
+            "args_bytes": mem.argument_size_in_bytes, "out_bytes": mem.output_size_in_bytes,
+            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+            "code_bytes": mem.generated_code_size_in_bytes,
+            "flops": cost.flops, "bytes": cost.bytes, "roofline_ms": cost.seconds(peak, bw) * 1e3,
+            "bound": cost.bound(peak, bw),
+            "kv_layout": kv_cache_layout(prog.as_text(), kv_local) if key.kind == "model" else None,
+        })
+    return rows
+
+
+def kv_cache_layout(hlo_text: str, local_shape: tuple[int, ...]) -> str | None:
+    """The (per-device) KV-cache parameter's dim order in a compiled program, minor to major ("3,2,1,0":
+    row-major, what the Pallas kernel takes; anything else makes XLA copy the cache in and out of every
+    step). None when the program has no such parameter."""
+    param = re.compile(r"=\s*[a-z0-9]+" + re.escape("[" + ",".join(map(str, local_shape)) + "]") + r"\{([0-9,]+)")
+    for line in hlo_text.splitlines():
+        if " parameter(" in line:
+            m = param.search(line)
+            if m:
+                return m.group(1)
+    return None
+
+
+def _program_cost(key, arch, shape: ShardedShape, max_reqs: int, context: int) -> StepCost:
+    if key.kind == "model":
+        return model_step_cost(arch, shape, tokens=key.size, reqs=min(key.size, max_reqs), context=context)
+    if key.kind == "sample":
+        return sample_step_cost(arch, shape, reqs=key.size)
+    return prompt_logprobs_cost(arch, shape, rows=key.size)
+
+
+def _compiled_fit(rows: list[dict], plan: MemoryPlan) -> dict:
+    """Per device: the largest program's arguments + outputs (less the donated cache) + temporaries, plus the
+    code of every program (all stay loaded), against the chip's HBM and the --gpu-memory-utilization budget."""
+    peak_row = max(rows, key=lambda r: r["args_bytes"] + r["out_bytes"] - r["alias_bytes"] + r["temp_bytes"])
+    code = sum(r["code_bytes"] for r in rows)
+    peak = peak_row["args_bytes"] + peak_row["out_bytes"] - peak_row["alias_bytes"] + peak_row["temp_bytes"] + code
+    return {"peak_bytes": peak, "peak_program": peak_row["bucket"], "code_bytes": code,
+            "max_temp_bytes": max(r["temp_bytes"] for r in rows), "estimated_temp_bytes": plan.temporaries_bytes,
+            "budget_bytes": plan.budget_bytes, "hbm_bytes": plan.hbm_bytes,
+            "fits_hbm": peak <= plan.hbm_bytes, "fits_budget": peak <= plan.budget_bytes}
+
+
+def _key_name(key) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", key.describe())
+
+
+def _save_executables(runner, out_dir: str, topo: Topology, plan: MemoryPlan) -> str:
+    """One serialized executable per program plus manifest.json (what they were compiled for)."""
+    import jax
+    import jaxlib
+    from jax.experimental.serialize_executable import serialize
+
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    files = {}
+    for key, prog in runner.programs.items():
+        payload, in_tree, out_tree = serialize(prog)
+        name = _key_name(key) + ".jaxexe"
+        with open(os.path.join(out_dir, name), "wb") as f:
+            pickle.dump({"key": tuple(key), "payload": payload, "in_tree": in_tree, "out_tree": out_tree}, f)
+        files[name] = list(key)
+    manifest = {"topology": topo.name, "device_kind": topo.chip.device_kind, "num_blocks": plan.num_blocks,
+                "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": LIBTPU_PIN,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""), "programs": files}
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return out_dir
+
+
+def load_executables(path: str, backend=None) -> dict:
+    """On the TPU host: {ProgramKey: loaded executable} from `executables_dir` (same jax, jaxlib and libtpu)."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    from jaxengine.programs import ProgramKey
+
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    out = {}
+    for name in manifest["programs"]:
+        with open(os.path.join(path, name), "rb") as f:
+            d = pickle.load(f)
+        out[ProgramKey(*d["key"])] = deserialize_and_load(d["payload"], d["in_tree"], d["out_tree"], backend=backend)
+    return out
+
+
+def _notes(target: dict, rows: list[dict], config, cache_dir: str | None, saved: str | None) -> list[str]:
+    cc = config.cache_config
+    flags = " ".join(f"{k}={os.environ[k]!r}" for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS") if os.environ.get(k))
+    notes = [
+        f"verified: all {target['num_programs']} programs compile for {target['device_kind']} "
+        f"({target['topology']}, {target['mesh_chips']} of {target['chips']} chips in the mesh) with libtpu.",
+        "not verified (no TPU here): that they run, their speed, and that a TPU host hits these cache entries.",
+        f"the KV cache shape is part of every model program: start the server with --num-gpu-blocks-override "
+        f"{target['num_blocks']} (and the same model, dtype and scheduler flags) to hit them"
+        + ("" if cc.num_gpu_blocks_override else " (the server would otherwise size it from the chip's reported "
+           "memory and may pick another count)") + ".",
+        "the cache key includes XLA_FLAGS and LIBTPU_INIT_ARGS: run the server with the same values"
+        + (f" ({flags})" if flags else " (none set here)") + ".",
+    ]
+    copying = [r["bucket"] for r in rows if r["kv_layout"] not in (None, ROW_MAJOR_4D)]
+    if copying:
+        notes.append(f"WARNING: {', '.join(copying)} keep the KV cache in a layout the Pallas kernel does not "
+                     "take, so XLA copies the whole cache every step: a bug to fix (see "
+                     "jaxengine.platform.pallas_cache_heads).")
+    if target["mesh_hosts"] > 1:
+        notes.append(f"the mesh spans {target['mesh_hosts']} hosts: running it needs one process per host "
+                     "(jax.distributed); this process only compiled it.")
+    if saved:
+        notes.append(f"serialized executables in {saved}: a TPU host loads them with jaxengine.aot.load_executables "
+                     "(no cache-key matching, but the same jax/jaxlib/libtpu versions).")
+    if cache_dir:
+        notes.append(f"persistent compilation cache: {cache_dir}")
+    return notes
+
+
+def format_report(report: AotReport) -> str:
+    """The target, one row per program, the HBM fit and the notes, as plain text."""
+    t, g = report.target, (lambda b: f"{b / GiB:.2f}")
+    lines = [
+        f"target: {t['device_kind']} x {t['chips']} ({t['topology']}, {t['hosts']} host(s)); mesh: "
+        f"tensor-parallel {t['tensor_parallel_size']} on {t['mesh_chips']} chip(s), heads "
+        f"{'sharded' if t['heads_sharded'] else 'replicated'}; attention {t['attention']}; "
+        f"{t['dtype']} weights, {t['kv_dtype']} KV cache",
+        f"chip: {t['hbm_gib_per_chip']:.0f} GiB HBM, {t['peak_bf16_tflops']:.0f} TFLOP/s bf16, "
+        f"{t['hbm_gbps']:.0f} GB/s; plan {report.plan.describe()}",
+        f"roofline: max(FLOPs / peak, bytes / bandwidth) per chip from jaxengine.step_cost, a model step of N tokens "
+        f"from min(N, --max-num-seqs) requests with {t['roofline_context']} cached tokens each: an estimate on paper.",
+        "",
+    ]
+    cols = ("bucket", "compile_s", "status", "args_GiB", "out_GiB", "temp_GiB", "code_MiB", "GFLOP", "GB",
+            "roofline_ms", "bound")
+    table = [[r["bucket"], f"{r['compile_s']:.1f}", r["status"], g(r["args_bytes"]), g(r["out_bytes"]),
+              g(r["temp_bytes"]), f"{r['code_bytes'] / 2**20:.1f}", f"{r['flops'] / 1e9:.1f}",
+              f"{r['bytes'] / 1e9:.2f}", f"{r['roofline_ms']:.3f}", r["bound"]] for r in report.rows]
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
+    f = report.fit
+    lines += ["", f"HBM per chip after compiling: peak {g(f['peak_bytes'])} GiB ({f['peak_program']}: arguments + "
+              f"outputs + temporaries, plus {f['code_bytes'] / 2**20:.1f} MiB of code for all programs); largest "
+              f"temporaries {g(f['max_temp_bytes'])} GiB (estimated before compiling: {g(f['estimated_temp_bytes'])}); "
+              f"{'fits' if f['fits_budget'] else 'DOES NOT FIT'} --gpu-memory-utilization's {g(f['budget_bytes'])} "
+              f"GiB of {g(f['hbm_bytes'])} GiB", ""]
+    lines += [f"- {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+__all__ = ["AotReport", "DEFAULT_ROOFLINE_CONTEXT", "format_report", "load_executables", "resolve_aot_model",
+           "run_aot_warmup"]
