@@ -12,9 +12,10 @@ import logging
 import time
 
 from enginecore.config import EngineArgs, EngineConfig
+from enginecore.faults import FaultInjector
 from enginecore.model_loader import ModelSource, resolve_model
 from enginecore.outputs import EngineCoreOutput, RequestOutput, SchedulerOutput
-from enginecore.processor import InputProcessor, OutputProcessor
+from enginecore.processor import InputProcessor, OutputProcessor, RequestFailedError
 from enginecore.request import Request, RequestStatus
 from enginecore.runner import create_runner
 from enginecore.sampling_params import SamplingParams
@@ -33,6 +34,10 @@ class EngineCore:
     batch building and output handling of one step overlap the device's work
     on the other. Outputs are the same as with `--no-async-scheduling`
     (tested); a request that stops by EOS has one wasted step in flight.
+
+    An exception out of `step()` (the model step, scheduling) is an engine
+    death; one inside a single request's update fails that request alone
+    (see `Scheduler.update_from_output`).
     """
 
     def __init__(self, config: EngineConfig, model: ModelSource, runner=None):
@@ -47,8 +52,14 @@ class EngineCore:
         self.num_blocks = override if override is not None else runner.determine_num_blocks()
         runner.init_kv_cache(self.num_blocks)
         self.warmup_stats = runner.warmup() or {}
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self._faults = FaultInjector.from_env()  # test-only; None unless XLASERVE_FAULT_INJECTION is set
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks, self._faults)
         self.async_scheduling = config.scheduler_config.async_scheduling
+        cache_tokens = (self.num_blocks - 1) * config.cache_config.block_size
+        if cache_tokens < config.scheduler_config.max_model_len - 1:
+            logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: requests whose prompt plus "
+                           "max_tokens need more are refused (HTTP 400)", cache_tokens,
+                           config.scheduler_config.max_model_len)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (step, runner handle)
         logger.info(
             "engine ready: backend=%s platform=%s blocks=%d (block size %d)%s in %.1fs",
@@ -76,6 +87,9 @@ class EngineCore:
         if sched.has_unfinished_requests() or sched.finished_req_ids:
             so = sched.schedule()
             if so.has_work:
+                if self._faults is not None:
+                    for rid in so.num_scheduled_tokens:
+                        self._faults.check("step", rid)
                 launched = (so, self.runner.execute(so))
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, launched  # apply the previous step; this one runs meanwhile
@@ -162,4 +176,5 @@ class LLMEngine:
         results, to_abort = self.output_processor.process_outputs(outs)
         if to_abort:
             self.core.abort_requests(to_abort)
-        return [ro for _, ro in results]
+        return [self.output_processor.failed_output(st, ro) if isinstance(ro, RequestFailedError) else ro
+                for st, ro in results]

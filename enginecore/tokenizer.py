@@ -27,6 +27,10 @@ _QWEN2_PATTERN = (
 )
 
 
+class TextEncodingError(ValueError):
+    """Text that cannot be tokenized (HTTP 400): it is not valid Unicode."""
+
+
 @dataclass
 class Tokenizer:
     """A transformers tokenizer plus the ids the engine needs."""
@@ -41,6 +45,12 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON): `tokenizers` raises TypeError
+                raise TextEncodingError(f"the text is not valid Unicode: {e.reason} at character {e.start} "
+                                        f"({text[e.start:e.end]!r})") from None
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -180,7 +190,8 @@ def load_tokenizer(
         elif os.path.isfile(target) and target.endswith(".gguf"):
             hf = _load_gguf_tokenizer(target)
         elif os.path.isdir(target):
-            hf = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            # never Hugging Face remote code (a tokenizer_config.json with auto_map is refused, not run)
+            hf = AutoTokenizer.from_pretrained(target, local_files_only=True, trust_remote_code=False)
         else:
             raise ModelLoadError(f"{target}: tokenizer not found (a local folder or .gguf file is needed)")
     except ModelLoadError:

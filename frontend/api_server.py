@@ -20,9 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from enginecore import __version__
-from enginecore.processor import PromptError
+from enginecore.processor import PromptError, RequestFailedError
 from enginecore.sampling_params import SamplingParamsError
 from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError
+from enginecore.tokenizer import TextEncodingError
 from frontend.engine_client import AsyncEngineClient, EngineDeadError
 from frontend.metrics import ServerMetrics
 from frontend.protocol import (
@@ -68,10 +69,20 @@ class ServerState:
         self.completion = ServingCompletion(client, served_model_names, options)
         self.chat = ServingChat(client, served_model_names, options)
         self.server_load = 0
+        # set on SIGTERM (serve.py): new generation requests get 503 while those in flight finish
+        self.draining = False
 
 
-def _json_error(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+# Seconds an overloaded server asks clients to wait (HTTP Retry-After): about one decode step of a full batch
+# on a slow host; clients with backoff (the openai client honours the header) spread their retries from there.
+OVERLOAD_RETRY_AFTER_S = 1
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+SHUTTING_DOWN = "the server is shutting down: it finishes the requests in flight but accepts no new ones"
+
+
+def _json_error(message: str, status: int, param: str | None = None,
+                headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 async def _send_json_error(send, message: str, status: int) -> None:
@@ -172,20 +183,33 @@ class RequestIdHeaderMiddleware:
 class LoadTrackingMiddleware:
     """Counts generation requests in flight (until their last byte is sent), for GET /load."""
 
-    TRACKED = ("/v1/completions", "/v1/chat/completions")
-
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or _app_path(scope) not in self.TRACKED:
+        if scope["type"] != "http" or _app_path(scope) not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         self.state.server_load += 1
         try:
             return await self.app(scope, receive, send)
         finally:
             self.state.server_load -= 1
+
+
+class DrainingMiddleware:
+    """After SIGTERM the port stays open for the grace period: a new generation request gets a clear 503
+    (a load balancer retries it elsewhere) instead of a refused connection; everything else still answers."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.draining and _app_path(scope) in GENERATION_PATHS:
+            self.state.metrics.on_rejected("shutting_down")
+            return await _send_json_error(send, SHUTTING_DOWN, 503)
+        return await self.app(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -220,10 +244,14 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
 
     async def _engine_error(_req, exc: Exception):
         status, message = error_status(exc)
-        return _json_error(message, status, getattr(exc, "param", None))
+        headers = None
+        if isinstance(exc, SchedulerOverloadedError):
+            state.metrics.on_rejected("overloaded")
+            headers = {"Retry-After": str(OVERLOAD_RETRY_AFTER_S)}
+        return _json_error(message, status, getattr(exc, "param", None), headers)
 
     for cls in (APIError, PromptError, SamplingParamsError, RequestRejectedError, SchedulerOverloadedError,
-                EngineDeadError):
+                EngineDeadError, RequestFailedError, TextEncodingError):
         app.add_exception_handler(cls, _engine_error)
 
     @app.exception_handler(Exception)
@@ -237,13 +265,14 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
 
     # ---- health and info -------------------------------------------------------------------
 
+    # 503 once the engine is dead or the server drains for shutdown: take this instance out of rotation
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if client.is_dead else 200)
+        return Response(status_code=503 if client.is_dead or state.draining else 200)
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
-        return Response(status_code=503 if client.is_dead else 200)
+        return Response(status_code=503 if client.is_dead or state.draining else 200)
 
     @app.get("/version")
     async def version():
@@ -326,6 +355,7 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
 
     # ---- middlewares (the last added runs first) -----------------------------------------------------
 
+    app.add_middleware(DrainingMiddleware, state=state)
     if opts.enable_server_load_tracking:
         app.add_middleware(LoadTrackingMiddleware, state=state)
     app.add_middleware(BodySizeLimitMiddleware, limit=opts.max_request_body_bytes)

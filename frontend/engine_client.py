@@ -32,7 +32,7 @@ from enginecore.config import EngineConfig
 from enginecore.engine import EngineCore
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import EngineCoreOutput, RequestOutput
-from enginecore.processor import InputProcessor, OutputObserver, OutputProcessor
+from enginecore.processor import InputProcessor, OutputObserver, OutputProcessor, RequestFailedError
 from enginecore.sampling_params import SamplingParams
 from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError, SchedulerStats
 from enginecore.tokenizer import Tokenizer
@@ -106,6 +106,7 @@ class AsyncEngineClient:
         self._call_ids = itertools.count()
         self._ready: asyncio.Future | None = None
         self._closing = False
+        self._refusing: str | None = None  # set by stop_accepting(): why new requests are refused
         self._proc = None
         self._thread: threading.Thread | None = None
         self._ipc_dir: str | None = None
@@ -194,11 +195,15 @@ class AsyncEngineClient:
     def _on_process_exit(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._proc.sentinel)
-        self._proc.join(0)
-        code = self._proc.exitcode
+
+        def exited() -> None:
+            self._proc.join(0)  # by now the kernel has the exit status (at the sentinel it may not yet)
+            code = self._proc.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self._on_engine_exit(f"the engine core process exited unexpectedly ({how})")
+
         # a failing engine sends its reason just before exiting: give that message a moment to arrive
-        loop.call_later(_EXIT_GRACE_S, self._on_engine_exit,
-                        f"the engine core process exited unexpectedly (exit code {code})")
+        loop.call_later(_EXIT_GRACE_S, exited)
 
     def _on_engine_exit(self, reason: str) -> None:
         if self._closing:
@@ -223,6 +228,10 @@ class AsyncEngineClient:
                 cb(reason)
             except Exception:
                 logger.exception("on_dead callback failed")
+
+    def stop_accepting(self, reason: str) -> None:
+        """New requests get EngineDeadError(reason) (HTTP 503) from now on; those in flight go on."""
+        self._refusing = reason
 
     def fail_all(self, reason: str) -> None:
         """End every in-flight request with EngineDeadError(reason) (HTTP 503); their streams abort them."""
@@ -288,10 +297,12 @@ class AsyncEngineClient:
         """Validate, tokenize and submit; returns once the engine accepted it.
 
         Raises PromptError / SamplingParamsError (400), RequestRejectedError (400),
-        SchedulerOverloadedError (503) or EngineDeadError (503).
+        SchedulerOverloadedError (503), EngineDeadError (503) or RequestFailedError (500).
         """
         if self.is_dead or self._closing:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason or 'the server is shutting down'}")
+        if self._refusing is not None:
+            raise EngineDeadError(self._refusing)
         text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs],
@@ -309,6 +320,8 @@ class AsyncEngineClient:
         if err is not None:
             self.output_processor.abort(request_id)
             kind, message = err
+            if kind == "failed":
+                raise RequestFailedError(f"request {request_id} failed in the engine: {message}")
             raise (SchedulerOverloadedError if kind == "overloaded" else RequestRejectedError)(message)
         return RequestStream(self, request_id, queue)
 

@@ -4,7 +4,11 @@ Counters carry Prometheus's `_total` suffix on the wire, as vLLM's do
 (`vllm:prompt_tokens_total`). Gauges come from the engine's `SchedulerStats`
 (pushed after every engine step); counters and histograms from the per-request
 events the engine client reports. xlaserve adds `xlaserve:kv_cache_*_blocks`
-gauges so `free + used == total` can be checked from outside.
+gauges so `free + used == total` can be checked from outside, and
+`xlaserve:num_requests_rejected` (HTTP requests refused before they were queued:
+`overloaded` beyond --max-waiting-requests, `shutting_down` after SIGTERM), which
+vLLM has no name for. Requests that failed on their own (an exception while
+processing their output) count as `vllm:request_success{finished_reason="error"}`.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def _token_buckets(max_model_len: int) -> list[int]:
 class ServerMetrics:
     """Owns a private registry (no global state); implements the engine client's StatsObserver."""
 
-    FINISH_REASONS = ("stop", "length", "abort")
+    FINISH_REASONS = ("stop", "length", "abort", "error")
+    REJECT_REASONS = ("overloaded", "shutting_down")
 
     def __init__(self, model_name: str, max_model_len: int, num_blocks: int = 0, block_size: int = 16):
         self.registry = CollectorRegistry()
@@ -74,6 +79,11 @@ class ServerMetrics:
         self.success = {reason: success.labels(model_name=model_name, finished_reason=reason)
                         for reason in self.FINISH_REASONS}
         self._success_family = success
+        rejected = Counter("xlaserve:num_requests_rejected", "HTTP requests refused before they were queued, by "
+                           "reason (overloaded: --max-waiting-requests reached; shutting_down).",
+                           labels + ["reason"], registry=r)
+        self.rejected = {reason: rejected.labels(model_name=model_name, reason=reason)
+                         for reason in self.REJECT_REASONS}
         self._model_name = model_name
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
@@ -136,6 +146,9 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
         self.req_prompt.observe(num_prompt_tokens)
         self.req_generation.observe(num_generation_tokens)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected[reason].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from enginecore.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,6 +55,9 @@ class UsageInfo(OpenAIBaseModel):
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's and vLLM's extras)."""
 
+    # NaN / Infinity are valid in Python's JSON: a NaN temperature or logit bias is a 400, not silent garbage
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     model: str | None = None
     n: int = 1
     best_of: int | None = None
@@ -84,6 +87,15 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str = Field(default_factory=random_id)
     return_token_ids: bool | None = None
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        # vLLM's rule (a non-empty stream_options without stream is a 400): silently ignoring it would hide a
+        # client bug, e.g. a usage chunk that never comes
+        if v and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return v
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], prompt_logprobs: int | None

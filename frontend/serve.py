@@ -2,10 +2,16 @@
 
 Order: validate flags and resolve the model (fast failures first), bind the
 port (fail before minutes of warm-up if it is taken), start the engine core
-and wait until it is warm, then serve. SIGTERM / SIGINT: stop accepting, let
-in-flight requests finish for --shutdown-timeout seconds, abort the rest, stop
-the engine core, release the port. If the engine core dies the server exits
-(status 1) unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set.
+and wait until it is warm, then serve.
+
+SIGTERM / SIGINT drain the server: new generation requests get 503 (the port
+stays open, so clients see why rather than a refused connection) and /health
+turns 503, while requests in flight run to their end for up to
+--shutdown-timeout seconds (0: none); the rest are aborted (their streams end
+with an error event). Then uvicorn closes the port and the connections, the
+engine core stops (its tensor-parallel ranks with it) and the server exits 0.
+A second SIGINT cuts the grace period short. If the engine core dies the
+server exits (status 1) unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set.
 """
 
 from __future__ import annotations
@@ -124,9 +130,9 @@ def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
     )
 
 
-def _make_uvicorn_server(config, on_shutdown):
-    """uvicorn.Server that (1) calls `on_shutdown()` when shutdown starts (our grace-period timer) and
-    (2) does not re-raise the caught signal after serving: we still have cleanup to do."""
+def _make_uvicorn_server(config, drain):
+    """uvicorn.Server that (1) awaits `drain(forced)` before its own shutdown closes the port (`forced()`: a
+    second Ctrl-C) and (2) does not re-raise the caught signal after serving: we still have cleanup to do."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -143,7 +149,7 @@ def _make_uvicorn_server(config, on_shutdown):
                     signal.signal(s, h)
 
         async def shutdown(self, sockets=None):
-            on_shutdown()
+            await drain(lambda: self.force_exit)
             await super().shutdown(sockets=sockets)
 
     return Server(config)
@@ -154,28 +160,50 @@ def _uvicorn_config(ns: argparse.Namespace, app):
 
     return uvicorn.Config(
         app, log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
-        # our own timer aborts in-flight requests after --shutdown-timeout (their streams end with an error
-        # event); uvicorn's, a little later, is only the backstop
-        root_path=ns.root_path or "", timeout_graceful_shutdown=ns.shutdown_timeout + 5, timeout_keep_alive=5,
+        # the drain (before uvicorn's shutdown) gave requests their --shutdown-timeout and aborted the rest;
+        # uvicorn's own timeout only bounds the sending of their last bytes
+        root_path=ns.root_path or "", timeout_graceful_shutdown=_SEND_BACKSTOP_S, timeout_keep_alive=5,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs, h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
         lifespan="off",
     )
 
 
-async def _abort_after_grace(client, grace_s: float) -> None:
-    await asyncio.sleep(grace_s)
-    if client.num_in_flight:
-        logger.warning("aborting %d in-flight request(s) after the %.0fs grace period", client.num_in_flight, grace_s)
-    client.fail_all("the server is shutting down")
+# Seconds uvicorn may still spend sending the last bytes of responses after the drain.
+_SEND_BACKSTOP_S = 5.0
+# How often the drain looks at the number of requests in flight.
+_DRAIN_POLL_S = 0.05
+
+
+async def drain(state, client, grace_s: float, forced=lambda: False) -> None:
+    """Refuse new generation requests (503), give those in flight `grace_s` seconds, then abort the rest."""
+    from frontend.api_server import SHUTTING_DOWN
+
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    if client.num_in_flight and grace_s > 0 and not client.is_dead:
+        logger.info("shutting down: waiting up to %gs for %d request(s) in flight (--shutdown-timeout)", grace_s,
+                    client.num_in_flight)
+    while client.num_in_flight and not client.is_dead and not forced() and loop.time() < deadline:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    if client.num_in_flight and not client.is_dead:
+        logger.warning("shutting down: aborting %d request(s) still in flight after %gs", client.num_in_flight,
+                       grace_s)
+    client.stop_accepting(SHUTTING_DOWN)  # a request that got past the 503 check but is not queued yet
+    client.fail_all(SHUTTING_DOWN)
 
 
 async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
+    from enginecore.config import ConfigError
     from enginecore.engine import build_engine_parts, served_model_names
     from frontend.api_server import ServerState, build_app
     from frontend.engine_client import AsyncEngineClient, EngineStartupError
     from frontend.metrics import ServerMetrics, StatsLogger
 
+    if not ns.shutdown_timeout >= 0:  # (NaN too)
+        raise ConfigError(f"--shutdown-timeout must be 0 (abort in-flight requests at once) or more seconds; "
+                          f"got {ns.shutdown_timeout}")
     engine_args = engine_args_from_namespace(ns)
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
@@ -194,7 +222,6 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, main_task.cancel)
     stats_task = None
-    grace_tasks: list[asyncio.Task] = []
     try:
         logger.info("starting the engine core (%s, backend %s on %s)", "own process"
                     if not ns.disable_frontend_multiprocessing else "in-process thread",
@@ -215,8 +242,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
         state = ServerState(client, metrics, names, options)
         app = build_app(state, http_opts)
         server = _make_uvicorn_server(_uvicorn_config(ns, app),
-                                      on_shutdown=lambda: grace_tasks.append(
-                                          asyncio.create_task(_abort_after_grace(client, ns.shutdown_timeout))))
+                                      lambda forced: drain(state, client, ns.shutdown_timeout, forced))
         keep_alive = env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
 
         def on_dead(reason: str) -> None:
@@ -240,8 +266,6 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     finally:
         if stats_task is not None:
             stats_task.cancel()
-        for t in grace_tasks:
-            t.cancel()
         if in_main_thread:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from enginecore.outputs import Logprob, RequestOutput
+from enginecore.tokenizer import TextEncodingError
 from frontend.engine_client import RequestStream
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -105,7 +106,10 @@ class ServingChat(OpenAIServing):
                                   continue_final_message=req.continue_final_message, chat_template=req.chat_template,
                                   chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
                                   documents=req.documents)
-        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        except TextEncodingError as e:
+            raise APIError(f"messages: {e}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs, self.options.sampling_defaults, req.prompt_logprobs)

@@ -81,9 +81,10 @@ def resolve_chat_template(value: str | None) -> str | None:
         raise ConfigError(f"--chat-template {value!r}: no such file (give a file or an inline Jinja template)")
     template = codecs.decode(value, "unicode_escape")
     try:
-        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        jinja2.Environment().parse(template)
+        # parsing runs nothing; templates are rendered by transformers, in the same sandbox
+        ImmutableSandboxedEnvironment().parse(template)
     except Exception as e:
         raise ConfigError(f"--chat-template: not a valid Jinja template ({e})") from None
     return template
@@ -213,17 +214,20 @@ def sse_error(exc: BaseException) -> str:
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """Maps the engine's exceptions to an HTTP status (shared by the handlers and the SSE streams)."""
-    from enginecore.processor import PromptError
+    from enginecore.processor import PromptError, RequestFailedError
     from enginecore.sampling_params import SamplingParamsError
     from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError
+    from enginecore.tokenizer import TextEncodingError
     from frontend.engine_client import EngineDeadError
 
     if isinstance(exc, APIError):
         return exc.status, exc.message
-    if isinstance(exc, (PromptError, SamplingParamsError, RequestRejectedError)):
+    if isinstance(exc, (PromptError, SamplingParamsError, RequestRejectedError, TextEncodingError)):
         return 400, str(exc)
     if isinstance(exc, (SchedulerOverloadedError, EngineDeadError)):
         return 503, str(exc)
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc)
     return 500, f"{type(exc).__name__}: {exc}"
 
 

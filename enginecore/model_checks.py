@@ -1,0 +1,347 @@
+"""Checks of untrusted model files, made before anything is allocated from what they declare.
+
+A model folder or GGUF file may come from anywhere: truncated by a failed
+download, or written to make a loader hang or allocate terabytes. Every size
+in a file is therefore checked against the bytes that actually follow it and
+against fixed limits before it is used, and the weights' shapes are checked
+against the config before a backend allocates a parameter of the config's
+size:
+
+- GGUF: the header is walked once with bounds checks (`scan_gguf`) before the
+  `gguf` package parses it; that reader trusts declared counts and would loop
+  for 2**64 iterations over an array past the end of the file.
+- safetensors: the header length is capped (100 MB, as the safetensors library
+  does), each entry's dtype, shape and offsets must agree with each other and
+  lie inside the file (`safetensors_entries`).
+- config.json / GGUF metadata: every size is a positive integer under a limit
+  (`check_arch`); the tensors the architecture needs must all be present with
+  the shapes it implies (`check_declared_weights`).
+- weights: NaN or infinite values are refused as the tensors stream in
+  (`check_finite`).
+
+Errors are `ModelLoadError`s that name the file, the value and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from typing import Iterable
+
+import numpy as np
+
+from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
+
+# The safetensors library's own cap on the JSON header.
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+# Far above every supported model (Llama 3 405B: 126 layers, hidden 16384, 128k positions, vocab 128k),
+# far below what would exhaust memory from a config alone.
+ARCH_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 11,
+    "max_position_embeddings": 1 << 22,
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_FINITE_CHUNK = 1 << 22  # elements per isfinite() call: no temporary the size of a whole tensor
+
+
+# ---- configs -----------------------------------------------------------------------
+
+
+def check_arch(arch: ArchConfig, source: str) -> None:
+    """Every size a positive integer under its limit; the rest of the numbers finite."""
+    for name, limit in ARCH_LIMITS.items():
+        v = getattr(arch, name)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < v <= limit:
+            raise ModelLoadError(f"{source}: {name} is {v!r}; it must be a positive integer of at most {limit}")
+    for name in ("rope_theta", "rms_norm_eps"):
+        v = getattr(arch, name)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ModelLoadError(f"{source}: {name} is {v!r}; it must be a positive finite number")
+    if arch.sliding_window is not None and (not isinstance(arch.sliding_window, int) or arch.sliding_window < 1):
+        raise ModelLoadError(f"{source}: sliding_window is {arch.sliding_window!r}; it must be a positive integer")
+
+
+def arch_from_config_json(cfg_path: str) -> ArchConfig:
+    """config.json -> ArchConfig: malformed JSON, missing keys and wrong types are ModelLoadErrors."""
+    try:
+        with open(cfg_path, "rb") as f:
+            raw = f.read(MAX_SAFETENSORS_HEADER_BYTES + 1)
+    except OSError as e:
+        raise ModelLoadError(f"{cfg_path}: cannot read ({e.strerror})") from None
+    if len(raw) > MAX_SAFETENSORS_HEADER_BYTES:
+        raise ModelLoadError(f"{cfg_path}: larger than {MAX_SAFETENSORS_HEADER_BYTES} bytes; not a model config")
+    try:
+        cfg = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path}: not a JSON object")
+    # auto_map (Hugging Face remote code) is ignored: the architectures served here are built in
+    try:
+        arch = ArchConfig.from_hf_dict(cfg, cfg_path)
+    except ModelLoadError:
+        raise
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise ModelLoadError(f"{cfg_path}: invalid value ({type(e).__name__}: {e})") from None
+    check_arch(arch, cfg_path)
+    return arch
+
+
+# ---- the weights the config implies --------------------------------------------------
+
+
+def expected_shape(arch: ArchConfig, param: str) -> tuple[int, ...]:
+    H, I, V, D = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.head_dim
+    q, kv = arch.num_attention_heads * D, arch.num_key_value_heads * D
+    return {
+        "embed": (V, H), "lm_head": (V, H), "final_norm": (H,), "attn_norm": (H,), "mlp_norm": (H,),
+        "q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
+        "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": (D,), "k_norm": (D,),
+        "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I),
+    }[param]
+
+
+def required_params(arch: ArchConfig) -> tuple[set[str], set[str]]:
+    """(top-level params, per-layer params) the architecture cannot run without."""
+    top = {"embed", "final_norm"} | (set() if arch.tie_word_embeddings else {"lm_head"})
+    layer = {"attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj"}
+    if arch.attention_bias:
+        layer |= {"q_bias", "k_bias", "v_bias"}
+    if arch.qk_norm:
+        layer |= {"q_norm", "k_norm"}
+    return top, layer
+
+
+def check_declared_weights(arch: ArchConfig, declared: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
+    """Shapes from the file headers against the config, before any backend allocates a parameter."""
+    top_needed, layer_needed = required_params(arch)
+    seen: set[tuple[int | None, str]] = set()
+    for name, shape in declared:
+        found = weight_spec(name)
+        if found is None:
+            continue
+        layer, spec = found
+        if layer is not None and layer >= arch.num_hidden_layers:
+            raise ModelLoadError(f"{source}: tensor {name} is for layer {layer} but the config has "
+                                 f"{arch.num_hidden_layers} layers")
+        want = expected_shape(arch, spec.param)
+        if tuple(shape) != want:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {list(shape)}; the config implies {list(want)}")
+        seen.add((layer, spec.param))
+    missing = [p for p in sorted(top_needed) if (None, p) not in seen]
+    for layer in range(arch.num_hidden_layers):
+        missing += [f"layer {layer} {p}" for p in sorted(layer_needed) if (layer, p) not in seen]
+    if missing:
+        raise ModelLoadError(f"{source}: the config needs tensors the file does not have: {', '.join(missing[:6])}"
+                             + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+
+
+def check_finite(name: str, arr: np.ndarray, source: str) -> None:
+    """NaN / inf weights give garbage text with no error anywhere else: refuse them at load."""
+    if arr.dtype.kind in "biu":
+        return
+    flat = arr.reshape(-1)
+    for i in range(0, flat.size, _FINITE_CHUNK):
+        chunk = flat[i : i + _FINITE_CHUNK]
+        ok = np.isfinite(chunk)
+        if not ok.all():
+            bad = i + int(np.argmin(ok))
+            raise ModelLoadError(f"{source}: tensor {name} holds a non-finite value ({float(flat[bad])}) at flat "
+                                 f"index {bad}; the checkpoint is corrupt")
+
+
+# ---- safetensors ---------------------------------------------------------------------
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def safetensors_entries(path: str, check_extent: bool = True
+                        ) -> tuple[int, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """(data offset, [(name, dtype, shape, start, end)]) of a safetensors file, every field checked;
+    `check_extent=False` leaves out whether the data lies inside the file (checked again when it is read)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ModelLoadError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
+        if n > MAX_SAFETENSORS_HEADER_BYTES:
+            raise ModelLoadError(f"{path}: safetensors header of {n} bytes; the limit is "
+                                 f"{MAX_SAFETENSORS_HEADER_BYTES}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
+    base = 8 + n
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict):
+            raise ModelLoadError(f"{where}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ST_ITEMSIZE:
+            raise ModelLoadError(f"{where}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ModelLoadError(f"{where}: shape {shape!r} is not a list of at most 8 non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise ModelLoadError(f"{where}: data_offsets {offsets!r} is not a pair of integers")
+        s, e = offsets
+        if not 0 <= s <= e:
+            raise ModelLoadError(f"{where}: data_offsets {offsets} are not 0 <= start <= end")
+        if check_extent and base + e > size:
+            raise ModelLoadError(f"{path}: truncated: tensor {name} ends at byte {base + e}, past the end of the "
+                                 f"file ({size} bytes)")
+        nbytes = math.prod(shape) * _ST_ITEMSIZE[dtype]
+        if nbytes != e - s:
+            raise ModelLoadError(f"{where}: shape {shape} of {dtype} is {nbytes} bytes but its data_offsets span "
+                                 f"{e - s}")
+        out.append((name, dtype, tuple(shape), s, e))
+    return base, out
+
+
+# ---- GGUF ----------------------------------------------------------------------------
+
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGML_MAX_DIMS = 4
+_MAX_GGUF_NESTING = 3
+
+
+class _Cursor:
+    """Reads a GGUF header with every length checked against the bytes left in the file."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.path, self.pos, self.end = buf, path, 0, len(buf)
+        self.endian = "<"
+
+    @property
+    def left(self) -> int:
+        return self.end - self.pos
+
+    def fail(self, what: str):
+        raise ModelLoadError(f"{self.path}: not a readable GGUF file ({what} at byte {self.pos}; the file has "
+                             f"{self.end} bytes): truncated or corrupt")
+
+    def need(self, nbytes: int, what: str) -> None:
+        if nbytes > self.left:
+            self.fail(f"{what} needs {nbytes} bytes, {self.left} are left")
+
+    def unpack(self, fmt: str, what: str):
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        v = struct.unpack_from(self.endian + fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> bytes:
+        n = self.unpack("Q", f"the length of {what}")
+        self.need(n, what)
+        s = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return s
+
+    def skip_value(self, vtype: int, what: str, depth: int = 0):
+        """Skip one metadata value; returns it when it is a scalar (for general.alignment)."""
+        if vtype in _GGUF_SCALAR_SIZES:
+            fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR_SIZES[vtype]]
+            return self.unpack(fmt, what)
+        if vtype == _GGUF_STRING:
+            self.string(what)
+            return None
+        if vtype != _GGUF_ARRAY:
+            self.fail(f"{what} has unknown value type {vtype}")
+        if depth >= _MAX_GGUF_NESTING:
+            self.fail(f"{what} nests arrays more than {_MAX_GGUF_NESTING} deep")
+        itype = self.unpack("I", f"the item type of {what}")
+        count = self.unpack("Q", f"the length of {what}")
+        if itype in _GGUF_SCALAR_SIZES:
+            self.need(count * _GGUF_SCALAR_SIZES[itype], f"{what} ({count} items)")
+            self.pos += count * _GGUF_SCALAR_SIZES[itype]
+            return None
+        # strings take 8 bytes at least, arrays 12: a count the file cannot hold fails here, not after
+        # count iterations
+        self.need(count * (8 if itype == _GGUF_STRING else 12), f"{what} ({count} items)")
+        for _ in range(count):
+            self.skip_value(itype, what, depth + 1)
+        return None
+
+
+def scan_gguf(path: str) -> None:
+    """Walk the GGUF header with bounds checks; raises ModelLoadError naming what does not fit."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file cannot be mapped
+            raise ModelLoadError(f"{path}: not a readable GGUF file (it is empty)") from None
+    try:
+        c = _Cursor(buf, path)
+        c.need(4, "the magic number")
+        if buf[:4] != b"GGUF":
+            c.fail("no GGUF magic number")
+        c.pos = 4
+        version = c.unpack("I", "the version")
+        if version & 0xFFFF == 0:  # written big-endian
+            c.endian = ">"
+            version = struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            c.fail(f"version {version} is not supported (2, 3)")
+        n_tensors = c.unpack("Q", "the tensor count")
+        n_kv = c.unpack("Q", "the metadata count")
+        c.need(n_kv * 13, f"{n_kv} metadata entries")
+        alignment = 32
+        for i in range(n_kv):
+            key = c.string(f"metadata key {i}").decode("utf-8", "replace")
+            value = c.skip_value(c.unpack("I", f"the type of {key}"), key)
+            if key == "general.alignment":
+                alignment = value
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            c.fail(f"general.alignment {alignment!r} is not a power of two")
+        c.need(n_tensors * 24, f"{n_tensors} tensor descriptions")
+        tensors = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor name {i}").decode("utf-8", "replace")
+            n_dims = c.unpack("I", f"the dimension count of {name}")
+            if not 1 <= n_dims <= _GGML_MAX_DIMS:
+                c.fail(f"tensor {name} has {n_dims} dimensions (1 to {_GGML_MAX_DIMS})")
+            dims = [c.unpack("Q", f"a dimension of {name}") for _ in range(n_dims)]
+            ttype = c.unpack("I", f"the type of {name}")
+            offset = c.unpack("Q", f"the data offset of {name}")
+            known = ttype in GGMLQuantizationType._value2member_map_ and \
+                GGMLQuantizationType(ttype) in GGML_QUANT_SIZES
+            if not known:
+                c.fail(f"tensor {name} has unknown type {ttype}")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            tensors.append((name, dims, block, type_size, offset))
+        data_start = -(-c.pos // alignment) * alignment
+        for name, dims, block, type_size, offset in tensors:
+            n = math.prod(dims)
+            if n % block:
+                c.fail(f"tensor {name} has {n} elements, not a multiple of its type's block of {block}")
+            end = data_start + offset + n // block * type_size
+            if end > c.end:
+                raise ModelLoadError(f"{path}: tensor {name} ({'x'.join(map(str, dims))}) ends at byte {end}, "
+                                     f"past the end of the file ({c.end} bytes): truncated or corrupt")
+    finally:
+        buf.close()
