@@ -7,9 +7,10 @@ against fixed limits before it is used, and the weights' shapes are checked
 against the config before a backend allocates a parameter of the config's
 size:
 
-- GGUF: the header is walked once with bounds checks (`scan_gguf`) before the
-  `gguf` package parses it; that reader trusts declared counts and would loop
-  for 2**64 iterations over an array past the end of the file.
+- GGUF: the header is read once with bounds checks (`read_gguf`, which is
+  also our GGUF reader: the `gguf` package's reader trusts declared counts, so
+  it would loop for 2**64 iterations over an array past the end of the file,
+  and it took 4 s to parse SmolLM2's 49k-token vocabulary at every start).
 - safetensors: the header length is capped (100 MB, as the safetensors library
   does), each entry's dtype, shape and offsets must agree with each other and
   lie inside the file (`safetensors_entries`).
@@ -29,6 +30,7 @@ import math
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -221,7 +223,8 @@ def safetensors_entries(path: str, check_extent: bool = True
 
 # ---- GGUF ----------------------------------------------------------------------------
 
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# value type -> struct format (uint8, int8, uint16, int16, uint32, int32, float32, bool, -, -, uint64, int64, float64)
+_GGUF_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGML_MAX_DIMS = 4
 _MAX_GGUF_NESTING = 3
@@ -260,34 +263,68 @@ class _Cursor:
         self.pos += n
         return s
 
-    def skip_value(self, vtype: int, what: str, depth: int = 0):
-        """Skip one metadata value; returns it when it is a scalar (for general.alignment)."""
-        if vtype in _GGUF_SCALAR_SIZES:
-            fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR_SIZES[vtype]]
+    def value(self, vtype: int, what: str, depth: int = 0):
+        """One metadata value: a number, a str, or a list of them."""
+        fmt = _GGUF_FORMATS.get(vtype)
+        if fmt is not None:
             return self.unpack(fmt, what)
         if vtype == _GGUF_STRING:
-            self.string(what)
-            return None
+            return self.string(what).decode("utf-8", "replace")
         if vtype != _GGUF_ARRAY:
             self.fail(f"{what} has unknown value type {vtype}")
         if depth >= _MAX_GGUF_NESTING:
             self.fail(f"{what} nests arrays more than {_MAX_GGUF_NESTING} deep")
         itype = self.unpack("I", f"the item type of {what}")
         count = self.unpack("Q", f"the length of {what}")
-        if itype in _GGUF_SCALAR_SIZES:
-            self.need(count * _GGUF_SCALAR_SIZES[itype], f"{what} ({count} items)")
-            self.pos += count * _GGUF_SCALAR_SIZES[itype]
-            return None
+        if itype in _GGUF_FORMATS:
+            dtype = np.dtype(_GGUF_FORMATS[itype]).newbyteorder(self.endian)
+            self.need(count * dtype.itemsize, f"{what} ({count} items)")
+            arr = np.frombuffer(self.buf, dtype, count, self.pos)
+            self.pos += count * dtype.itemsize
+            return arr.tolist()
         # strings take 8 bytes at least, arrays 12: a count the file cannot hold fails here, not after
         # count iterations
         self.need(count * (8 if itype == _GGUF_STRING else 12), f"{what} ({count} items)")
-        for _ in range(count):
-            self.skip_value(itype, what, depth + 1)
-        return None
+        if itype == _GGUF_STRING:  # the vocabulary: the hot loop of a GGUF start
+            buf, pos, end, out = self.buf, self.pos, self.end, []
+            lens = struct.Struct(self.endian + "Q").unpack_from
+            for _ in range(count):
+                if end - pos < 8:
+                    self.pos = pos
+                    self.fail(f"the length of an item of {what} needs 8 bytes, {end - pos} are left")
+                (n,) = lens(buf, pos)
+                pos += 8
+                if n > end - pos:
+                    self.pos = pos
+                    self.fail(f"an item of {what} needs {n} bytes, {end - pos} are left")
+                out.append(buf[pos : pos + n].decode("utf-8", "replace"))
+                pos += n
+            self.pos = pos
+            return out
+        return [self.value(itype, what, depth + 1) for _ in range(count)]
 
 
-def scan_gguf(path: str) -> None:
-    """Walk the GGUF header with bounds checks; raises ModelLoadError naming what does not fit."""
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # as the file declares it: innermost dimension first
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # the tensor's bytes, flat uint8, memory-mapped (gguf.quants.dequantize reads it)
+
+
+@dataclass
+class GGUFFile:
+    path: str
+    metadata: dict  # key -> number | str | list
+    tensors: list[GGUFTensor]
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Read a GGUF header with bounds checks (ModelLoadError naming what does not fit); tensors stay on disk,
+    memory-mapped."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -310,12 +347,11 @@ def scan_gguf(path: str) -> None:
         n_tensors = c.unpack("Q", "the tensor count")
         n_kv = c.unpack("Q", "the metadata count")
         c.need(n_kv * 13, f"{n_kv} metadata entries")
-        alignment = 32
+        metadata = {}
         for i in range(n_kv):
             key = c.string(f"metadata key {i}").decode("utf-8", "replace")
-            value = c.skip_value(c.unpack("I", f"the type of {key}"), key)
-            if key == "general.alignment":
-                alignment = value
+            metadata[key] = c.value(c.unpack("I", f"the type of {key}"), key)
+        alignment = metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
             c.fail(f"general.alignment {alignment!r} is not a power of two")
         c.need(n_tensors * 24, f"{n_tensors} tensor descriptions")
@@ -333,15 +369,20 @@ def scan_gguf(path: str) -> None:
             if not known:
                 c.fail(f"tensor {name} has unknown type {ttype}")
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-            tensors.append((name, dims, block, type_size, offset))
+            tensors.append((name, dims, GGMLQuantizationType(ttype), block, type_size, offset))
         data_start = -(-c.pos // alignment) * alignment
-        for name, dims, block, type_size, offset in tensors:
+        file_bytes = np.memmap(path, np.uint8, mode="r") if tensors else None
+        out = []
+        for name, dims, qtype, block, type_size, offset in tensors:
             n = math.prod(dims)
             if n % block:
                 c.fail(f"tensor {name} has {n} elements, not a multiple of its type's block of {block}")
-            end = data_start + offset + n // block * type_size
+            start = data_start + offset
+            end = start + n // block * type_size
             if end > c.end:
                 raise ModelLoadError(f"{path}: tensor {name} ({'x'.join(map(str, dims))}) ends at byte {end}, "
                                      f"past the end of the file ({c.end} bytes): truncated or corrupt")
+            out.append(GGUFTensor(name, tuple(dims), qtype, file_bytes[start:end]))
+        return GGUFFile(path, metadata, out)
     finally:
         buf.close()

@@ -33,7 +33,7 @@ from enginecore.model_checks import (
     check_declared_weights,
     check_finite,
     safetensors_entries,
-    scan_gguf,
+    read_gguf,
 )
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -48,7 +48,7 @@ class ModelSource:
     name: str  # default served model name
     config: ArchConfig
     gguf_metadata: dict = field(default_factory=dict, repr=False)
-    # the parsed GGUF (parsing takes seconds: share it between config, tokenizer, weights)
+    # the parsed GGUF header (enginecore.model_checks.GGUFFile: shared by config, tokenizer, weights)
     gguf_reader: object = field(default=None, repr=False, compare=False)
 
     def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -66,7 +66,7 @@ class ModelSource:
             for t in self.gguf_reader.tensors:
                 name = _gguf_hf_name(self.path, t.name)
                 if name is not None:
-                    yield name, tuple(int(x) for x in reversed(t.shape.tolist()))
+                    yield name, tuple(reversed(t.shape))
         else:
             for fn in _safetensors_files(self.path):
                 path = os.path.join(self.path, fn)
@@ -195,34 +195,14 @@ _GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3":
 
 
 def _open_gguf(path: str):
-    import gguf
-
-    scan_gguf(path)  # the reader trusts declared counts: check them against the file first
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises assorted errors on bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _field_value(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:
-        return default
+    return read_gguf(path)
 
 
 def read_gguf_metadata(path: str, reader=None) -> dict:
     """Scalar/str metadata (token lists skipped)."""
     reader = reader or _open_gguf(path)
-    meta = {}
-    for k in reader.fields:
-        if k.startswith("tokenizer.ggml.") and k.split(".")[-1] in ("tokens", "token_type", "merges", "scores"):
-            continue
-        meta[k] = _field_value(reader, k)
-    return meta
+    return {k: v for k, v in reader.metadata.items()
+            if not (k.startswith("tokenizer.ggml.") and k.split(".")[-1] in ("tokens", "token_type", "merges", "scores"))}
 
 
 def _gguf_source(path: str) -> ModelSource:
@@ -254,7 +234,7 @@ def _gguf_arch_config(meta: dict, arch: str, reader) -> ArchConfig:
     tensor_names = {t.name for t in reader.tensors}
     vocab = g("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # a KeyError without a vocabulary
+        vocab = len(reader.metadata["tokenizer.ggml.tokens"])  # a KeyError without a vocabulary
     rope_scaling = None
     if g("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
@@ -300,7 +280,7 @@ def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tupl
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from None
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         if arr.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
         arr = arr.reshape(shape).astype(np.float32, copy=False)

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 from enginecore.model_loader import ModelLoadError, ModelSource
+
+logger = logging.getLogger("xlaserve.tokenizer")
 
 # llama.cpp's pre-tokenizer names -> the regex split used before byte-level BPE
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -66,17 +71,10 @@ class Tokenizer:
 
 
 def _gguf_fields(path: str, reader=None):
-    import gguf
+    from enginecore.model_checks import read_gguf
 
-    r = reader or gguf.GGUFReader(path, "r")
-
-    def get(k, default=None):
-        f = r.fields.get(k)
-        if f is None:
-            return default
-        return f.contents()
-
-    return r, get
+    r = reader or read_gguf(path)
+    return r, r.get
 
 
 def _build_bpe_from_gguf(path: str, reader=None):
@@ -143,20 +141,41 @@ def _cache_dir() -> str:
 
 
 def _load_gguf_tokenizer(path: str, reader=None):
-    reader, get = _gguf_fields(path, reader)
-    if get("tokenizer.ggml.model") == "gpt2":
-        return _build_bpe_from_gguf(path, reader)
-    # sentencepiece vocabularies: transformers' converter, cached by file identity
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), key)
+    """The Hugging Face tokenizer of a GGUF file, converted once and then cached by file identity.
+
+    Building it from the GGUF's vocabulary and merges takes seconds (twice that
+    with the GGUF metadata parse) at every start; loading the saved conversion
+    takes half a second. The key covers the file (path, size, mtime) and the
+    tokenizers/transformers versions that wrote it.
+    """
+    import tokenizers
+    import transformers
     from transformers import AutoTokenizer
 
+    st = os.stat(path)
+    ident = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}:{tokenizers.__version__}"
+    cached = os.path.join(_cache_dir(), hashlib.sha256(ident.encode()).hexdigest()[:16])
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)
-    os.makedirs(cached, exist_ok=True)
-    tok.save_pretrained(cached)
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
+        except Exception:  # a damaged cache entry: convert again
+            shutil.rmtree(cached, ignore_errors=True)
+    reader, get = _gguf_fields(path, reader)
+    if get("tokenizer.ggml.model") == "gpt2":
+        tok = _build_bpe_from_gguf(path, reader)
+    else:  # sentencepiece vocabularies: transformers' converter
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                            local_files_only=True)
+    try:  # written aside, then renamed: a concurrent start never reads half an entry
+        os.makedirs(_cache_dir(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=_cache_dir())
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        logger.warning("cannot cache the converted tokenizer in %s (%s); converting at every start", _cache_dir(), e)
     return tok
 
 

@@ -131,3 +131,28 @@ def test_gguf_tokenizer_matches_transformers_conversion(smollm2_source, smollm2_
         assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == t
     # EOS comes from the GGUF metadata (<|im_end|>), not transformers' guess
     assert smollm2_tokenizer.eos_token_ids == (2,)
+
+
+def test_gguf_tokenizer_cache_gives_the_converted_tokenizer(smollm2_source, monkeypatch, tmp_path):
+    """The first load converts the GGUF vocabulary and saves it; the second loads the saved copy, which
+    encodes, decodes and templates exactly as the conversion; a damaged entry is converted again."""
+    from enginecore.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("XLASERVE_CACHE", str(tmp_path))
+    fresh = load_tokenizer(smollm2_source)
+    entries = os.listdir(tmp_path / "tokenizers")
+    assert len(entries) == 1 and not entries[0].startswith(".tmp")
+    cached = load_tokenizer(smollm2_source)
+    texts = ["Hello world, 你好", "<|im_start|>user\nHi<|im_end|>\n", "émoji 🎉 café", "  x\n\n\ty  "]
+    for t in texts:
+        assert cached.encode(t) == fresh.encode(t), t
+        assert cached.decode(cached.encode(t), skip_special_tokens=False) == t
+    assert (cached.eos_token_ids, cached.bos_token_id, cached.chat_template) == \
+        (fresh.eos_token_ids, fresh.bos_token_id, fresh.chat_template)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert cached.apply_chat_template(msgs, add_generation_prompt=True) == \
+        fresh.apply_chat_template(msgs, add_generation_prompt=True)
+    entry = tmp_path / "tokenizers" / entries[0]
+    (entry / "tokenizer.json").write_text("{not json")
+    again = load_tokenizer(smollm2_source)
+    assert again.encode(texts[0]) == fresh.encode(texts[0])
