@@ -18,6 +18,7 @@ compile-only devices and no weights (`jaxengine.aot`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -43,7 +44,13 @@ from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, Samp
 from enginecore.step_batch import StepBatch, prepare_step
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
-from jaxengine.compilation import CompileGuard, CompileMonitor, enable_persistent_cache, resolve_cache_dir
+from jaxengine.compilation import (
+    CompileGuard,
+    CompileMonitor,
+    ExecutableStore,
+    enable_persistent_cache,
+    resolve_cache_dir,
+)
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape
 from jaxengine.programs import (
@@ -114,7 +121,13 @@ class JaxModelRunner:
         self.logits_chunk_rows = opts.get("logits_chunk_rows", 64 if self.platform == "cpu" else None)
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
-        if self.cache_dir:
+        # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
+        # of a warm start); elsewhere JAX's persistent cache, which `xlaserve warmup --topology` fills for TPU
+        # hosts. Not both: XLA:CPU cannot re-serialize an executable that JAX's cache loaded (tested).
+        self._store_enabled = (bool(self.cache_dir) and devices is None and self.platform == "cpu"
+                               and opts.get("store_executables", True))
+        self._store: ExecutableStore | None = None
+        if self.cache_dir and not self._store_enabled:
             enable_persistent_cache(self.cache_dir)
         self.monitor = CompileMonitor().install()
         self.guard = CompileGuard(self.monitor)
@@ -275,7 +288,35 @@ class JaxModelRunner:
         raise ValueError(f"unknown program {key!r}")
 
     def _compile(self, key: ProgramKey):
-        return self._lower(key).compile()
+        return self._load_or_compile(key)[0]
+
+    def _load_or_compile(self, key: ProgramKey) -> tuple[object, bool]:
+        """(program, loaded from the executable store)."""
+        store = self._executable_store()
+        if store is not None:
+            prog = store.load(key, self.mesh.devices.flat)
+            if prog is not None:
+                return prog, True
+        with self.monitor.counting() as counts:
+            prog = self._lower(key).compile()
+        if store is not None and not counts.hits:  # compiled here, not loaded from JAX's cache
+            store.save(key, prog)
+        return prog, False
+
+    def _executable_store(self) -> ExecutableStore | None:
+        if not self._store_enabled or not self.num_blocks:
+            return None
+        if self._store is None or self._store.num_blocks != self.num_blocks:
+            c = self.config  # what names the model or the run, not what shapes a program, stays out
+            config = dataclasses.replace(
+                c, model_config=dataclasses.replace(c.model_config, model=None, tokenizer=None, served_model_name=None),
+                device_config=dataclasses.replace(c.device_config, warmup="all", compilation_cache_dir=None))
+            context = "\n".join([repr(config), repr(self.arch), self.platform, self.attention_backend,
+                                  repr([(d.platform, d.device_kind, d.id) for d in self.devices]),
+                                  repr(self.abstract_inputs())])
+            self._store = ExecutableStore(self.cache_dir, context)
+            self._store.num_blocks = self.num_blocks
+        return self._store
 
     @property
     def programs(self) -> MappingProxyType:
@@ -305,7 +346,7 @@ class JaxModelRunner:
     def warmup(self, level: str | None = None, threads: int | None = None, progress=None) -> dict:
         """Compile every program of the warmup level, `threads` at a time (XLA compiles in parallel).
 
-        Returns {"level", "programs": [{"key", "seconds", "cache_hits", "cache_misses"}], "seconds",
+        Returns {"level", "programs": [{"key", "seconds", "compiles", "cache_hits", "cache_misses"}], "seconds",
         "compiles", "cache_hits", "cache_misses", "cache_dir", "recompilation_guard"}; then arms the
         recompilation guard. `progress(done, total, key)` is called after each program.
         """
@@ -313,12 +354,15 @@ class JaxModelRunner:
         keys = [k for k in self.program_keys(level) if k not in self._programs] if level != "none" else []
         t_all = time.perf_counter()
         c0, h0, m0 = self.monitor.snapshot()
+        store = self._executable_store()
+        loaded0 = store.hits if store is not None else 0
         rows = []
 
         def one(key):
             t0 = time.perf_counter()
             with self.monitor.counting() as counts:
-                prog = self._compile(key)
+                prog, loaded = self._load_or_compile(key)
+            counts.hits += loaded  # a stored executable: a cache hit without tracing, lowering or XLA
             return key, prog, time.perf_counter() - t0, counts
 
         threads = threads or max(1, min(len(keys), len(os.sched_getaffinity(0))))
@@ -326,8 +370,8 @@ class JaxModelRunner:
             with ThreadPoolExecutor(threads) as pool:
                 for i, (key, prog, dt, counts) in enumerate(pool.map(one, keys)):
                     self._programs[key] = prog
-                    rows.append({"key": key, "seconds": round(dt, 3), "cache_hits": counts.hits,
-                                 "cache_misses": counts.misses})
+                    rows.append({"key": key, "seconds": round(dt, 3), "compiles": counts.compiles,
+                                 "cache_hits": counts.hits, "cache_misses": counts.misses})
                     if progress is not None:
                         progress(i + 1, len(keys), key)
         c1, h1, m1 = self.monitor.snapshot()
@@ -337,7 +381,7 @@ class JaxModelRunner:
             "programs": rows,
             "seconds": round(time.perf_counter() - t_all, 3),
             "compiles": c1 - c0,
-            "cache_hits": h1 - h0,
+            "cache_hits": h1 - h0 + ((store.hits - loaded0) if store is not None else 0),
             "cache_misses": m1 - m0,
             "cache_dir": self.cache_dir,
             "recompilation_guard": self.guard.armed,

@@ -98,6 +98,36 @@ def test_warmup_second_run_is_all_cache_hits(tiny, tmp_path):
     assert "model tokens=1" in format_table(second)  # CPU buckets start at 1 (--min-token-bucket)
 
 
+def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny, reference_tokens, tmp_path):
+    """A second engine with the same config loads every program from the executable store (no tracing,
+    lowering or XLA compile) and generates the same tokens; an unreadable entry is compiled and rewritten; a
+    different config misses."""
+    cache = str(tmp_path / "xla")
+    params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True)]
+    first = small(tiny, warmup="decode", compilation_cache_dir=cache)
+    want = generate(first, params=params)
+    assert first.llm_engine.core.runner._store.stores > 0
+    second = small(tiny, warmup="decode", compilation_cache_dir=cache)
+    stats = second.llm_engine.core.warmup_stats
+    runner = second.llm_engine.core.runner
+    assert stats["compiles"] == 0 and stats["cache_misses"] == 0
+    assert runner._store.hits == len(stats["programs"]) > 0
+    assert generate(second, params=params) == want
+    assert want[0] == reference_tokens[0]
+    store_dir = os.path.join(cache, "executables")
+    for fn in os.listdir(store_dir):  # truncated entries: a miss each, compiled and stored again
+        with open(os.path.join(store_dir, fn), "r+b") as f:
+            f.truncate(100)
+    third = small(tiny, warmup="decode", compilation_cache_dir=cache)
+    assert third.llm_engine.core.runner._store.hits == 0
+    assert generate(third, params=params) == want
+    other = small(tiny, warmup="decode", compilation_cache_dir=cache, max_num_seqs=4)
+    try:
+        assert other.llm_engine.core.runner._store.hits == 0
+    finally:
+        other.llm_engine.core.shutdown()
+
+
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_greedy_tokens_identical(tiny, reference_tokens, tp):
     llm = small(tiny, tensor_parallel_size=tp)
