@@ -366,6 +366,8 @@ class JaxModelRunner:
             return key, prog, time.perf_counter() - t0, counts
 
         threads = threads or max(1, min(len(keys), len(os.sched_getaffinity(0))))
+        if progress is None:
+            progress = _ProgressLog(t_all)
         if keys:
             with ThreadPoolExecutor(threads) as pool:
                 for i, (key, prog, dt, counts) in enumerate(pool.map(one, keys)):
@@ -387,8 +389,9 @@ class JaxModelRunner:
             "recompilation_guard": self.guard.armed,
         }
         if rows:
-            logger.info("jax warmup (%s): %d programs in %.1fs (%d threads), persistent cache %d hits / %d misses",
-                        level, len(rows), stats["seconds"], threads, stats["cache_hits"], stats["cache_misses"])
+            logger.info("jax warmup (%s): %d programs in %.1fs (%d threads): %d compiled, %d from the cache (%s)",
+                        level, len(rows), stats["seconds"], threads, stats["compiles"], stats["cache_hits"],
+                        "executables" if store is not None else "XLA persistent cache" if self.cache_dir else "off")
         return stats
 
     # -- one step -------------------------------------------------------------------------
@@ -446,3 +449,21 @@ class JaxModelRunner:
 
 
 __all__ = ["JaxModelRunner"]
+
+
+class _ProgressLog:
+    """Warm-up progress as a log line with a bar, at most one a second: a cold start compiles for minutes."""
+
+    def __init__(self, t0: float, every: float = 1.0):
+        self.t0, self.every, self.last = t0, every, t0
+
+    def __call__(self, done: int, total: int, key: ProgramKey) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every and done < total:
+            return
+        if done == total and now - self.t0 < self.every:
+            return  # everything came from the cache at once: the summary line says it
+        self.last = now
+        bar = "#" * (24 * done // total)
+        logger.info("warmup [%-24s] %d/%d programs, %.0fs (%s)", bar, done, total, now - self.t0, key.describe())
+
