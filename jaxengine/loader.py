@@ -58,8 +58,12 @@ def load_params(
     dtype: str,
     shardings: ModelParams,  # pytree of NamedSharding matching abstract_params(arch, dtype)
     log=None,
+    kv_repeats: int = 1,
 ) -> ModelParams:
     """Read every tensor once and place it; raises ModelLoadError naming a missing or misshaped tensor.
+
+    `arch` is the architecture the devices run: with `kv_repeats` > 1 it has that many copies of each of the
+    checkpoint's kv heads (`jaxengine.sharding.kv_head_repeats`), and K/V projections are repeated to match.
 
     Stacked per-layer params are allocated sharded on the device and filled one
     layer at a time (a donated dynamic-update-slice): the host holds one tensor at
@@ -73,6 +77,8 @@ def load_params(
         path = param_path(name)
         if path is None:
             continue
+        if kv_repeats > 1 and name.endswith(_KV_PROJECTIONS):
+            arr = repeat_heads(arr, kv_repeats, arch.head_dim)
         if path == ("lm_head",) and arch.tie_word_embeddings:
             continue
         spec = _get(abstract, path)
@@ -111,6 +117,17 @@ def load_params(
     if log:
         log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
     return out
+
+
+_KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                   "self_attn.v_proj.bias")
+
+
+def repeat_heads(arr: np.ndarray, repeats: int, head_dim: int) -> np.ndarray:
+    """A Hugging Face K/V projection [Hkv * D, ...] (or its bias) with each head repeated: [Hkv * r * D, ...]."""
+    heads = arr.shape[0] // head_dim
+    return np.repeat(arr.reshape(heads, head_dim, *arr.shape[1:]), repeats, axis=0).reshape(
+        heads * repeats * head_dim, *arr.shape[1:])
 
 
 def _check_size(name: str, arr: np.ndarray, shape: tuple, spec: ParamSpec) -> None:

@@ -64,8 +64,16 @@ from jaxengine.programs import (
     unpack_sample_output,
 )
 from jaxengine.sampler import SAMPLER_MODES, sampler_mode
-from jaxengine.sharding import ShardingRules, kv_cache_sharding, make_mesh, param_shardings, replicated, \
-    shard_attention
+from jaxengine.sharding import (
+    ShardingRules,
+    kv_cache_sharding,
+    kv_head_repeats,
+    make_mesh,
+    param_shardings,
+    repeat_kv_heads,
+    replicated,
+    shard_attention,
+)
 from jaxengine.tpu_target import check_attached
 
 logger = logging.getLogger("xlaserve.jax")
@@ -101,7 +109,9 @@ class JaxModelRunner:
             )
         self.platform = dc.platform
         self.devices = list(devices) if devices is not None else plat.devices_for(self.platform)
-        self.arch = model.config
+        # more devices than kv heads: each kv head repeated so that heads shard (jaxengine.sharding)
+        self.kv_repeats = kv_head_repeats(model.config, pc.tensor_parallel_size)
+        self.arch = repeat_kv_heads(model.config, self.kv_repeats)
         self.dtype = resolve_dtype(mc.dtype, self.platform)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
@@ -170,9 +180,12 @@ class JaxModelRunner:
         shardings = param_shardings(abstract_params(self.arch, self.dtype), self.rules, self.mesh)
         fmt = self.config.model_config.load_format
         if fmt == "orbax" or (fmt == "auto" and is_orbax_checkpoint(self.source.folder)):
+            if self.kv_repeats > 1:
+                raise ConfigError(f"--tensor-parallel-size {self.mesh.shape['model']} repeats the kv heads, which "
+                                  "orbax checkpoints do not support yet: load the Hugging Face or GGUF weights")
             self.params = load_orbax_params(self.source.folder, self.arch, self.dtype, shardings)
         else:
-            self.params = load_params(self.source, self.arch, self.dtype, shardings)
+            self.params = load_params(self.source, self.arch, self.dtype, shardings, kv_repeats=self.kv_repeats)
         cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
         self.rope = jax.device_put((cos, sin), self._rep)
         self.load_seconds = time.perf_counter() - t0

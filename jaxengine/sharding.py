@@ -8,10 +8,15 @@ instead (so any TP size runs, just with less sharding). Heads are sharded only
 when the *kv* heads divide: q and kv heads then split along the same groups,
 the KV cache splits on its interleaved ``2 * Hkv`` axis (each head's K/V pair
 stays on one device) and attention runs per device without a collective.
+With more devices than kv heads (Llama-3.1-70B's 8 on 16 chips), each kv head
+is repeated so that there are as many as devices (`kv_head_repeats`, as vLLM
+does): q heads stay sharded and every device stores the one kv head its q
+heads read, instead of every device holding all attention weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +40,23 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
         )
     grid = np.array(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, MESH_AXES)
+
+
+def kv_head_repeats(arch: ArchConfig, tensor_parallel_size: int) -> int:
+    """How many copies of each kv head shard the heads over `tensor_parallel_size` devices (1: none needed or
+    possible: the q heads and the device count must divide evenly)."""
+    hq, hkv, tp = arch.num_attention_heads, arch.num_key_value_heads, tensor_parallel_size
+    if tp > hkv and tp % hkv == 0 and hq % tp == 0:
+        return tp // hkv
+    return 1
+
+
+def repeat_kv_heads(arch: ArchConfig, repeats: int) -> ArchConfig:
+    """The architecture as the devices run it: `repeats` copies of each kv head (the same model: q head i reads
+    kv head i // (Hq / Hkv) either way)."""
+    if repeats == 1:
+        return arch
+    return dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * repeats)
 
 
 @dataclass(frozen=True)

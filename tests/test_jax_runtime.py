@@ -132,13 +132,17 @@ def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny
 def test_tensor_parallel_greedy_tokens_identical(tiny, reference_tokens, tp):
     llm = small(tiny, tensor_parallel_size=tp)
     runner = llm.llm_engine.core.runner
-    # tiny llama: 4 q heads, 2 kv heads -> heads sharded at tp 2, replicated beyond; MLP/vocab always sharded
+    # tiny llama: 4 q heads, 2 kv heads -> heads sharded at tp 2; at tp 4 each kv head is repeated twice so
+    # that heads still shard (one q head and one kv head per device); at tp 8 (more devices than q heads)
+    # attention is replicated. MLP/vocab always sharded.
     lp = runner.params.layers
     assert runner.mesh.shape["model"] == tp
     assert lp.gate_proj.sharding.spec[1] == "model"
     assert runner.params.embed.sharding.spec[0] == "model"
     heads = lp.q_proj.sharding.spec[1]
-    assert heads == ("model" if tp == 2 else None)
+    assert heads == ("model" if tp in (2, 4) else None)
+    assert runner.kv_repeats == (2 if tp == 4 else 1)
+    assert runner.arch.num_key_value_heads == 2 * runner.kv_repeats
     assert runner.kv_cache.sharding.spec[2] == heads
     assert len(runner.params.embed.sharding.device_set) == tp
     assert generate(llm) == reference_tokens
