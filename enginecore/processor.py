@@ -61,6 +61,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
         self._rng = np.random.default_rng(config.model_config.seed)
+        self._valid_constraints: dict[str, bool] = {}  # structured-output specs that passed validation
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -109,7 +110,28 @@ class InputProcessor:
             raise SamplingParamsError(
                 f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
                 f"{sc.max_waiting_requests} (--max-waiting-requests): it could never be admitted", "n")
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
         return params.max_tokens if params.max_tokens is not None else room
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        """An invalid schema / regex / grammar is a 400 here, not a failure in the engine (about 1 ms,
+        remembered for the last few hundred constraints)."""
+        from enginecore import structured_outputs
+
+        so, soc = params.structured_outputs, self.config.structured_outputs_config
+        key = repr((so.kind, getattr(so, so.kind), so.whitespace_pattern, so.disable_any_whitespace,
+                    so.disable_additional_properties))
+        if key in self._valid_constraints:
+            return
+        try:
+            structured_outputs.validate(so, "structured_outputs", soc.disable_any_whitespace,
+                                        soc.disable_additional_properties)
+        except ImportError:
+            raise SamplingParamsError("structured outputs need the llguidance package", "structured_outputs")
+        self._valid_constraints[key] = True
+        if len(self._valid_constraints) > 512:
+            self._valid_constraints.pop(next(iter(self._valid_constraints)))
 
     def process(
         self,
