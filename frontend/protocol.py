@@ -87,6 +87,13 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str = Field(default_factory=random_id)
     return_token_ids: bool | None = None
+    # structured outputs (frontend/structured_outputs.py): vLLM's object, and its deprecated guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stream_options", mode="before")
     @classmethod
@@ -101,6 +108,8 @@ class SamplingFields(OpenAIBaseModel):
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], prompt_logprobs: int | None
     ) -> SamplingParams:
         """Request -> SamplingParams. `defaults`: the model's generation-config defaults."""
+
+        from frontend.structured_outputs import request_constraint
 
         def pick(name: str, fallback):
             v = getattr(self, name)
@@ -131,6 +140,7 @@ class SamplingFields(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=request_constraint(self),
         )
 
 

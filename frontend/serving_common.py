@@ -145,10 +145,6 @@ class OpenAIServing:
         return f"{public_id}-{index}-{next(self._ids)}"
 
     def reject_unsupported(self, req: SamplingFields) -> None:
-        rf = getattr(req, "response_format", None)
-        if rf and rf.get("type", "text") != "text":
-            raise APIError(f"response_format type {rf.get('type')!r} is not supported (structured outputs are "
-                           "not implemented); use 'text'", param="response_format")
         ignored = req.ignored_fields()
         if ignored:
             logger.warning("request fields ignored (not supported): %s", ", ".join(ignored))
