@@ -223,8 +223,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = 0
     response_format: dict | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM: false drops the reasoning (--reasoning-parser) from the answer
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -259,6 +260,9 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    # --reasoning-parser: `reasoning` is current vLLM's field, `reasoning_content` its earlier name (DeepSeek's)
+    reasoning: str | None = _optional()
+    reasoning_content: str | None = _optional()
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -286,6 +290,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = _optional()
     content: str | None = _optional()
+    reasoning: str | None = _optional()
+    reasoning_content: str | None = _optional()
+    tool_calls: list[dict[str, Any]] | None = _optional()  # OpenAI's incremental shape (index, id, function)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

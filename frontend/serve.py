@@ -114,8 +114,12 @@ def _http_options(ns: argparse.Namespace):
 
 
 def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
+    from enginecore.config import ConfigError
     from frontend.serving_common import FrontendOptions, load_sampling_defaults, resolve_chat_template
 
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, "
+                          "qwen3_xml): the parser that finds the model's calls in its text")
     return FrontendOptions(
         response_role=ns.response_role,
         chat_template=resolve_chat_template(ns.chat_template),
@@ -127,6 +131,9 @@ def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
         log_requests=ns.enable_log_requests and not ns.disable_log_requests,
         max_log_len=ns.max_log_len,
         sampling_defaults=load_sampling_defaults(config, model),
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )
 
 

@@ -68,6 +68,9 @@ class FrontendOptions:
     log_requests: bool = False
     max_log_len: int | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 def resolve_chat_template(value: str | None) -> str | None:

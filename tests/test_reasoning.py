@@ -94,3 +94,22 @@ def test_reasoning_then_tool_calls_stream_like_non_stream():
         assert s.called
     # include_reasoning: false drops it
     assert ChatOutputParser(rr, None, "none", None, include_reasoning=False).parse(text).reasoning is None
+
+
+def test_chat_endpoint_splits_reasoning(smollm2_tokenizer):
+    from tests.test_tool_calls import chat_app, check_stream_matches, run_chat
+
+    script = ["Paris is in Fr", "ance.</th", "ink>\n\nThe capital", " is Paris."]
+    _, app = chat_app(smollm2_tokenizer, script, reasoning_parser="deepseek_r1")
+    resp = check_stream_matches(app, {"n": 2}, n=2)
+    for ch in resp["choices"]:
+        m = ch["message"]
+        assert m["reasoning"] == m["reasoning_content"] == "Paris is in France."
+        assert m["content"] == "\n\nThe capital is Paris." and ch["finish_reason"] == "stop"
+    status, resp = run_chat(app, {"include_reasoning": False})
+    assert "reasoning" not in resp["choices"][0]["message"]
+    assert resp["choices"][0]["message"]["content"] == "\n\nThe capital is Paris."
+    # no parser: the text as generated, no reasoning fields at all
+    _, app = chat_app(smollm2_tokenizer, script)
+    status, resp = run_chat(app, {})
+    assert resp["choices"][0]["message"]["content"] == "".join(script) and "reasoning" not in resp["choices"][0]["message"]

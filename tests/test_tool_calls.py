@@ -194,3 +194,272 @@ def test_schemas_for_enforced_choices():
     with pytest.raises(ToolChoiceError, match=r"tools\[0\] \(bad\)") as e:
         check_parameter_schemas([{"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}])
     assert e.value.param == "tools"
+
+
+# ---- the chat endpoint in-process, over a scripted engine ----------------------------------------------
+
+import asyncio  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import httpx  # noqa: E402
+
+from enginecore.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from enginecore.sampling_params import RequestOutputKind  # noqa: E402
+
+
+class ScriptedClient:
+    """Stands in for AsyncEngineClient: every request 'generates' `script` (text deltas), n times over;
+    the SamplingParams the server built are kept for inspection."""
+
+    def __init__(self, tokenizer, script: list[str], finish: str = "stop"):
+        self.tokenizer = tokenizer
+        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=4096))
+        self.script = script
+        self.finish = finish
+        self.requests: list[tuple[dict, object]] = []
+
+    async def add_request(self, rid, prompt, params, priority=0):
+        self.requests.append((prompt, params))
+        ids = prompt["prompt_token_ids"]
+
+        def out(texts, finished):
+            return RequestOutput(rid, prompt["prompt"], ids, None, [
+                CompletionOutput(i, t, [7], None, None, self.finish if finished else None) for i, t in enumerate(texts)
+            ], finished=finished)
+
+        if params.output_kind == RequestOutputKind.DELTA:
+            outs = [out([c] * params.n, k == len(self.script) - 1) for k, c in enumerate(self.script)]
+        else:
+            outs = [out(["".join(self.script)] * params.n, True)]
+        return ScriptedStream(outs)
+
+
+class ScriptedStream:
+    def __init__(self, outs):
+        self.outs = outs
+
+    async def __aiter__(self):
+        for o in self.outs:
+            await asyncio.sleep(0)
+            yield o
+
+    def abort(self):
+        pass
+
+
+def chat_app(tokenizer, script, finish="stop", **options):
+    from frontend.api_server import HTTPOptions, ServerState, build_app
+    from frontend.metrics import ServerMetrics
+    from frontend.serving_common import FrontendOptions
+
+    client = ScriptedClient(tokenizer, script, finish)
+    state = ServerState(client, ServerMetrics("m", 4096), ["m"], FrontendOptions(**options))
+    return client, build_app(state, HTTPOptions())
+
+
+def run_chat(app, body: dict):
+    """(status, JSON) for a non-streamed request; (status, [chunks]) for a streamed one."""
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+            if not body.get("stream") or r.status_code != 200:
+                return r.status_code, r.json()
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            return r.status_code, chunks
+
+    return asyncio.run(go())
+
+
+def reassemble(chunks: list[dict], n: int = 1) -> list[dict]:
+    """Streamed chunks -> one message per choice, the way OpenAI's clients accumulate them."""
+    msgs = [{"content": None, "reasoning": None, "tool_calls": {}, "finish_reason": None} for _ in range(n)]
+    for ch in chunks:
+        for c in ch["choices"]:
+            m, d = msgs[c["index"]], c["delta"]
+            for k in ("content", "reasoning"):
+                if d.get(k):
+                    m[k] = (m[k] or "") + d[k]
+            assert d.get("reasoning") == d.get("reasoning_content")
+            for tc in d.get("tool_calls") or []:
+                if "id" in tc:
+                    assert tc["index"] not in m["tool_calls"] and tc["function"]["arguments"] == ""
+                    m["tool_calls"][tc["index"]] = {"id": tc["id"], "type": tc["type"],
+                                                   "function": {"name": tc["function"]["name"], "arguments": ""}}
+                else:
+                    m["tool_calls"][tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+            if c["finish_reason"]:
+                m["finish_reason"] = c["finish_reason"]
+    for m in msgs:
+        m["tool_calls"] = [m["tool_calls"][i] for i in sorted(m["tool_calls"])]
+    return msgs
+
+
+def comparable(message: dict, finish: str) -> dict:
+    calls = [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in message.get("tool_calls") or [])
+    return {"content": message.get("content"), "reasoning": message.get("reasoning"), "calls": calls, "finish": finish}
+
+
+def check_stream_matches(app, body: dict, n: int = 1) -> dict:
+    status, resp = run_chat(app, body)
+    assert status == 200, resp
+    status, chunks = run_chat(app, {**body, "stream": True})
+    assert status == 200, chunks
+    streamed = reassemble(chunks, n)
+    for i in range(n):
+        ref = comparable(resp["choices"][i]["message"], resp["choices"][i]["finish_reason"])
+        assert comparable(streamed[i], streamed[i]["finish_reason"]) == ref
+    return resp
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+HERMES_SCRIPT = ["Let me ", "check. <tool", "_call>\n{\"name\": \"get_", "weather\", \"arguments\": {\"ci",
+                 "ty\": \"Paris\", \"days\": 3}}\n</tool_call>\n<tool_call>{\"name\": \"get_time\", ",
+                 "\"arguments\": {\"tz\": \"UTC\"}}</tool", "_call>"]
+
+
+def test_chat_auto_tool_choice_hermes(tok):
+    _, app = chat_app(tok, HERMES_SCRIPT, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    resp = check_stream_matches(app, {"tools": TOOLS, "n": 2}, n=2)
+    for ch in resp["choices"]:
+        msg = ch["message"]
+        assert ch["finish_reason"] == "tool_calls" and msg["content"] == "Let me check. "
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+            [CALL1, ("get_time", {"tz": "UTC"})]
+    # parallel_tool_calls: false keeps the first call
+    resp = check_stream_matches(app, {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False})
+    assert [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+    # tool_choice none: the text as it is, no parsing
+    status, resp = run_chat(app, {"tools": TOOLS, "tool_choice": "none"})
+    assert resp["choices"][0]["message"]["content"] == "".join(HERMES_SCRIPT)
+    assert resp["choices"][0]["message"]["tool_calls"] == [] and resp["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_auto_without_calls_is_plain_content(tok):
+    _, app = chat_app(tok, ["Paris is ", "the capital", " <b>of</b> France."],
+                      enable_auto_tool_choice=True, tool_call_parser="hermes")
+    resp = check_stream_matches(app, {"tools": TOOLS})
+    ch = resp["choices"][0]
+    assert ch["message"]["content"] == "Paris is the capital <b>of</b> France." and ch["finish_reason"] == "stop"
+
+
+def test_chat_named_tool_choice_is_enforced_and_parsed(tok):
+    client, app = chat_app(tok, ['{"city": ', '"Paris", "days"', ': 3}'])
+    body = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    resp = check_stream_matches(app, body)
+    ch = resp["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["message"]["content"] is None  # vLLM: named keeps "stop"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ch["message"]["tool_calls"]] == \
+        [CALL1]
+    so = client.requests[-1][1].structured_outputs
+    assert so.json == WEATHER["function"]["parameters"] and so.start_after_token_ids is None
+
+
+def test_chat_required_tool_choice_is_enforced_and_parsed(tok):
+    script = ['[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', ', {"name": "get_time", ',
+              '"parameters": {"tz": "UTC"}}]']
+    client, app = chat_app(tok, script)
+    resp = check_stream_matches(app, {"tools": TOOLS, "tool_choice": "required"})
+    ch = resp["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
+    assert [c["function"]["name"] for c in ch["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    so = client.requests[-1][1].structured_outputs
+    assert so.json["type"] == "array" and so.json["minItems"] == 1
+    # cut off by max_tokens inside a call: no calls, the text is content, finish_reason length
+    _, app = chat_app(tok, [script[0][:40]], finish="length")
+    status, resp = run_chat(app, {"tools": TOOLS, "tool_choice": "required"})
+    ch = resp["choices"][0]
+    assert (ch["finish_reason"], ch["message"]["tool_calls"], ch["message"]["content"]) == ("length", [], script[0][:40])
+    # cut off between calls: the finished ones are kept
+    _, app = chat_app(tok, script[:1], finish="length")
+    status, resp = run_chat(app, {"tools": TOOLS, "tool_choice": "required"})
+    ch = resp["choices"][0]
+    assert ch["finish_reason"] == "length" and [c["function"]["name"] for c in ch["message"]["tool_calls"]] == \
+        ["get_weather"]
+
+
+def test_chat_enforced_choice_after_reasoning(tok):
+    script = ["<think>The user wants", " weather.</think>", '{"city": "Paris"}']
+    client, app = chat_app(tok, script, reasoning_parser="qwen3")
+    body = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    resp = check_stream_matches(app, body)
+    msg = resp["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == "The user wants weather."
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    so = client.requests[-1][1].structured_outputs
+    assert so.start_after_token_ids == tok.encode("</think>", add_special_tokens=False)  # no such token in SmolLM2
+    # thinking off: the constraint applies from the first token
+    run_chat(app, {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert client.requests[-1][1].structured_outputs.start_after_token_ids is None
+
+
+def test_chat_tool_errors_are_400_and_the_server_goes_on(tok):
+    _, app = chat_app(tok, ["ok"])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]
+    cases = [
+        ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+        ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"tool_choice": named}, "tool_choice", "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "invalid"),
+        ({"tools": bad_schema, "tool_choice": "required"}, "tools", "JSON schema"),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "name"),
+    ]
+    for body, param, msg in cases:
+        status, resp = run_chat(app, body)
+        assert status == 400, (body, resp)
+        err = resp["error"]
+        assert err["param"] == param and msg in err["message"] and err["type"] == "BadRequestError", (body, err)
+        status, _ = run_chat(app, {**body, "stream": True})
+        assert status == 400
+    status, resp = run_chat(app, {"tools": TOOLS, "tool_choice": "none"})
+    assert status == 200 and resp["choices"][0]["message"]["content"] == "ok"
+
+
+def test_chat_tool_messages_render_through_the_template(tok):
+    """Assistant tool calls and tool results reach the template; SmolLM2's own template (no tool support)
+    renders them as plain turns without crashing, a template that reads the arguments gets an object."""
+    from frontend.protocol import ChatMessage
+    from frontend.serving_chat import ServingChat
+    from frontend.serving_common import FrontendOptions
+
+    msgs = [ChatMessage(role="user", content="Weather in Paris?"),
+            ChatMessage(role="assistant", content=None, tool_calls=[
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+            ChatMessage(role="tool", tool_call_id="call_1", content="22 C")]
+    client = ScriptedClient(tok, ["It is 22 C."])
+    text = ServingChat(client, ["m"], FrontendOptions()).render_prompt(msgs, tools=TOOLS)
+    assert "<|im_start|>tool\n22 C<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    tpl = ("{% for m in messages %}{% for tc in m.tool_calls or [] %}[{{ tc.function.name }}({{ "
+           "tc.function.arguments.city }})]{% endfor %}{% if m.role == 'tool' %}<{{ m.tool_call_id }}:{{ m.content }}>"
+           "{% endif %}{% endfor %}{% for t in tools or [] %}{{ t.function.name }};{% endfor %}")
+    text = ServingChat(client, ["m"], FrontendOptions(chat_template=tpl)).render_prompt(msgs, tools=TOOLS)
+    assert text == "[get_weather(Paris)]<call_1:22 C>get_weather;get_time;"
+    # and through the endpoint
+    _, app = chat_app(tok, ["It is 22 C."])
+    status, resp = run_chat(app, {"messages": [m.model_dump(exclude_none=True) for m in msgs], "tools": TOOLS,
+                                  "tool_choice": "none"})
+    assert status == 200 and resp["choices"][0]["message"]["content"] == "It is 22 C."
+
+
+def test_serve_flags():
+    from enginecore.config import ConfigError
+    from frontend.serve import frontend_options
+    from tests.test_cli_args import parse
+
+    ns = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser) == (True, "hermes", "qwen3")
+    ns = parse()
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser) == (False, None, None)
+    with pytest.raises(ConfigError, match="--tool-call-parser"):
+        frontend_options(parse("--enable-auto-tool-choice"), None, None, None)
+    with pytest.raises(SystemExit):
+        parse("--tool-call-parser", "nonesuch")
