@@ -107,11 +107,11 @@ def grammar_text(so: StructuredOutputsParams, disable_any_whitespace: bool = Fal
         alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
         return LLMatcher.grammar_from_lark(f"start: {alts}\n")
     if kind == "grammar":
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark
 
         try:
             lark = any_to_lark(so.grammar)  # Lark as is; GBNF / EBNF (`::=`) converted
-        except (GbnfToLarkError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - the converter raises bare Exceptions for unknown rules
             raise SamplingParamsError(f"invalid grammar: {e}", param) from None
         return LLMatcher.grammar_from_lark(lark)
     return LLMatcher.grammar_from_lark(_structural_tag_grammar(so.structural_tag, param))
