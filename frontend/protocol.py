@@ -340,6 +340,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # as in chat requests: the template sees them
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ enforces a named or `required` choice through structured outputs, and the parser
 - named (`{"type": "function", "function": {"name": "f"}}`): the output *is* the arguments object
   (schema: the function's `parameters`); one call, finish_reason as generated ("stop"), as vLLM.
 - `required`: the output is a JSON array of `{"name": <a tool>, "parameters": <its schema>}` (vLLM's
-  shape: anyOf per tool, at least one item; at most one with `parallel_tool_calls: false`).
+  shape: anyOf per tool, at least one item; at most one with `parallel_tool_calls: false`; no other
+  keys in an item, which only made small models ramble).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def tool_choice_schema(choice: ToolChoice, parallel_tool_calls: bool | None) -> 
             defs[k] = v
         items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
                                                        "parameters": params},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
