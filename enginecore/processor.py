@@ -384,7 +384,13 @@ class OutputProcessor:
             for lp in o.new_logprobs:
                 ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
                 ch.cumulative_logprob += lp.logprobs[0]
-        stop_hit = ch.detok.add_tokens(o.new_token_ids) if ch.detok is not None and n else None
+        text_ids = o.new_token_ids
+        if (n and o.finish_reason == "stop" and not st.params.include_stop_str_in_output
+                and text_ids[-1] in st.params._all_stop_token_ids):
+            # the EOS / stop token that ended the request is not part of the text (vLLM): it shows with
+            # skip_special_tokens=false (tool-call parsers need special tokens) or for a plain stop token
+            text_ids = text_ids[:-1]
+        stop_hit = ch.detok.add_tokens(text_ids) if ch.detok is not None and text_ids else None
         if stop_hit is not None:
             ch.finish_reason, ch.stop_reason = "stop", stop_hit
             if o.finish_reason is None:

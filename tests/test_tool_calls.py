@@ -650,3 +650,27 @@ def test_torch_backend_enforced_tool_choices():
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_stop_token_is_not_in_the_text(tok):
+    """The EOS / stop token that ends a request is not part of its text, as in vLLM, also with
+    skip_special_tokens=false (which the mistral parser needs for [TOOL_CALLS]); other special tokens stay."""
+    from enginecore.outputs import EngineCoreOutput
+    from enginecore.processor import OutputProcessor
+    from enginecore.sampling_params import SamplingParams
+
+    eos = tok.eos_token_ids[0]
+    body = tok.encode("[x]<|im_start|> done", add_special_tokens=False)
+    for skip, stop_ids, last, finish, include, want in (
+            (False, None, eos, "stop", False, "[x]<|im_start|> done"),
+            (True, None, eos, "stop", False, "[x] done"),
+            (False, None, eos, "stop", True, "[x]<|im_start|> done" + tok.decode([eos], skip_special_tokens=False)),
+            (True, [body[0]], body[0], "stop", False, "[x] done"),
+            (True, None, body[0], "length", False, "[x] done" + tok.decode([body[0]]))):
+        params = SamplingParams(skip_special_tokens=skip, stop_token_ids=stop_ids, include_stop_str_in_output=include,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params._all_stop_token_ids = set(stop_ids or []) | {eos}
+        proc = OutputProcessor(tok)
+        proc.add_request("r", "p", [1], params, ["r"])
+        got, _ = proc.process_outputs([EngineCoreOutput("r", body), EngineCoreOutput("r", [last], finish_reason=finish)])
+        assert got[-1][1].outputs[0].text == want, (skip, stop_ids, finish)
