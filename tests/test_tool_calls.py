@@ -674,3 +674,16 @@ def test_stop_token_is_not_in_the_text(tok):
         proc.add_request("r", "p", [1], params, ["r"])
         got, _ = proc.process_outputs([EngineCoreOutput("r", body), EngineCoreOutput("r", [last], finish_reason=finish)])
         assert got[-1][1].outputs[0].text == want, (skip, stop_ids, finish)
+
+
+def test_mistral_keeps_special_tokens_when_its_marker_is_one(tok):
+    import copy
+
+    mistral_tok = copy.deepcopy(tok)
+    mistral_tok.hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    script = ['[TOOL_CALLS][{"name": "get_time", ', '"arguments": {"tz": "UTC"}}]']
+    for t, keep in ((mistral_tok, False), (tok, True)):
+        client, app = chat_app(t, script, enable_auto_tool_choice=True, tool_call_parser="mistral")
+        resp = check_stream_matches(app, {"tools": TOOLS})
+        assert client.requests[-1][1].skip_special_tokens is keep
+        assert [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == ["get_time"]
