@@ -413,6 +413,8 @@ def test_chat_tool_errors_are_400_and_the_server_goes_on(tok):
         ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "invalid"),
         ({"tools": bad_schema, "tool_choice": "required"}, "tools", "JSON schema"),
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "name"),
+        ({"tools": TOOLS, "tool_choice": named, "response_format": {"type": "json_object"}}, "tool_choice",
+         "cannot be combined"),
     ]
     for body, param, msg in cases:
         status, resp = run_chat(app, body)
