@@ -233,6 +233,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
       help="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3), "
            "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_xml / qwen3_coder (Qwen3-Coder XML).")
+    a("--exclude-tools-when-tool-choice-none", action="store_true",
+      help='With tool_choice "none", do not show the tools to the chat template either.')
     a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
       help="Split <think>...</think> into the answer's `reasoning` / `reasoning_content` (deepseek_r1, qwen3); "
            "structured outputs and enforced tool choices then apply after the reasoning.")

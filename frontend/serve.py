@@ -133,6 +133,7 @@ def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
         sampling_defaults=load_sampling_defaults(config, model),
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         reasoning_parser=ns.reasoning_parser,
     )
 

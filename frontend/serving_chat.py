@@ -122,11 +122,12 @@ class ServingChat(OpenAIServing):
             schema = tool_choice_schema(choice, req.parallel_tool_calls)
         except ToolChoiceError as e:
             raise APIError(str(e), param=e.param) from None
-        # the template sees the tools whatever the choice (vLLM): it decides how to show them
+        # the template sees the tools whatever the choice (vLLM), unless --exclude-tools-when-tool-choice-none
+        hide = req.tool_choice == "none" and self.options.exclude_tools_when_tool_choice_none
         text = self.render_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message, chat_template=req.chat_template,
                                   chat_template_kwargs=req.chat_template_kwargs,
-                                  tools=choice.tools if req.tools is not None else None, documents=req.documents)
+                                  tools=None if req.tools is None or hide else choice.tools, documents=req.documents)
         try:
             ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         except TextEncodingError as e:

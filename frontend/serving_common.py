@@ -70,6 +70,7 @@ class FrontendOptions:
     sampling_defaults: dict = field(default_factory=dict)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     reasoning_parser: str | None = None
 
 

@@ -456,6 +456,11 @@ def test_chat_tool_messages_render_through_the_template(tok):
             return (await http.post("/detokenize", json={"tokens": ids})).json()["prompt"]
 
     assert asyncio.run(tokenize()) == "[get_weather(Paris)]<call_1:22 C>get_weather;get_time;"
+    # tool_choice none shows the tools too, unless --exclude-tools-when-tool-choice-none
+    for exclude, shown in ((False, "get_weather;get_time;"), (True, "")):
+        client, app = chat_app(tok, ["ok"], chat_template=tpl, exclude_tools_when_tool_choice_none=exclude)
+        run_chat(app, {"messages": [m.model_dump(exclude_none=True) for m in msgs], "tools": TOOLS, "tool_choice": "none"})
+        assert client.requests[-1][0]["prompt"] == "[get_weather(Paris)]<call_1:22 C>" + shown
     # and through the endpoint
     _, app = chat_app(tok, ["It is 22 C."])
     status, resp = run_chat(app, {"messages": [m.model_dump(exclude_none=True) for m in msgs], "tools": TOOLS,
@@ -468,8 +473,10 @@ def test_serve_flags():
     from frontend.serve import frontend_options
     from tests.test_cli_args import parse
 
-    ns = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    ns = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+               "--exclude-tools-when-tool-choice-none")
     assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser) == (True, "hermes", "qwen3")
+    assert ns.exclude_tools_when_tool_choice_none
     ns = parse()
     assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser) == (False, None, None)
     with pytest.raises(ConfigError, match="--tool-call-parser"):
