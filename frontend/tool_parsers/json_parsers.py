@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import Parse, ToolParser, held_marker_prefix, parse_call_object, scan_value, skip_ws
+from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, held_marker_prefix, parse_call_object,
+                                        scan_value, skip_ws)
 
 
 def _content_until(text: str, marker: str, final: bool) -> Parse | None:
@@ -133,8 +134,6 @@ class MistralToolParser(ToolParser):
             i += 1
 
     def _named(self, text: str, i: int, final: bool, p: Parse) -> None:
-        from frontend.tool_parsers.base import PartialCall
-
         while i < len(text):
             a = text.find(self.ARGS, i)
             if a < 0:
