@@ -139,18 +139,20 @@ def held_marker_prefix(s: str, marker: str) -> int:
     return 0
 
 
+_STRING_STOP = re.compile(r'["\\]')
+_VALUE_STOP = re.compile(r'["{}\[\]]')
+
+
 def scan_string(s: str, i: int) -> int | None:
     """s[i] == '"': the index after the closing quote, or None if the string is not finished."""
     j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    while True:
+        m = _STRING_STOP.search(s, j)
+        if m is None:
+            return None
+        if m.group() == '"':
+            return m.end()
+        j = m.end() + 1  # skip the escaped character
 
 
 def scan_value(s: str, i: int, final: bool) -> int | None:
@@ -161,22 +163,21 @@ def scan_value(s: str, i: int, final: bool) -> int | None:
         return scan_string(s, i)
     if c in "{[":
         depth, j = 0, i
-        while j < len(s):
-            c = s[j]
+        while True:  # jump from bracket to bracket; strings may hold any of them
+            m = _VALUE_STOP.search(s, j)
+            if m is None:
+                return None
+            c, j = m.group(), m.start()
             if c == '"':
                 e = scan_string(s, j)
                 if e is None:
                     return None
                 j = e
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if c in "{[" else -1
+            if depth == 0:
+                return j + 1
             j += 1
-        return None
     m = _SCALAR.match(s, i)
     if m is None:
         if not final and any(w.startswith(s[i:]) for w in ("true", "false", "null")):
