@@ -483,6 +483,11 @@ def test_serve_flags():
         frontend_options(parse("--enable-auto-tool-choice"), None, None, None)
     with pytest.raises(SystemExit):
         parse("--tool-call-parser", "nonesuch")
+    # --structured-outputs-config's reasoning_parser (vLLM's other spelling) must agree and exist
+    for flag, so_value, msg in (("qwen3", "deepseek_r1", "differ"), (None, "granite", "not one of")):
+        config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=so_value))
+        with pytest.raises(ConfigError, match=msg):
+            frontend_options(parse(*(["--reasoning-parser", flag] if flag else [])), config, None, None)
 
 
 # ---- the embedded model: enforced choices through a real server (jax) and in-process (torch) ---------------
