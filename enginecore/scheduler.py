@@ -448,7 +448,7 @@ class Scheduler:
     def _fail_request(self, req: Request, exc: Exception) -> EngineCoreOutput:
         """End `req` alone after an exception in its own processing: blocks freed, the runner told to drop
         it; the output's stop_reason carries the error for the API side (HTTP 500)."""
-        logger.error("request %s failed while its step result was applied; it alone is ended", req.request_id,
+        logger.error("request %s failed (its step result, or its grammar); it alone is ended", req.request_id,
                      exc_info=exc)
         if req in self.running:
             self.running.remove(req)

@@ -211,8 +211,9 @@ def test_structured_outputs_config_flag():
 def _llm(backend, **kw):
     from enginecore import LLM
 
+    # few buckets: fewer jax programs to compile (padded rows cost little for this model)
     args = dict(backend=backend, platform="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
-                kv_cache_memory_bytes=32 << 20, seed=0)
+                kv_cache_memory_bytes=32 << 20, seed=0, min_token_bucket=16, min_seq_bucket=8)
     args.update(kw)
     return LLM(None, **args)
 
