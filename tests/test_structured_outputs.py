@@ -262,6 +262,16 @@ def _cases(llm):
     cases.append((p_person, SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=SO(
         json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
         disable_any_whitespace=True)), any_object))
+    def yes_no(text):
+        assert text in ("The answer is yes.", "The answer is no."), text
+
+    def answer(text):
+        assert re.fullmatch(r"Answer: [0-9]{1,3}", text), text
+
+    cases.append((p_city, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SO(
+        grammar='root ::= "The answer is " ("yes" | "no") "."')), yes_no))  # GBNF
+    cases.append((p_phone, SamplingParams(temperature=0.7, seed=5, max_tokens=20, structured_outputs=SO(
+        grammar='start: "Answer: " NUM\nNUM: /[0-9]{1,3}/')), answer))  # Lark
     cases.append((p_city, SamplingParams(temperature=0.0, max_tokens=12), None))  # plain, in the same batch
     cases.append((p_phone, SamplingParams(temperature=0.8, seed=9, max_tokens=12), None))
     return cases
