@@ -287,6 +287,7 @@ def engine_outputs(llms):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_engine_outputs_satisfy_constraints(engine_outputs, backend):
     cases, outs = engine_outputs[backend]
@@ -298,12 +299,14 @@ def test_engine_outputs_satisfy_constraints(engine_outputs, backend):
         check(c.text)
 
 
+@pytest.mark.slow
 def test_engine_outputs_identical_across_backends(engine_outputs):
     (_, jo), (_, to) = engine_outputs["jax"], engine_outputs["torch"]
     for a, b in zip(jo, to):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].text, b.outputs[0].text)
 
 
+@pytest.mark.slow
 def test_plain_requests_unchanged_by_constrained_neighbours(llms, engine_outputs):
     llm = llms["jax"]
     cases, outs = engine_outputs["jax"]
@@ -312,6 +315,7 @@ def test_plain_requests_unchanged_by_constrained_neighbours(llms, engine_outputs
     assert [o.outputs[0].token_ids for _, o in plain] == [o.outputs[0].token_ids for o in alone]
 
 
+@pytest.mark.slow
 def test_n2_seeded_children_each_constrained(llms):
     llm = llms["torch"]
     sp = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, structured_outputs=SO(choice=CHOICES))
@@ -319,6 +323,7 @@ def test_n2_seeded_children_each_constrained(llms):
     assert len(out.outputs) == 3 and all(c.text in CHOICES and c.finish_reason == "stop" for c in out.outputs)
 
 
+@pytest.mark.slow
 def test_preemption_chunked_prefill_and_prefix_cache_give_the_same_outputs(llms, engine_outputs):
     """A tight KV cache (preemptions), small chunks and the prefix cache on: the same tokens as a roomy run."""
     cases, outs = engine_outputs["torch"]
@@ -342,6 +347,7 @@ def test_preemption_chunked_prefill_and_prefix_cache_give_the_same_outputs(llms,
         tight.llm_engine.core.shutdown()
 
 
+@pytest.mark.slow
 def test_reasoning_start_token_defers_the_constraint(llms):
     llm = llms["torch"]
     prompt = chat(llm, "What is the capital of France?")
@@ -355,6 +361,7 @@ def test_reasoning_start_token_defers_the_constraint(llms):
     assert tail in CHOICES and out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_abort_and_engine_side_grammar_failure_free_the_state(llms):
     from enginecore.request import Request
 
@@ -384,6 +391,7 @@ def test_abort_and_engine_side_grammar_failure_free_the_state(llms):
     assert stats.num_structured_requests >= 2 and stats.num_grammar_compiles >= 1
 
 
+@pytest.mark.slow
 def test_offline_validation_is_a_sampling_params_error(llms):
     llm = llms["torch"]
     with pytest.raises(SamplingParamsError) as e:
