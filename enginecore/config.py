@@ -183,6 +183,37 @@ class DeviceConfig:
         return "all" if self.platform == "tpu" else "none"
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """`--structured-outputs-config` (vLLM's StructuredOutputsConfig): llguidance is the one grammar backend."""
+
+    backend: str = "auto"  # auto | guidance (both llguidance)
+    disable_fallback: bool = False  # accepted; there is no other backend to fall back to
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    disable_additional_properties: bool = False  # JSON schemas: additionalProperties false unless given
+    reasoning_parser: str = ""  # accepted for vLLM compatibility; --reasoning-parser sets it
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ConfigError(
+                f"--structured-outputs-config backend {self.backend!r} is not available: xlaserve's grammar "
+                f"backend is llguidance ('guidance', or 'auto'); xgrammar, outlines and lm-format-enforcer "
+                "are not installed.")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "StructuredOutputsConfig":
+        d = dict(d or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"--structured-outputs-config: unknown key(s) {', '.join(sorted(unknown))} "
+                              f"(known: {', '.join(sorted(known))}).")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All groups together (vLLM's VllmConfig)."""
@@ -192,6 +223,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 @dataclass
@@ -235,6 +267,7 @@ class EngineArgs:
     min_token_bucket: int | None = None
     min_seq_bucket: int | None = None
     topology: str | None = None
+    structured_outputs_config: dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -326,4 +359,5 @@ class EngineArgs:
             min_seq_bucket=self.min_seq_bucket,
             topology=self.topology,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
+                            StructuredOutputsConfig.from_dict(self.structured_outputs_config))

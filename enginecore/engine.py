@@ -20,6 +20,7 @@ from enginecore.request import Request, RequestStatus
 from enginecore.runner import create_runner
 from enginecore.sampling_params import SamplingParams
 from enginecore.scheduler import RequestRejectedError, Scheduler, SchedulerStats
+from enginecore.structured_outputs import GrammarCompiler, build_ll_tokenizer
 from enginecore.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("xlaserve.engine")
@@ -35,12 +36,16 @@ class EngineCore:
     on the other. Outputs are the same as with `--no-async-scheduling`
     (tested); a request that stops by EOS has one wasted step in flight.
 
+    A step that samples for a structured-output request runs synchronously
+    (the step in flight is applied first): its token bitmask needs every token
+    before it. Plain batches keep the overlap.
+
     An exception out of `step()` (the model step, scheduling) is an engine
     death; one inside a single request's update fails that request alone
     (see `Scheduler.update_from_output`).
     """
 
-    def __init__(self, config: EngineConfig, model: ModelSource, runner=None):
+    def __init__(self, config: EngineConfig, model: ModelSource, runner=None, tokenizer: Tokenizer | None = None):
         self.config = config
         self.model = model
         t0 = time.perf_counter()
@@ -53,7 +58,9 @@ class EngineCore:
         runner.init_kv_cache(self.num_blocks)
         self.warmup_stats = runner.warmup() or {}
         self._faults = FaultInjector.from_env()  # test-only; None unless XLASERVE_FAULT_INJECTION is set
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks, self._faults)
+        self.grammar_compiler = _grammar_compiler(config, model, tokenizer, getattr(runner, "vocab_size", None))
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks, self._faults,
+                                   self.grammar_compiler)
         self.async_scheduling = config.scheduler_config.async_scheduling
         cache_tokens = (self.num_blocks - 1) * config.cache_config.block_size
         if cache_tokens < config.scheduler_config.max_model_len - 1:
@@ -84,6 +91,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
         launched = None
+        outputs: list[EngineCoreOutput] = []
+        synchronous = not self.async_scheduling or sched.needs_synchronous_step()
+        if synchronous and self._in_flight is not None:  # a constrained request needs its tokens first
+            so, handle = self._in_flight
+            self._in_flight = None
+            outputs = sched.update_from_output(so, handle.result())
         if sched.has_unfinished_requests() or sched.finished_req_ids:
             so = sched.schedule()
             if so.has_work:
@@ -91,14 +104,17 @@ class EngineCore:
                     for rid in so.num_scheduled_tokens:
                         self._faults.check("step", rid)
                 launched = (so, self.runner.execute(so))
-        if self.async_scheduling:
+            elif self._in_flight is None and not outputs:
+                sched.wait_for_grammars(0.02)  # only compiling requests: do not spin
+        outputs += sched.take_deferred_outputs()
+        if not synchronous:
             done, self._in_flight = self._in_flight, launched  # apply the previous step; this one runs meanwhile
         else:
             done = launched
         if done is None:
-            return []
+            return outputs
         so, handle = done
-        return sched.update_from_output(so, handle.result())
+        return outputs + sched.update_from_output(so, handle.result())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -107,7 +123,28 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
         self.runner.shutdown()
+
+
+def _grammar_compiler(config: EngineConfig, model: ModelSource, tokenizer: Tokenizer | None,
+                      vocab_size: int | None) -> GrammarCompiler | None:
+    """The structured-output grammar compiler; its llguidance tokenizer is built on first use."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        logger.warning("llguidance is not installed: structured-output requests will be refused")
+        return None
+    soc = config.structured_outputs_config
+    V = vocab_size or max(model.config.vocab_size, 0)
+
+    def factory():
+        tok = tokenizer or load_tokenizer(model, config.model_config.tokenizer,
+                                          use_generation_config=config.model_config.generation_config == "auto")
+        return build_ll_tokenizer(tok.hf, V, tok.eos_token_ids)
+
+    return GrammarCompiler(factory, soc.disable_any_whitespace, soc.disable_additional_properties)
 
 
 def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Tokenizer]:
@@ -134,7 +171,7 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.core = core or EngineCore(config, model)
+        self.core = core or EngineCore(config, model, tokenizer=tokenizer)
         self.input_processor = InputProcessor(config, tokenizer, max(model.config.vocab_size, 0))
         self.output_processor = OutputProcessor(tokenizer)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from enginecore.sampling_params import SamplingParams
 
 
@@ -50,6 +52,9 @@ class SchedulerOutput:
     # req_id -> num_computed_tokens after this step, for the requests whose step fills blocks
     # that may be published to the prefix cache once it has run
     computed_after: dict[str, int] = field(default_factory=dict)
+    # structured outputs: the constrained requests that sample this step and their allowed next tokens
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None  # [len(structured_output_request_ids), ceil(V / 32)] i32
 
     @property
     def has_work(self) -> bool:

@@ -61,6 +61,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
         self._rng = np.random.default_rng(config.model_config.seed)
+        self._valid_constraints: dict[str, bool] = {}  # structured-output specs that passed validation
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -109,7 +110,28 @@ class InputProcessor:
             raise SamplingParamsError(
                 f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
                 f"{sc.max_waiting_requests} (--max-waiting-requests): it could never be admitted", "n")
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
         return params.max_tokens if params.max_tokens is not None else room
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        """An invalid schema / regex / grammar is a 400 here, not a failure in the engine (about 1 ms,
+        remembered for the last few hundred constraints)."""
+        from enginecore import structured_outputs
+
+        so, soc = params.structured_outputs, self.config.structured_outputs_config
+        key = repr((so.kind, getattr(so, so.kind), so.whitespace_pattern, so.disable_any_whitespace,
+                    so.disable_additional_properties))
+        if key in self._valid_constraints:
+            return
+        try:
+            structured_outputs.validate(so, "structured_outputs", soc.disable_any_whitespace,
+                                        soc.disable_additional_properties)
+        except ImportError:
+            raise SamplingParamsError("structured outputs need the llguidance package", "structured_outputs")
+        self._valid_constraints[key] = True
+        if len(self._valid_constraints) > 512:
+            self._valid_constraints.pop(next(iter(self._valid_constraints)))
 
     def process(
         self,
@@ -362,7 +384,13 @@ class OutputProcessor:
             for lp in o.new_logprobs:
                 ch.logprobs.append(self._to_logprob_dict(lp, st.params.logprobs))
                 ch.cumulative_logprob += lp.logprobs[0]
-        stop_hit = ch.detok.add_tokens(o.new_token_ids) if ch.detok is not None and n else None
+        text_ids = o.new_token_ids
+        if (n and o.finish_reason == "stop" and not st.params.include_stop_str_in_output
+                and text_ids[-1] in st.params._all_stop_token_ids):
+            # the EOS / stop token that ended the request is not part of the text (vLLM): it shows with
+            # skip_special_tokens=false (tool-call parsers need special tokens) or for a plain stop token
+            text_ids = text_ids[:-1]
+        stop_hit = ch.detok.add_tokens(text_ids) if ch.detok is not None and text_ids else None
         if stop_hit is not None:
             ch.finish_reason, ch.stop_reason = "stop", stop_hit
             if o.finish_reason is None:

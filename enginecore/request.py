@@ -58,6 +58,9 @@ class Request:
     num_output_placeholders: int = 0
     # block hashes of full blocks of all_token_ids, extended lazily
     block_hashes: list = field(default_factory=list)
+    # engine side: the structured-output state (enginecore.structured_outputs.RequestGrammar) of a
+    # constrained request; never sent over the wire
+    grammar: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,13 @@ class SamplingBatch:
     presence: np.ndarray | None = None  # [Rp] f32
     frequency: np.ndarray | None = None  # [Rp] f32
     repetition: np.ndarray | None = None  # [Rp] f32
+    # structured outputs: packed allowed tokens, -1 (all allowed) on unconstrained rows
+    token_bitmask: np.ndarray | None = None  # [Rp, ceil(V / 32)] i32
+
+    @property
+    def masked(self) -> bool:
+        """Some row is constrained by a grammar this step."""
+        return self.token_bitmask is not None
 
     @property
     def processed(self) -> bool:
@@ -48,8 +55,10 @@ def _pad(a: np.ndarray, n: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def make_sampling_batch(ib, rows: np.ndarray, kv: np.ndarray, Rp: int) -> SamplingBatch:
-    """`ib`: the InputBatch; `rows` [R]: the batch's rows; `kv` [R]: the position of the token each would sample."""
+def make_sampling_batch(ib, rows: np.ndarray, kv: np.ndarray, Rp: int, req_ids: list[str] | None = None,
+                        so=None) -> SamplingBatch:
+    """`ib`: the InputBatch; `rows` [R]: the batch's rows; `kv` [R]: the position of the token each would sample;
+    `req_ids` [R] and the SchedulerOutput `so`: where the grammar bitmask rows go."""
     R = len(rows)
     temp = _pad(ib.temperature[rows], Rp, 0.0, np.float32)
     greedy = temp[:R] < GREEDY_EPS
@@ -69,7 +78,30 @@ def make_sampling_batch(ib, rows: np.ndarray, kv: np.ndarray, Rp: int) -> Sampli
     sb = SamplingBatch(temp, top_k, top_p, min_p, uniform, all_greedy, needs_filtering, num_logprobs)
     if ib.token_state:
         _add_processed(sb, ib, rows, kv, Rp)
+    if so is not None and so.grammar_bitmask is not None:
+        sb.token_bitmask = scatter_bitmask(so.grammar_bitmask, so.structured_output_request_ids, req_ids, Rp,
+                                           ib.vocab_size)
     return sb
+
+
+def scatter_bitmask(bitmask: np.ndarray, bitmask_req_ids: list[str], req_ids: list[str], Rp: int,
+                    vocab_size: int) -> np.ndarray | None:
+    """The scheduler's [n, W'] bitmask rows into the batch's padded rows [Rp, ceil(V / 32)] (-1 elsewhere).
+
+    W' may differ from the model's width (the grammar's vocabulary is the tokenizer's, at least V):
+    extra words are cut, missing ones allow nothing."""
+    W = -(-vocab_size // 32)
+    where = {rid: j for j, rid in enumerate(bitmask_req_ids)}
+    out = np.full((Rp, W), -1, np.int32)
+    hit = False
+    w = min(W, bitmask.shape[1])
+    for i, rid in enumerate(req_ids):
+        j = where.get(rid)
+        if j is not None:
+            out[i, :w] = bitmask[j, :w]
+            out[i, w:] = 0
+            hit = True
+    return out if hit else None
 
 
 def _add_processed(sb: SamplingBatch, ib, rows: np.ndarray, kv: np.ndarray, Rp: int) -> None:

@@ -23,12 +23,73 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; `param` names the field (OpenAI's `param`)."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `StructuredOutputsParams` names): exactly one kind is set.
+
+    Compiled to an llguidance grammar by `enginecore.structured_outputs`; the sampler masks
+    the tokens the grammar does not allow.
+    """
+
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance) or GBNF/EBNF grammar text
+    json_object: bool = False  # any JSON object
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    # Engine-internal: enforce only after the output contains this token sequence (the end of
+    # the reasoning, set by the frontend's --reasoning-parser); None: from the first output token.
+    start_after_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.start_after_token_ids, tuple):
+            self.start_after_token_ids = list(self.start_after_token_ids)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        self._verify()
+
+    @property
+    def kind(self) -> str:
+        """The one constraint kind that is set ("json", "regex", ...)."""
+        for k in STRUCTURED_OUTPUT_KINDS:
+            v = getattr(self, k)
+            if v is not None and v is not False:
+                return k
+        raise SamplingParamsError("structured_outputs sets no constraint.", "structured_outputs")
+
+    def _verify(self) -> None:
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        if len(set_kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {set_kinds or 'none'}.", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise SamplingParamsError("structured_outputs.json must be a JSON schema object or string.",
+                                      "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of strings.",
+                                      "structured_outputs")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a string.", "structured_outputs")
+        if self.start_after_token_ids is not None and not all(isinstance(t, int) for t in self.start_after_token_ids):
+            raise SamplingParamsError("structured_outputs.start_after_token_ids must be token ids.",
+                                      "structured_outputs")
 
 
 @dataclass
@@ -60,6 +121,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: token ids of single-token bad words, all eos ids.
     _bad_words_token_ids: list[int] = field(default_factory=list, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -79,6 +141,11 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise SamplingParamsError(f"logit_bias keys must be token ids: {e}", "logit_bias")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs")
         if self.best_of is None:
             self.best_of = self.n
         self._verify()

@@ -2,6 +2,10 @@
 
 Order, for each request row (float32 logits [V] of the token being generated):
 
+0. structured outputs: the grammar's packed token bitmask (int32 words, bit
+   ``t % 32`` of word ``t // 32`` set: token t allowed; words past the
+   vocabulary ignored) sets every disallowed logit to -inf, before anything else
+   (vLLM's order). Logprobs stay those of the raw logits.
 1. token masks, additive: ``logits += bias`` where bias holds logit_bias values,
    -inf outside allowed_token_ids, -inf for banned bad-word tokens, -inf for EOS
    and stop_token_ids while fewer than min_tokens were generated.
@@ -68,6 +72,22 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return np.exp(log_softmax(x))
 
 
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[..., W] int32 packed bitmask -> [..., vocab_size] bool (True: allowed)."""
+    bits = (bitmask[..., :, None].astype(np.int64) >> np.arange(32)) & 1
+    flat = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * 32).astype(bool)
+    if flat.shape[-1] < vocab_size:  # a narrow mask allows nothing past its end
+        pad = np.zeros((*flat.shape[:-1], vocab_size - flat.shape[-1]), bool)
+        flat = np.concatenate([flat, pad], axis=-1)
+    return flat[..., :vocab_size]
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """logits [V], bitmask [W] int32 -> logits with disallowed tokens at -inf."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])
+    return np.where(allowed, logits, -np.inf).astype(np.float32)
+
+
 def apply_penalties(
     logits: np.ndarray,  # [V]
     output_counts: np.ndarray,  # [V] counts of each token in the output
@@ -127,8 +147,11 @@ def sample_row(
     presence: float = 0.0,
     frequency: float = 0.0,
     repetition: float = 1.0,
+    token_bitmask: np.ndarray | None = None,  # [ceil(V / 32)] i32, structured outputs
 ) -> int:
     x = logits.astype(np.float32)
+    if token_bitmask is not None:
+        x = apply_token_bitmask(x, token_bitmask)
     if bias is not None:
         x = (x + bias.astype(np.float32)).astype(np.float32)
     if output_counts is not None:

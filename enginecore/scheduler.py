@@ -10,13 +10,24 @@ Applying a step's result is per-request code: an exception there fails that
 request alone (`FINISHED_ERROR`, its blocks freed, an output with finish reason
 "error"), the others go on. Admission refuses a request that could never fit
 the whole KV cache, which would otherwise preempt itself forever.
+
+Structured outputs: a constrained request waits (skipped, others go ahead)
+until its grammar has compiled in the compiler's thread pool; each step that
+samples for it carries its row of the token bitmask (`grammar_bitmask`),
+filled from its matcher, and each token it generates is fed to the matcher;
+the request stops when the grammar is complete. Its bitmask needs the previous
+token, so `EngineCore` runs steps holding constrained requests synchronously.
+A preempted request keeps its output tokens and so its matcher state.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from enginecore.config import CacheConfig, SchedulerConfig
 from enginecore.faults import FaultInjector
@@ -29,6 +40,7 @@ from enginecore.outputs import (
     SchedulerOutput,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.structured_outputs import GrammarCompiler, RequestGrammar, bitmask_width
 
 logger = logging.getLogger("xlaserve.scheduler")
 
@@ -53,11 +65,14 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens, cumulative
     num_preemptions: int = 0  # cumulative
     num_scheduled_tokens: int = 0  # last step
+    num_structured_requests: int = 0  # requests with a structured-output constraint, cumulative
+    grammar_compile_seconds: float = 0.0  # time spent compiling grammars, cumulative
+    num_grammar_compiles: int = 0  # grammars compiled (cache misses), cumulative
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 faults: FaultInjector | None = None):
+                 faults: FaultInjector | None = None, grammar_compiler: GrammarCompiler | None = None):
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -75,6 +90,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_num_scheduled = 0
         self._faults = faults  # test-only (enginecore.faults); None in normal operation
+        self.grammar_compiler = grammar_compiler
+        self.num_structured_requests = 0
+        self._num_constrained = 0  # live constrained requests (waiting or running)
+        self._deferred_outputs: list[EngineCoreOutput] = []  # failures found while scheduling
 
     # -- requests in and out -------------------------------------------------------
 
@@ -107,6 +126,13 @@ class Scheduler:
                 f"the server is overloaded: {len(self.waiting)} requests are waiting "
                 f"(limit set by --max-waiting-requests={self.config.max_waiting_requests})"
             )
+        so = req.sampling_params.structured_outputs
+        if so is not None:
+            if self.grammar_compiler is None:
+                raise RequestRejectedError("structured outputs are not available in this engine")
+            req.grammar = RequestGrammar(self.grammar_compiler.submit(so), so.start_after_token_ids)
+            self.num_structured_requests += 1
+            self._num_constrained += 1
         self.requests[req.request_id] = req
         self._enqueue_waiting(req)
 
@@ -144,6 +170,9 @@ class Scheduler:
         return done
 
     def _free_request(self, req: Request) -> None:
+        if req.grammar is not None:
+            req.grammar = None  # the matcher goes with it
+            self._num_constrained -= 1
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
@@ -216,12 +245,26 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
+        skipped: list[Request] = []  # constrained requests whose grammar is still compiling
+        try:
+            self._schedule_waiting_in_order(step, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _schedule_waiting_in_order(self, step: "_Step", skipped: list[Request]) -> None:
         cfg = self.config
         threshold = cfg.long_prefill_token_threshold
         partial_prefills = sum(1 for r in self.running if r.request_id in step.num_scheduled
                                and r.num_computed_tokens + step.num_scheduled[r.request_id] < r.num_prompt_tokens)
         while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready():
+                skipped.append(self.waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self.waiting.popleft()
+                self._deferred_outputs.append(self._fail_request(req, ValueError(req.grammar.error)))
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if threshold:
@@ -255,6 +298,7 @@ class Scheduler:
         bs = self.block_size
         caching = self.kv.enable_caching
         computed_after: dict[str, int] = {}
+        constrained: list[Request] = []
         for req, n, blocks in step.scheduled:
             before = req.num_computed_tokens
             if blocks is not None:
@@ -264,6 +308,10 @@ class Scheduler:
             after = before + n
             req.num_computed_tokens = after  # the next schedule() sees these tokens as computed
             if after == req.num_tokens + req.num_output_placeholders:
+                if req.grammar is not None and req.grammar.active:
+                    # its mask needs every earlier token: EngineCore runs such steps synchronously
+                    assert req.num_output_placeholders == 0, "a constrained request with a token in flight"
+                    constrained.append(req)
                 req.num_output_placeholders += 1  # this step samples its next token
             if caching and after // bs > before // bs:
                 computed_after[req.request_id] = after
@@ -279,8 +327,36 @@ class Scheduler:
             preempted_req_ids=step.preempted,
             computed_after=computed_after,
         )
+        if constrained:
+            out.structured_output_request_ids = [r.request_id for r in constrained]
+            out.grammar_bitmask = self._grammar_bitmask(constrained)
         self.finished_req_ids = set()
         self._last_num_scheduled = total
+        return out
+
+    def _grammar_bitmask(self, reqs: list[Request]) -> np.ndarray:
+        """[len(reqs), W] int32: each constrained request's allowed next tokens."""
+        W = bitmask_width(self.grammar_compiler.tokenizer().vocab_size)
+        bm = np.full((len(reqs), W), -1, np.int32)
+        for i, req in enumerate(reqs):
+            req.grammar.fill_bitmask(bm, i)
+        return bm
+
+    def needs_synchronous_step(self) -> bool:
+        """Whether the next step may sample for a constrained request (its mask needs the previous token)."""
+        if not self._num_constrained:
+            return False
+        return any(r.grammar is not None for r in self.running) or any(
+            r.grammar is not None and r.grammar.ready() for r in self.waiting)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to `timeout` s until a waiting request's grammar is ready (nothing else to do)."""
+        pending = [r.grammar.future for r in self.waiting if r.grammar is not None and not r.grammar.ready()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def take_deferred_outputs(self) -> list[EngineCoreOutput]:
+        out, self._deferred_outputs = self._deferred_outputs, []
         return out
 
     # -- applying the runner's output -------------------------------------------------
@@ -342,9 +418,16 @@ class Scheduler:
         stopped = False
         if toks:
             req.num_output_placeholders -= len(toks)
+            grammar = req.grammar
             for t in toks:
                 req.output_token_ids.append(t)
+                if grammar is not None:
+                    grammar.accept(t)
                 if self._check_stop(req):
+                    stopped = True
+                    break
+                if grammar is not None and grammar.is_terminated():
+                    req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                     stopped = True
                     break
         want_lps = req.sampling_params.logprobs is not None and lp is not None
@@ -365,7 +448,7 @@ class Scheduler:
     def _fail_request(self, req: Request, exc: Exception) -> EngineCoreOutput:
         """End `req` alone after an exception in its own processing: blocks freed, the runner told to drop
         it; the output's stop_reason carries the error for the API side (HTTP 500)."""
-        logger.error("request %s failed while its step result was applied; it alone is ended", req.request_id,
+        logger.error("request %s failed (its step result, or its grammar); it alone is ended", req.request_id,
                      exc_info=exc)
         if req in self.running:
             self.running.remove(req)
@@ -390,6 +473,9 @@ class Scheduler:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled,
+            num_structured_requests=self.num_structured_requests,
+            grammar_compile_seconds=self.grammar_compiler.compile_seconds if self.grammar_compiler else 0.0,
+            num_grammar_compiles=self.grammar_compiler.num_compiled if self.grammar_compiler else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -124,7 +124,7 @@ def prepare_step(ib: InputBatch, so: SchedulerOutput, buckets: Buckets) -> StepB
     sample_index = np.nonzero(samples)[0]
     s_rows = rows[sample_index]
     sample_positions = num_tokens[sample_index].astype(np.int32)
-    sampling = make_sampling_batch(ib, rows, kv, Rp)
+    sampling = make_sampling_batch(ib, rows, kv, Rp, ids, so)
     ib.num_tokens[s_rows] += 1
     dist = np.array([int((cls == 0).sum()), int((cls <= 1).sum()), R], np.int32)
     plp = _prompt_logprob_slices(ib, ids, rows, comp, kv, cu) if ib.prompt_logprob_rows else []

@@ -54,6 +54,8 @@ def unpack(data: bytes):
 def encode_sampling_params(sp: SamplingParams) -> dict:
     d = {name: getattr(sp, name) for name in _SP_FIELDS}
     d["output_kind"] = int(sp.output_kind)
+    if sp.structured_outputs is not None:
+        d["structured_outputs"] = dataclasses.asdict(sp.structured_outputs)
     d["_bad_words_token_ids"] = [list(x) for x in sp._bad_words_token_ids]
     d["_all_stop_token_ids"] = sorted(sp._all_stop_token_ids)
     return d

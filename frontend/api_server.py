@@ -315,7 +315,7 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
             text = serving.render_prompt(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools)
             ids = tok.encode(text, add_special_tokens=bool(request.add_special_tokens))
         else:
             add = True if request.add_special_tokens is None else request.add_special_tokens

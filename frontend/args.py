@@ -22,9 +22,12 @@ import sys
 import typing
 
 from enginecore.config import EngineArgs
+from frontend.reasoning_parsers import REASONING_PARSERS
+from frontend.tool_parsers import TOOL_PARSERS
 from frontend.vllm_compat import add_compat_flags, check_compat_flags
 
-ENGINE_GROUPS = ("ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "DeviceConfig")
+ENGINE_GROUPS = ("ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "DeviceConfig",
+                 "StructuredOutputsConfig")
 ALL_GROUPS = ENGINE_GROUPS + ("Frontend", "VllmCompat")
 
 # field -> (group, help, choices)
@@ -90,6 +93,10 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "topology": ("DeviceConfig", "TPU slice, e.g. v5e:2x2, v6e:2x4, v5p:2x2x1. `xlaserve warmup --topology` compiles "
                  "every program for it on any host, no TPU needed (libtpu); `serve` checks the attached chips "
                  "match it.", None),
+    "structured_outputs_config": ("StructuredOutputsConfig", "Structured outputs as JSON, e.g. '{\"backend\": "
+                                  "\"guidance\", \"disable_any_whitespace\": true}': backend auto|guidance "
+                                  "(llguidance), disable_any_whitespace, disable_additional_properties, "
+                                  "disable_fallback; also --structured-outputs-config.backend guidance.", None),
 }
 
 _INT_SUFFIX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
@@ -220,6 +227,17 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     a("--trust-request-chat-template", action="store_true",
       help="Allow requests to carry their own chat_template.")
     a("--response-role", default="assistant", help="Role of generated chat messages (default: %(default)s).")
+    a("--enable-auto-tool-choice", action="store_true",
+      help='Allow tool_choice "auto" (the default when a request has tools): the model decides, and '
+           "--tool-call-parser finds its calls in the text.")
+    a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+      help="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3), "
+           "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_xml / qwen3_coder (Qwen3-Coder XML).")
+    a("--exclude-tools-when-tool-choice-none", action="store_true",
+      help='With tool_choice "none", do not show the tools to the chat template either.')
+    a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+      help="Split <think>...</think> into the answer's `reasoning` / `reasoning_content` (deepseek_r1, qwen3); "
+           "structured outputs and enforced tool choices then apply after the reasoning.")
     a("--disable-frontend-multiprocessing", action="store_true",
       help="Run the engine core in the API process (a thread) instead of its own process.")
     a("--enable-server-load-tracking", action="store_true", help="Count in-flight requests, reported by GET /load.")

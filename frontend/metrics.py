@@ -72,6 +72,11 @@ class ServerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
+        self.structured_requests = counter("xlaserve:structured_output_requests",
+                                           "Requests (sequences) with a structured-output constraint.")
+        self.grammar_compiles = counter("xlaserve:grammar_compiles", "Grammars compiled (cache misses).")
+        self.grammar_compile_seconds = counter("xlaserve:grammar_compile_seconds",
+                                               "Time spent compiling structured-output grammars.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         success = Counter("vllm:request_success", "Finished requests, by finish reason.",
@@ -119,6 +124,9 @@ class ServerMetrics:
             (self.prefix_queries, s.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, s.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, s.num_preemptions, last.num_preemptions),
+            (self.structured_requests, s.num_structured_requests, last.num_structured_requests),
+            (self.grammar_compiles, s.num_grammar_compiles, last.num_grammar_compiles),
+            (self.grammar_compile_seconds, s.grammar_compile_seconds, last.grammar_compile_seconds),
         ):
             if new > old:
                 counter.inc(new - old)

@@ -87,6 +87,13 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str = Field(default_factory=random_id)
     return_token_ids: bool | None = None
+    # structured outputs (frontend/structured_outputs.py): vLLM's object, and its deprecated guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stream_options", mode="before")
     @classmethod
@@ -101,6 +108,8 @@ class SamplingFields(OpenAIBaseModel):
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], prompt_logprobs: int | None
     ) -> SamplingParams:
         """Request -> SamplingParams. `defaults`: the model's generation-config defaults."""
+
+        from frontend.structured_outputs import request_constraint
 
         def pick(name: str, fallback):
             v = getattr(self, name)
@@ -131,6 +140,7 @@ class SamplingFields(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=request_constraint(self),
         )
 
 
@@ -213,8 +223,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = 0
     response_format: dict | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM: false drops the reasoning (--reasoning-parser) from the answer
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -249,6 +260,9 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    # --reasoning-parser: `reasoning` is current vLLM's field, `reasoning_content` its earlier name (DeepSeek's)
+    reasoning: str | None = _optional()
+    reasoning_content: str | None = _optional()
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -276,6 +290,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = _optional()
     content: str | None = _optional()
+    reasoning: str | None = _optional()
+    reasoning_content: str | None = _optional()
+    tool_calls: list[dict[str, Any]] | None = _optional()  # OpenAI's incremental shape (index, id, function)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -323,6 +340,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # as in chat requests: the template sees them
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")

@@ -114,8 +114,22 @@ def _http_options(ns: argparse.Namespace):
 
 
 def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
+    from enginecore.config import ConfigError
     from frontend.serving_common import FrontendOptions, load_sampling_defaults, resolve_chat_template
 
+    from frontend.reasoning_parsers import REASONING_PARSERS
+
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, "
+                          "qwen3_xml): the parser that finds the model's calls in its text")
+    # vLLM also takes the reasoning parser as --structured-outputs-config's reasoning_parser
+    so_reasoning = getattr(getattr(config, "structured_outputs_config", None), "reasoning_parser", "") or None
+    if so_reasoning and ns.reasoning_parser and so_reasoning != ns.reasoning_parser:
+        raise ConfigError(f"--reasoning-parser {ns.reasoning_parser} and --structured-outputs-config's "
+                          f"reasoning_parser {so_reasoning} differ: give one")
+    reasoning_parser = ns.reasoning_parser or so_reasoning
+    if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"reasoning parser {reasoning_parser!r} is not one of {', '.join(sorted(REASONING_PARSERS))}")
     return FrontendOptions(
         response_role=ns.response_role,
         chat_template=resolve_chat_template(ns.chat_template),
@@ -127,6 +141,10 @@ def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
         log_requests=ns.enable_log_requests and not ns.disable_log_requests,
         max_log_len=ns.max_log_len,
         sampling_defaults=load_sampling_defaults(config, model),
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        reasoning_parser=reasoning_parser,
     )
 
 

@@ -68,6 +68,10 @@ class FrontendOptions:
     log_requests: bool = False
     max_log_len: int | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -145,10 +149,6 @@ class OpenAIServing:
         return f"{public_id}-{index}-{next(self._ids)}"
 
     def reject_unsupported(self, req: SamplingFields) -> None:
-        rf = getattr(req, "response_format", None)
-        if rf and rf.get("type", "text") != "text":
-            raise APIError(f"response_format type {rf.get('type')!r} is not supported (structured outputs are "
-                           "not implemented); use 'text'", param="response_format")
         ignored = req.ignored_fields()
         if ignored:
             logger.warning("request fields ignored (not supported): %s", ", ".join(ignored))

@@ -9,8 +9,8 @@ A step runs two programs (plus a third, rarely):
   of Tp tokens has at most that many requests), so the model program depends
   on the token bucket only. Token ids that the previous step sampled and the
   host has not seen yet are read from ``last_tokens`` on the device.
-* ``sample`` (per request bucket Rp, three sampler variants: greedy, sample,
-  full): LM head on the first Rp gathered rows, the sampler, and the sampled
+* ``sample`` (per request bucket Rp, sampler variants: greedy, sample, full,
+  masked, processed): LM head on the first Rp gathered rows, the sampler, and the sampled
   tokens written into ``last_tokens`` for the next step.
 * ``prompt_logprobs`` (rare): log-softmax top-k of given hidden rows.
 
@@ -153,6 +153,22 @@ class SampleLayout:
                 f32(packed[4 * R : 5 * R]), packed[5 * R : 6 * R], packed[6 * R :] != 0)
 
 
+def bitmask_input(sb: SamplingBatch, reqs: int, vocab_size: int) -> np.ndarray:
+    """The [Rp, ceil(V / 32)] structured-output bitmask (-1, all allowed, when no row is constrained)."""
+    if sb.token_bitmask is not None:
+        return sb.token_bitmask
+    return np.full((reqs, -(-vocab_size // 32)), -1, np.int32)
+
+
+def sampler_inputs(sb: SamplingBatch, mode: str, reqs: int, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """The extra inputs of a sampler variant: none; the bitmask ("masked"); processed + bitmask ("processed")."""
+    if mode == "masked":
+        return (bitmask_input(sb, reqs, vocab_size),)
+    if mode == "processed":
+        return processed_inputs(sb, reqs, vocab_size) + (bitmask_input(sb, reqs, vocab_size),)
+    return ()
+
+
 def processed_inputs(sb: SamplingBatch, reqs: int, vocab_size: int) -> tuple[np.ndarray, ...]:
     """The [Rp, V] penalty / token-mask arrays (zeros for what no row uses)."""
     z = lambda dt: np.zeros((reqs, vocab_size), dt)  # noqa: E731
@@ -166,9 +182,11 @@ def processed_inputs(sb: SamplingBatch, reqs: int, vocab_size: int) -> tuple[np.
     )
 
 
-def sample_step(params, rows, last_tokens, packed, *processed, layout: SampleLayout, arch: ArchConfig,
+def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout, arch: ArchConfig,
                 mode: str, num_logprobs: int, method: str, chunk_rows: int | None = None):
     """-> (out [Rp, 3 + 2N] i32: sampled, top-N ids, top-N logprobs, sampled logprob, rank; last_tokens).
+
+    `extra`: the variant's inputs (`sampler_inputs`): () | (bitmask,) | (*processed, bitmask).
 
     `chunk_rows`: run the LM head and the sampler over that many rows at a time (a loop), so the
     [rows, V] logits are never all alive at once. On a CPU a large temporary is a fresh mapping
@@ -177,14 +195,15 @@ def sample_step(params, rows, last_tokens, packed, *processed, layout: SampleLay
     R = layout.reqs
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)
 
-    def head(hidden, per_row, processed):
+    def head(hidden, per_row, extra):
         logits = compute_logits(params, hidden, arch)
-        return sample(logits, *per_row, flags[0], flags[1], flags[2], processed if processed else None,
+        processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
+        return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,
                       mode=mode, num_logprobs=num_logprobs, method=method)
 
     per_row = (temperature, top_k, top_p, min_p, uniform)
     if chunk_rows is None or R <= chunk_rows:
-        sampled, (ids, lps, tok_lp, rank) = head(rows[:R], per_row, processed)
+        sampled, (ids, lps, tok_lp, rank) = head(rows[:R], per_row, extra)
     else:
         n = -(-R // chunk_rows)
         pad = n * chunk_rows - R
@@ -194,7 +213,7 @@ def sample_step(params, rows, last_tokens, packed, *processed, layout: SampleLay
             return a.reshape(n, chunk_rows, *a.shape[1:])
 
         res = lax.map(lambda xs: head(xs[0], xs[1], xs[2]),
-                      (split(rows[:R]), tuple(map(split, per_row)), tuple(map(split, processed))))
+                      (split(rows[:R]), tuple(map(split, per_row)), tuple(map(split, extra))))
         sampled, (ids, lps, tok_lp, rank) = jax.tree.map(lambda a: a.reshape(n * chunk_rows, *a.shape[2:])[:R], res)
     S = last_tokens.shape[0]
     last_tokens = last_tokens.at[jnp.where(sample_rows >= 0, sample_rows, S)].set(sampled, mode="drop")

@@ -58,7 +58,7 @@ from jaxengine.programs import (
     ProgramKey,
     SampleLayout,
     model_step,
-    processed_inputs,
+    sampler_inputs,
     prompt_logprobs_step,
     sample_step,
     unpack_sample_output,
@@ -284,10 +284,13 @@ class JaxModelRunner:
             H, V, R = self.arch.hidden_size, self.arch.vocab_size, key.size
             rows = jax.ShapeDtypeStruct((self.num_rows, H), jnp_dtype(self.dtype), sharding=rep)
             extra = ()
+            bitmask = jax.ShapeDtypeStruct((R, -(-V // 32)), jnp.int32, sharding=rep)
+            if key.mode == "masked":
+                extra = (bitmask,)
             if key.mode == "processed":
                 f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=rep)  # noqa: E731
                 extra = (f32(R, V), f32(R, V), jax.ShapeDtypeStruct((R, V), jnp.bool_, sharding=rep),
-                         f32(R), f32(R), f32(R))
+                         f32(R), f32(R), f32(R), bitmask)
             fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, mode=key.mode,
                                            num_logprobs=self.max_logprobs, method=self.sampler_method,
                                            chunk_rows=self.logits_chunk_rows),
@@ -423,8 +426,8 @@ class JaxModelRunner:
             hidden, rows, self.kv_cache = self._program(ProgramKey("model", Tp))(
                 self.params, self.kv_cache, self.last_tokens, self.rope, layout.pack(batch))
             sb = batch.sampling
-            mode = sampler_mode(sb.all_greedy, sb.num_logprobs >= 0, sb.processed)
-            extra = processed_inputs(sb, Rp, self.arch.vocab_size) if mode == "processed" else ()
+            mode = sampler_mode(sb.all_greedy, sb.num_logprobs >= 0, sb.processed, sb.masked)
+            extra = sampler_inputs(sb, mode, Rp, self.arch.vocab_size)
             out, self.last_tokens = self._program(ProgramKey("sample", Rp, mode))(
                 self.params, rows, self.last_tokens, SampleLayout(Rp).pack(sb, batch.sample_rows), *extra)
         step = PendingStep(self._finish, batch, out=out, hidden=hidden if batch.prompt_logprobs else None)

@@ -1,11 +1,12 @@
 """The jitted sampler: `enginecore.sampling_ref` (the spec, in numpy) on device, batched over rows.
 
-Order per row (see sampling_ref): additive bias -> penalties -> greedy argmax, or
+Order per row (see sampling_ref): grammar bitmask -> additive bias -> penalties -> greedy argmax, or
 temperature -> min-p -> top-k (ties kept) -> top-p (ties kept) -> inverse CDF
 with the host's seeded uniform. Logprobs are those of the raw logits.
 
-Three compiled variants per request bucket (`SAMPLER_MODES`): greedy, sample
-and full; inside them, which work a batch needs (filtering, logprobs, all
+Compiled variants per request bucket (`SAMPLER_MODES`): greedy, sample, full,
+masked (full plus a structured-output token bitmask) and processed (full plus
+penalties / token masks, and the bitmask); inside them, which work a batch needs (filtering, logprobs, all
 greedy) is decided at run time by `lax.cond` on traced flags.
 
 Top-k and top-p thresholds, three ways, all exact (the k-th largest logit;
@@ -43,6 +44,15 @@ def _softmax(x):
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     return jnp.exp(x - m - jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))
+
+
+def apply_token_bitmask(x, bitmask):
+    """x [R, V] f32, bitmask [R, ceil(V / 32)] i32 (bit t % 32 of word t // 32: token t allowed) ->
+    disallowed tokens at -inf. Shift-and-mask per word, then one `where` (sampling_ref.apply_token_bitmask)."""
+    R, V = x.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1  # [R, W, 32]
+    allowed = bits.reshape(R, -1)[:, :V] != 0
+    return jnp.where(allowed, x, -jnp.inf)
 
 
 def apply_bias_and_penalties(x, bias, output_counts, prompt_mask, presence, frequency, repetition):
@@ -206,13 +216,15 @@ def raw_logprobs(logits, sampled, num_logprobs: int):
     return top_ids.astype(jnp.int32), top_lp, tok_lp, rank
 
 
-SAMPLER_MODES = ("greedy", "sample", "full", "processed")
+SAMPLER_MODES = ("greedy", "sample", "full", "masked", "processed")
 
 
-def sampler_mode(all_greedy: bool, wants_logprobs: bool, processed: bool) -> str:
+def sampler_mode(all_greedy: bool, wants_logprobs: bool, processed: bool, masked: bool = False) -> str:
     """The cheapest compiled sampler that serves a batch (see `sample`)."""
     if processed:
         return "processed"
+    if masked:
+        return "masked"
     if wants_logprobs:
         return "full"
     return "greedy" if all_greedy else "sample"
@@ -230,6 +242,7 @@ def sample(
     want_logprobs,  # [] bool: some row asked for logprobs
     processed=None,  # None or (bias [R, V], output_counts [R, V], prompt_mask [R, V], presence, frequency,
     #                  repetition [R]): penalties and token masks
+    token_bitmask=None,  # None or [R, ceil(V / 32)] i32: structured outputs (-1: row unconstrained)
     *,
     mode: str = "full",
     num_logprobs: int,
@@ -240,7 +253,8 @@ def sample(
     `mode` (static) is the compiled variant: "greedy" (every row greedy, no logprobs, no
     penalties: one argmax), "sample" (temperature rows too, filtering decided at run time by
     `needs_filtering`), "full" (`all_greedy` and `want_logprobs` decided at run time too),
-    "processed" (full, plus the `processed` penalty / token-mask inputs). Variants and not only run-time `lax.cond`s, because on XLA:CPU a cond
+    "masked" (full, plus the `token_bitmask` of structured outputs), "processed" (full, plus the
+    `processed` penalty / token-mask inputs and the bitmask). Variants and not only run-time `lax.cond`s, because on XLA:CPU a cond
     holding a softmax over the logits made the logits matmul before it much slower even when
     the branch was not taken. The logprob arrays are zeros when no row asked for them.
     """
@@ -252,7 +266,8 @@ def sample(
                    jnp.zeros((R,), jnp.int32))
     if mode == "greedy":
         return argmax_rows(logits), no_logprobs
-    x = logits if processed is None else apply_bias_and_penalties(logits, *processed)
+    x = logits if token_bitmask is None else apply_token_bitmask(logits, token_bitmask)
+    x = x if processed is None else apply_bias_and_penalties(x, *processed)
 
     def draw(x):
         greedy = temperature < GREEDY_EPS

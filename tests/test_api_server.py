@@ -278,7 +278,7 @@ def test_best_of_and_unsupported_fields(client, http):
     assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "best_of": 2, "stream": True}), 400, "best_of")
     assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "suffix": "x"}), 400, "suffix")
     assert_error(http.post("/v1/chat/completions", json={"messages": MESSAGES,
-                                                          "response_format": {"type": "json_object"}}),
+                                                          "response_format": {"type": "yaml"}}),
                  400, "response_format")
 
 

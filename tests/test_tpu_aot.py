@@ -130,15 +130,15 @@ def test_tiny_model_compiles_for_v5e_through_the_cli(tmp_path, capsys):
             "--max-model-len", "256", "--compilation-cache-dir", str(cache)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    # buckets: tokens (16,), requests (8,): 1 model + 4 sampler variants + 2 prompt-logprobs programs
+    # buckets: tokens (16,), requests (8,): 1 model + 5 sampler variants + 2 prompt-logprobs programs
     table = [line for line in out.splitlines() if line.startswith(("model ", "sample ", "prompt_logprobs "))]
     assert [line.split("  ")[0].strip() for line in table] == [
         "model tokens=16", "sample reqs=8 greedy", "sample reqs=8 sample", "sample reqs=8 full",
-        "sample reqs=8 processed", "prompt_logprobs rows=32", "prompt_logprobs rows=256"]
+        "sample reqs=8 masked", "sample reqs=8 processed", "prompt_logprobs rows=32", "prompt_logprobs rows=256"]
     assert all(" compiled " in line for line in table)
-    assert "TPU v5 lite x 4 (v5e:2x2" in out and "verified: all 7 programs compile" in out
+    assert "TPU v5 lite x 4 (v5e:2x2" in out and "verified: all 8 programs compile" in out
     assert "not verified" in out and "--num-gpu-blocks-override" in out and "WARNING" not in out
-    assert len([f for f in os.listdir(cache) if f.endswith("-cache")]) >= 7
+    assert len([f for f in os.listdir(cache) if f.endswith("-cache")]) >= 8
 
 
 @needs_libtpu

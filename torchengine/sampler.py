@@ -1,6 +1,7 @@
 """The torch sampler: `enginecore.sampling_ref` semantics, batched, on the device.
 
-Per row, in order: additive token masks, penalties (repetition, frequency,
+Per row, in order: the structured-output token bitmask (disallowed tokens
+-inf), additive token masks, penalties (repetition, frequency,
 presence), then greedy argmax for rows with temperature < 1e-5; other rows
 are divided by their temperature, filtered (min-p, top-k with ties kept,
 top-p with ties at the cut kept) and drawn by inverse CDF in vocabulary order
@@ -49,6 +50,7 @@ class SamplingTensors:
     presence: torch.Tensor | None = None  # [Rp] f32
     frequency: torch.Tensor | None = None  # [Rp] f32
     repetition: torch.Tensor | None = None  # [Rp] f32
+    token_bitmask: torch.Tensor | None = None  # [Rp, ceil(V / 32)] i32 structured outputs
 
     @classmethod
     def from_batch(cls, sb: SamplingBatch, device: torch.device, to_device=None,
@@ -84,6 +86,7 @@ class SamplingTensors:
             presence=opt("presence"),
             frequency=opt("frequency"),
             repetition=opt("repetition"),
+            token_bitmask=opt("token_bitmask"),
         )
 
 
@@ -116,6 +119,15 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 def _cumsum(p: torch.Tensor) -> torch.Tensor:
     return p.double().cumsum(dim=-1).float()
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """x [R, V], bitmask [R, ceil(V / 32)] i32 -> disallowed tokens at -inf (sampling_ref.apply_token_bitmask):
+    shift-and-mask per word, no host sync, fixed shapes (CUDA-graph friendly)."""
+    R, V = x.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(R, -1)[:, :V].bool()
+    return x.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -189,6 +201,8 @@ def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits [Rp, V] float32 (raw) -> sampled tokens and, if asked for, logprobs."""
     x = logits
+    if st.token_bitmask is not None:
+        x = apply_token_bitmask(x, st.token_bitmask)
     if st.bias is not None:
         x = x + st.bias
     if st.output_counts is not None:

@@ -1,0 +1,156 @@
+"""Parsers for models that write their calls as JSON objects: hermes, llama3_json, mistral."""
+
+from __future__ import annotations
+
+from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, held_marker_prefix, parse_call_object,
+                                        scan_value, skip_ws)
+
+
+def _content_until(text: str, marker: str, final: bool) -> Parse | None:
+    """No marker yet: everything is content except a tail that may be the marker's start."""
+    if marker in text:
+        return None
+    return Parse(len(text) if final else len(text) - held_marker_prefix(text, marker))
+
+
+class HermesToolParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Hermes, Qwen2.5, Qwen3)."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    markers = (START,)
+
+    def parse(self, text: str, final: bool) -> Parse:
+        early = _content_until(text, self.START, final)
+        if early is not None:
+            return early
+        start = text.index(self.START)
+        p = Parse(start)
+        i = start
+        while True:
+            i = skip_ws(text, i)
+            if text.startswith(self.START, i):
+                i += len(self.START)
+            elif i >= len(text) or self.START.startswith(text[i:]):
+                return p
+            else:  # text between calls is dropped, as vLLM does
+                nxt = text.find(self.START, i)
+                if nxt < 0:
+                    return p
+                i = nxt
+                continue
+            try:
+                call, end = parse_call_object(text, i, final)
+            except ValueError:
+                p.error = True
+                return p
+            p.calls.append(call)
+            if end is None:
+                return p
+            i = skip_ws(text, end)
+            if text.startswith(self.END, i):
+                i += len(self.END)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: an optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}`
+    objects separated by `;`. Only an output that starts with a call is parsed (vLLM's rule)."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    markers = (TAG,)
+
+    def parse(self, text: str, final: bool) -> Parse:
+        i = skip_ws(text, 0)
+        rest = text[i:]
+        if not final and (not rest or self.TAG.startswith(rest)):
+            return Parse(0)
+        if rest.startswith(self.TAG):
+            i += len(self.TAG)
+        elif not rest.startswith("{"):
+            return Parse(len(text))
+        p = Parse(0)
+        while True:
+            try:
+                call, end = parse_call_object(text, i, final)
+            except ValueError:
+                p.error = True
+                return p
+            p.calls.append(call)
+            if end is None:
+                return p
+            i = skip_ws(text, end)
+            if i < len(text) and text[i] == ";":
+                i = skip_ws(text, i + 1)
+                if i >= len(text):
+                    return p
+                continue
+            if i < len(text):
+                p.error = True  # text after the calls: not a tool call after all
+            return p
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
+    `[TOOL_CALLS]name[ARGS]{...}` per call. `[TOOL_CALLS]` is a special token in Mistral's tokenizers:
+    the server keeps special tokens in the text for this parser."""
+
+    name = "mistral"
+    START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    markers = (START,)
+
+    def parse(self, text: str, final: bool) -> Parse:
+        early = _content_until(text, self.START, final)
+        if early is not None:
+            return early
+        start = text.index(self.START)
+        p = Parse(start)
+        i = skip_ws(text, start + len(self.START))
+        if i >= len(text):
+            return p
+        try:
+            if text[i] == "[":
+                self._array(text, i + 1, final, p)
+            else:
+                self._named(text, i, final, p)
+        except ValueError:
+            p.error = True
+        return p
+
+    @staticmethod
+    def _array(text: str, i: int, final: bool, p: Parse) -> None:
+        while True:
+            call, end = parse_call_object(text, i, final)
+            p.calls.append(call)
+            if end is None:
+                return
+            i = skip_ws(text, end)
+            if i >= len(text):
+                return
+            if text[i] == "]":
+                return
+            if text[i] != ",":
+                raise ValueError("expected ',' or ']'")
+            i += 1
+
+    def _named(self, text: str, i: int, final: bool, p: Parse) -> None:
+        while i < len(text):
+            a = text.find(self.ARGS, i)
+            if a < 0:
+                return
+            call = PartialCall(text[i:a].strip())
+            p.calls.append(call)
+            j = skip_ws(text, a + len(self.ARGS))
+            if j >= len(text):
+                return
+            end = scan_value(text, j, final)
+            if end is None:
+                if text[j] == "{":
+                    call.arguments = text[j:]
+                return
+            call.arguments, call.done = text[j:end], True
+            i = skip_ws(text, end)
+            if text.startswith(self.START, i):
+                i = skip_ws(text, i + len(self.START))
+            elif i < len(text):
+                raise ValueError("text after a call")
