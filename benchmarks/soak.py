@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -483,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `xlaserve serve` argument (repeat; e.g. --server-arg=--num-gpu-blocks-override=64)")
     ap.add_argument("--url", default=None, help="soak a running server instead (no RSS, no engine kill)")
     ap.add_argument("--no-kill", action="store_true", help="do not kill the engine at the end")
-    ap.add_argument("--log", default="soak-server.log", help="the started server's log (default: %(default)s)")
+    ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "xlaserve-soak-server.log"),
+                    help="the started server's log (default: %(default)s)")
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
     proc = None
