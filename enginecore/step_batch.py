@@ -70,6 +70,18 @@ class StepBatch:
     block_size: int = 16
 
 
+def begin_step(ib: InputBatch, so: SchedulerOutput, buckets: Buckets, pending) -> StepBatch | None:
+    """A runner's step prologue: apply the scheduler's diff to the persistent rows `ib` and build this
+    step's batch; None when nothing is scheduled. A row whose processing needs the previous step's token
+    values on the host (penalties, bad words) first waits for the step in flight (`pending`)."""
+    ib.update(so)
+    if so.total_num_scheduled_tokens == 0:
+        return None
+    if pending is not None and ib.rows_need_token_values(so):
+        pending.result()
+    return prepare_step(ib, so, buckets)
+
+
 def prepare_step(ib: InputBatch, so: SchedulerOutput, buckets: Buckets) -> StepBatch:
     """The scheduled rows of `ib` as one padded ragged batch. Marks the rows that sample as awaiting a token."""
     sched = so.num_scheduled_tokens

@@ -41,7 +41,7 @@ from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
-from enginecore.step_batch import StepBatch, prepare_step
+from enginecore.step_batch import StepBatch, begin_step
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
 from jaxengine.compilation import (
@@ -413,13 +413,9 @@ class JaxModelRunner:
     # -- one step -------------------------------------------------------------------------
 
     def execute(self, so: SchedulerOutput) -> PendingStep | DoneStep:
-        ib = self.input_batch
-        ib.update(so)
-        if so.total_num_scheduled_tokens == 0:
+        batch = begin_step(self.input_batch, so, self.buckets, self._pending)
+        if batch is None:
             return DoneStep(empty_output())
-        if self._pending is not None and ib.rows_need_token_values(so):
-            self._pending.result()  # penalties / bad words need the previous step's tokens on the host
-        batch = prepare_step(ib, so, self.buckets)
         Tp, Rp = batch.padded_num_tokens, batch.padded_num_reqs
         layout = self._model_layout(Tp)
         with self.guard.dispatch():

@@ -38,7 +38,7 @@ from enginecore.platform import resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.sampling_params import SamplingParams
-from enginecore.step_batch import StepBatch, prepare_step
+from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks
@@ -297,13 +297,10 @@ class TorchModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     def execute(self, so: SchedulerOutput) -> PendingStep | DoneStep:
-        ib = self.input_batch
-        ib.update(so)
-        if so.total_num_scheduled_tokens == 0:
+        batch = begin_step(self.input_batch, so, self.buckets, self._pending)
+        if batch is None:
             return DoneStep(empty_output())
-        if self._pending is not None and ib.rows_need_token_values(so):
-            self._pending.result()  # penalties / bad words need the previous step's tokens on the host
-        step = self._run(prepare_step(ib, so, self.buckets))
+        step = self._run(batch)
         self._pending = step
         return step
 
