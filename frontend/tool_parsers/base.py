@@ -251,3 +251,29 @@ def parse_call_object(s: str, i: int, final: bool, arg_keys=ARG_KEYS) -> tuple[P
             break
         i = ve
     return call, None
+
+
+def scan_calls(p: Parse, calls, text: str, i: int, final: bool) -> Parse:
+    """Run `calls(text, i, final, p)`, which appends the calls it reads to `p`; a malformed call (ValueError)
+    marks the parse as an error, keeping the calls before it."""
+    try:
+        calls(text, i, final, p)
+    except ValueError:
+        p.error = True
+    return p
+
+
+def scan_call_array(text: str, i: int, final: bool, p: Parse, arg_keys=ARG_KEYS) -> None:
+    """The call objects of a JSON array whose `[` ends before `i`, appended to `p` (ValueError: malformed)."""
+    while True:
+        call, end = parse_call_object(text, i, final, arg_keys=arg_keys)
+        p.calls.append(call)
+        if end is None:
+            return
+        i = skip_ws(text, end)
+        if i >= len(text) or text[i] == "]":
+            return
+        if text[i] != ",":
+            raise ValueError("expected ',' or ']'")
+        i += 1
+

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, held_marker_prefix, parse_call_object,
-                                        scan_value, skip_ws)
+                                        scan_call_array, scan_calls, scan_value, skip_ws)
 
 
 def _content_until(text: str, marker: str, final: bool) -> Parse | None:
@@ -25,28 +25,25 @@ class HermesToolParser(ToolParser):
         if early is not None:
             return early
         start = text.index(self.START)
-        p = Parse(start)
-        i = start
+        return scan_calls(Parse(start), self._calls, text, start, final)
+
+    def _calls(self, text: str, i: int, final: bool, p: Parse) -> None:
         while True:
             i = skip_ws(text, i)
             if text.startswith(self.START, i):
                 i += len(self.START)
             elif i >= len(text) or self.START.startswith(text[i:]):
-                return p
+                return
             else:  # text between calls is dropped, as vLLM does
                 nxt = text.find(self.START, i)
                 if nxt < 0:
-                    return p
+                    return
                 i = nxt
                 continue
-            try:
-                call, end = parse_call_object(text, i, final)
-            except ValueError:
-                p.error = True
-                return p
+            call, end = parse_call_object(text, i, final)
             p.calls.append(call)
             if end is None:
-                return p
+                return
             i = skip_ws(text, end)
             if text.startswith(self.END, i):
                 i += len(self.END)
@@ -69,25 +66,24 @@ class Llama3JsonToolParser(ToolParser):
             i += len(self.TAG)
         elif not rest.startswith("{"):
             return Parse(len(text))
-        p = Parse(0)
+        return scan_calls(Parse(0), self._calls, text, i, final)
+
+    @staticmethod
+    def _calls(text: str, i: int, final: bool, p: Parse) -> None:
         while True:
-            try:
-                call, end = parse_call_object(text, i, final)
-            except ValueError:
-                p.error = True
-                return p
+            call, end = parse_call_object(text, i, final)
             p.calls.append(call)
             if end is None:
-                return p
+                return
             i = skip_ws(text, end)
             if i < len(text) and text[i] == ";":
                 i = skip_ws(text, i + 1)
                 if i >= len(text):
-                    return p
+                    return
                 continue
             if i < len(text):
                 p.error = True  # text after the calls: not a tool call after all
-            return p
+            return
 
 
 class MistralToolParser(ToolParser):
@@ -108,30 +104,7 @@ class MistralToolParser(ToolParser):
         i = skip_ws(text, start + len(self.START))
         if i >= len(text):
             return p
-        try:
-            if text[i] == "[":
-                self._array(text, i + 1, final, p)
-            else:
-                self._named(text, i, final, p)
-        except ValueError:
-            p.error = True
-        return p
-
-    @staticmethod
-    def _array(text: str, i: int, final: bool, p: Parse) -> None:
-        while True:
-            call, end = parse_call_object(text, i, final)
-            p.calls.append(call)
-            if end is None:
-                return
-            i = skip_ws(text, end)
-            if i >= len(text):
-                return
-            if text[i] == "]":
-                return
-            if text[i] != ",":
-                raise ValueError("expected ',' or ']'")
-            i += 1
+        return scan_calls(p, scan_call_array if text[i] == "[" else self._named, text, i + (text[i] == "["), final)
 
     def _named(self, text: str, i: int, final: bool, p: Parse) -> None:
         while i < len(text):

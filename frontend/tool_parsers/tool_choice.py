@@ -11,9 +11,10 @@ enforces a named or `required` choice through structured outputs, and the parser
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
-from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, parse_call_object, skip_ws
+from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, scan_call_array, scan_calls, skip_ws
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -165,19 +166,5 @@ class RequiredToolParser(ToolParser):
         if text[i] != "[":
             p.error = True
             return p
-        i += 1
-        try:
-            while True:
-                call, end = parse_call_object(text, i, final, arg_keys=("parameters", "arguments"))
-                p.calls.append(call)
-                if end is None:
-                    return p
-                i = skip_ws(text, end)
-                if i >= len(text) or text[i] == "]":
-                    return p
-                if text[i] != ",":
-                    raise ValueError("expected ',' or ']'")
-                i += 1
-        except ValueError:
-            p.error = True
-            return p
+        return scan_calls(p, functools.partial(scan_call_array, arg_keys=("parameters", "arguments")), text, i + 1,
+                          final)
