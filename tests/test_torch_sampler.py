@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from enginecore import sampling_ref as ref  # noqa: E402
 from enginecore.sampling_batch import SamplingBatch  # noqa: E402
 from enginecore.sampling_ref import GREEDY_EPS, seeded_uniform  # noqa: E402
-from torchengine.sampler import SamplingTensors, sample  # noqa: E402
+from torchengine.sampler import SamplingTensors, argmax_rows, sample  # noqa: E402
 
 V = 300
 
@@ -139,3 +139,26 @@ def test_seeded_draw_is_batch_independent():
         one = make_batch(rng, 1, temperature=[1.0], top_k=[50], top_p=[0.95], min_p=[0.0])
         one.uniform = sb.uniform[i : i + 1]
         assert int(run(logits[i : i + 1], one).sampled[0]) == batched[i]
+
+
+@pytest.mark.parametrize("width", [2 * 1024, 2 * 1024 + 1, 3 * 1024 - 1, 2500])
+def test_argmax_rows_blocks_and_ties(width):
+    """The blocked argmax past one block, with and without a short last block: torch.argmax's answer
+    (the first index of the maximum) with ties inside a block, across blocks and in the last block,
+    and the greedy token agrees with sampling_ref."""
+    rng = np.random.default_rng(width)
+    R = 9
+    logits = np.round(rng.standard_normal((R, width)) * 2).astype(np.float32)  # many exact ties
+    logits[1, [width - 1, width - 2]] = 50.0  # tie inside the last block
+    logits[2, [1023, 1024, width - 1]] = 50.0  # tie across a block boundary and into the last block
+    logits[3, [width - 1]] = 50.0  # the maximum alone in the last column
+    logits[4, :] = -np.inf  # nothing allowed: index 0, as torch.argmax
+    logits[5, :] = 3.0  # all tied
+    x = torch.from_numpy(logits)
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x)[1:4].tolist() == [width - 2, 1023, width - 1]
+    finite = np.r_[0:4, 5:R]
+    sb = make_batch(rng, len(finite), temperature=np.zeros(len(finite)), top_k=np.zeros(len(finite)),
+                    top_p=np.ones(len(finite)), min_p=np.zeros(len(finite)))
+    got = run(logits[finite], sb).sampled.numpy().tolist()
+    assert got == ref_tokens(logits[finite], sb)

@@ -92,9 +92,8 @@ class SamplingTensors:
 
     def rows(self, start: int, end: int) -> "SamplingTensors":
         """Rows [start, end) (the batch-wide flags kept: they only enable work)."""
-        cut = lambda t: None if t is None else t[start:end]  # noqa: E731
-        return dataclasses.replace(self, **{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(self, **{f.name: t[start:end] for f in dataclasses.fields(self)
+                                            if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass
@@ -172,16 +171,21 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """x [R, V] -> [R] i64: the first index of each row's maximum (torch.argmax's result), in two passes over
-    blocks of `block` columns: on a CPU, block maxima vectorize where a full-row argmax does not."""
+    blocks of `block` columns: on a CPU, block maxima vectorize where a full-row argmax does not. The columns
+    past the last whole block are one more (shorter) block, reduced in place: nothing is copied but the winning
+    block of each row."""
     R, V = x.shape
-    nb = -(-V // block)
-    if nb < 2 or x.device.type != "cpu":
+    if V <= block or x.device.type != "cpu":
         return x.argmax(dim=-1)
-    if nb * block != V:
-        x = torch.nn.functional.pad(x, (0, nb * block - V), value=float("-inf"))
-    xb = x.view(R, nb, block)
-    b = xb.amax(dim=-1).argmax(dim=-1)  # first block holding the maximum
-    return b * block + xb[torch.arange(R, device=x.device), b].argmax(dim=-1)
+    nb, tail = divmod(V, block)
+    full = nb * block
+    maxima = x[:, :full].reshape(R, nb, block).amax(dim=-1)  # a view: the row stride is kept
+    if tail:
+        maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * block  # first block holding the maximum
+    # the winning block's columns; the tail block's window repeats column V - 1, which cannot win over itself
+    cols = (start[:, None] + torch.arange(block, device=x.device)).clamp_(max=V - 1)
+    return start + x.gather(1, cols).argmax(dim=-1)
 
 
 def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, chunk: int | None) -> SamplerOutput:
