@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from enginecore.sampling_ref import GREEDY_EPS, seeded_uniform
+from enginecore.structured_outputs import bitmask_width
 
 
 @dataclass
@@ -90,7 +91,7 @@ def scatter_bitmask(bitmask: np.ndarray, bitmask_req_ids: list[str], req_ids: li
 
     W' may differ from the model's width (the grammar's vocabulary is the tokenizer's, at least V):
     extra words are cut, missing ones allow nothing."""
-    W = -(-vocab_size // 32)
+    W = bitmask_width(vocab_size)
     where = {rid: j for j, rid in enumerate(bitmask_req_ids)}
     out = np.full((Rp, W), -1, np.int32)
     hit = False

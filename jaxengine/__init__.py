@@ -8,8 +8,9 @@
 - sampler.py: the jitted sampler (enginecore.sampling_ref semantics).
 - sharding.py: the ('data', 'model') mesh and the logical -> mesh axis rules.
 - programs.py: the step's jitted programs (model, sample, prompt logprobs) and their packed inputs.
-- runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: persistent
-  cache, compile counting and the recompilation guard; warmup.py: `xlaserve warmup`.
+- runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: the
+  compilation caches (JAX's persistent cache; serialized executables on CPU), compile counting and
+  the recompilation guard; warmup.py: `xlaserve warmup`.
 - aot.py: `xlaserve warmup --topology`: every program compiled for a TPU slice on a host
   without one (tpu_target.py: chips, topology names, libtpu's compile-only devices; hbm.py:
   the fit check against a chip's HBM; step_cost.py: FLOPs / bytes / roofline per program).

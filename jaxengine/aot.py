@@ -28,15 +28,14 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import re
 
-from enginecore.arch import ArchConfig, ModelLoadError
 from enginecore.config import ConfigError, EngineArgs
+from enginecore.model_checks import arch_from_config_json
 from enginecore.model_loader import ModelSource, resolve_model
 from jaxengine.hbm import MemoryPlan, check_fit
 from jaxengine.step_cost import ShardedShape, StepCost, model_step_cost, prompt_logprobs_cost, sample_step_cost
-from jaxengine.tpu_target import GiB, LIBTPU_PIN, Topology, num_hosts, parse_topology, topology_devices
+from jaxengine.tpu_target import GiB, Topology, num_hosts, parse_topology, topology_devices
 
 logger = logging.getLogger("xlaserve.aot")
 
@@ -49,14 +48,7 @@ def resolve_aot_model(model: str | None) -> ModelSource:
     path = os.path.expanduser(model) if model else None
     if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) \
             and not any(f.endswith((".safetensors", ".gguf")) for f in os.listdir(path)):
-        cfg_path = os.path.join(path, "config.json")
-        try:
-            with open(cfg_path) as f:
-                arch = ArchConfig.from_hf_dict(json.load(f), cfg_path)
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ModelLoadError(f"{cfg_path}: not a model config ({type(e).__name__}: {e})") from None
+        arch = arch_from_config_json(os.path.join(path, "config.json"))
         return ModelSource("hf", os.path.abspath(path), os.path.basename(os.path.normpath(path)), arch)
     return resolve_model(model)
 
@@ -157,7 +149,7 @@ def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
         cost = _program_cost(key, arch, shape, sc.max_num_seqs, context)
         rows.append({
             "key": key, "bucket": key.describe(), "compile_s": p["seconds"],
-            "status": "hit" if p["cache_hits"] and not p["cache_misses"] else "compiled",
+            "status": p["status"],
             "args_bytes": mem.argument_size_in_bytes, "out_bytes": mem.output_size_in_bytes,
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "code_bytes": mem.generated_code_size_in_bytes,
@@ -192,9 +184,10 @@ def _program_cost(key, arch, shape: ShardedShape, max_reqs: int, context: int) -
 def _compiled_fit(rows: list[dict], plan: MemoryPlan) -> dict:
     """Per device: the largest program's arguments + outputs (less the donated cache) + temporaries, plus the
     code of every program (all stay loaded), against the chip's HBM and the --gpu-memory-utilization budget."""
-    peak_row = max(rows, key=lambda r: r["args_bytes"] + r["out_bytes"] - r["alias_bytes"] + r["temp_bytes"])
-    code = sum(r["code_bytes"] for r in rows)
-    peak = peak_row["args_bytes"] + peak_row["out_bytes"] - peak_row["alias_bytes"] + peak_row["temp_bytes"] + code
+    resident = [r["args_bytes"] + r["out_bytes"] - r["alias_bytes"] + r["temp_bytes"] for r in rows]
+    i = max(range(len(rows)), key=resident.__getitem__)
+    peak_row, code = rows[i], sum(r["code_bytes"] for r in rows)
+    peak = resident[i] + code
     return {"peak_bytes": peak, "peak_program": peak_row["bucket"], "code_bytes": code,
             "max_temp_bytes": max(r["temp_bytes"] for r in rows), "estimated_temp_bytes": plan.temporaries_bytes,
             "budget_bytes": plan.budget_bytes, "hbm_bytes": plan.hbm_bytes,
@@ -206,41 +199,47 @@ def _key_name(key) -> str:
 
 
 def _save_executables(runner, out_dir: str, topo: Topology, plan: MemoryPlan) -> str:
-    """One serialized executable per program plus manifest.json (what they were compiled for)."""
+    """One serialized executable per program (`compilation.serialize_program`) plus manifest.json (what they
+    were compiled for, and which file holds which program)."""
+    import importlib.metadata
+
     import jax
     import jaxlib
-    from jax.experimental.serialize_executable import serialize
+
+    from jaxengine.compilation import serialize_program
 
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     files = {}
     for key, prog in runner.programs.items():
-        payload, in_tree, out_tree = serialize(prog)
         name = _key_name(key) + ".jaxexe"
         with open(os.path.join(out_dir, name), "wb") as f:
-            pickle.dump({"key": tuple(key), "payload": payload, "in_tree": in_tree, "out_tree": out_tree}, f)
+            f.write(serialize_program(prog))
         files[name] = list(key)
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = None
     manifest = {"topology": topo.name, "device_kind": topo.chip.device_kind, "num_blocks": plan.num_blocks,
-                "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": LIBTPU_PIN,
+                "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": libtpu,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""), "programs": files}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return out_dir
 
 
-def load_executables(path: str, backend=None) -> dict:
-    """On the TPU host: {ProgramKey: loaded executable} from `executables_dir` (same jax, jaxlib and libtpu)."""
-    from jax.experimental.serialize_executable import deserialize_and_load
-
+def load_executables(path: str, devices=None) -> dict:
+    """On the TPU host: {ProgramKey: loaded executable} from `executables_dir` (same jax, jaxlib and libtpu),
+    onto `devices` in mesh order (None: all of the default backend's)."""
+    from jaxengine.compilation import load_program
     from jaxengine.programs import ProgramKey
 
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
     out = {}
-    for name in manifest["programs"]:
+    for name, key in manifest["programs"].items():
         with open(os.path.join(path, name), "rb") as f:
-            d = pickle.load(f)
-        out[ProgramKey(*d["key"])] = deserialize_and_load(d["payload"], d["in_tree"], d["out_tree"], backend=backend)
+            out[ProgramKey(*key)] = load_program(f.read(), devices)
     return out
 
 

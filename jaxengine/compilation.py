@@ -1,4 +1,5 @@
-"""Compilation bookkeeping: the persistent XLA cache, compile counting, and the recompilation guard.
+"""Compilation bookkeeping: the caches (JAX's persistent cache; on CPU our store of serialized
+executables, `ExecutableStore`), compile counting, and the recompilation guard.
 
 Every program the runner runs is named by a `ProgramKey` (`jaxengine.programs`)
 and compiled once, ahead of time at warmup or lazily on first use. With
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -217,6 +219,23 @@ class _TreeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not a pytree definition")
 
 
+def serialize_program(compiled) -> bytes:
+    """A compiled program as bytes: the executable and its argument/result pytree definitions."""
+    from jax.experimental.serialize_executable import serialize
+
+    return pickle.dumps(serialize(compiled))
+
+
+def load_program(blob: bytes, devices=None):
+    """`serialize_program`'s bytes loaded onto `devices` (the ones it was compiled for, in mesh order; None: the
+    default backend's). Only pytree definitions are unpickled (`_TreeUnpickler`)."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    payload, in_tree, out_tree = _TreeUnpickler(io.BytesIO(blob)).load()
+    return deserialize_and_load(payload, in_tree, out_tree,
+                                execution_devices=list(devices) if devices is not None else None)
+
+
 class ExecutableStore:
     """This runner's compiled programs, serialized, next to the persistent XLA cache.
 
@@ -245,13 +264,10 @@ class ExecutableStore:
 
     def load(self, key, devices):
         """The stored executable of `key` for `devices` (those it was compiled for, in mesh order), or None."""
-        from jax.experimental.serialize_executable import deserialize_and_load
-
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = _TreeUnpickler(f).load()
-            compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=list(devices))
+                compiled = load_program(f.read(), devices)
         except FileNotFoundError:
             return None
         except Exception as e:  # a truncated, stale or foreign entry: compile instead
@@ -262,10 +278,8 @@ class ExecutableStore:
         return compiled
 
     def save(self, key, compiled) -> None:
-        from jax.experimental.serialize_executable import serialize
-
         try:
-            blob = pickle.dumps(serialize(compiled))
+            blob = serialize_program(compiled)
             os.makedirs(self.dir, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:

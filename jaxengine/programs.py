@@ -31,6 +31,7 @@ from jax import lax
 from enginecore.arch import ArchConfig
 from enginecore.sampling_batch import SamplingBatch
 from enginecore.step_batch import StepBatch
+from enginecore.structured_outputs import bitmask_width
 from jaxengine.model import RaggedMetadata, compute_logits, forward
 from jaxengine.sampler import sample
 
@@ -157,7 +158,7 @@ def bitmask_input(sb: SamplingBatch, reqs: int, vocab_size: int) -> np.ndarray:
     """The [Rp, ceil(V / 32)] structured-output bitmask (-1, all allowed, when no row is constrained)."""
     if sb.token_bitmask is not None:
         return sb.token_bitmask
-    return np.full((reqs, -(-vocab_size // 32)), -1, np.int32)
+    return np.full((reqs, bitmask_width(vocab_size)), -1, np.int32)
 
 
 def sampler_inputs(sb: SamplingBatch, mode: str, reqs: int, vocab_size: int) -> tuple[np.ndarray, ...]:

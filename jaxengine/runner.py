@@ -1,6 +1,7 @@
 """JaxModelRunner: the JAX backend behind `enginecore.runner.ModelRunner`.
 
-One step: `InputBatch.update` -> `prepare_step` (numpy, padded to the buckets)
+One step: `begin_step` (the scheduler's diff into the persistent rows, then the
+padded numpy batch)
 -> the ``model`` program (KV written into the donated cache) -> the ``sample``
 program -> a handle; its `result()` copies the packed output to the host once
 and ends in `finish_step`. Dispatch is asynchronous, so the engine schedules
@@ -8,8 +9,8 @@ and builds the next step while this one computes (see `enginecore.engine`).
 Programs are described in `jaxengine.programs`.
 
 Every program is compiled ahead of time from abstract shapes (`warmup`:
-`--warmup all` for `serve`, in parallel, through the persistent compilation
-cache) or, with `--warmup none`, on first use. ``XLASERVE_CHECK_RECOMPILATION=1``
+`--warmup all` for `serve`, in parallel, through the compilation cache:
+serialized executables on CPU, JAX's persistent cache elsewhere) or, with `--warmup none`, on first use. ``XLASERVE_CHECK_RECOMPILATION=1``
 turns any compilation after warmup into an error (`compilation.py`). The
 abstract inputs come from the config and the mesh alone (`abstract_inputs`), so
 the same lowering compiles for a TPU this host does not have: given libtpu's
@@ -42,6 +43,7 @@ from enginecore.platform import resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
+from enginecore.structured_outputs import bitmask_width
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
 from jaxengine.compilation import (
@@ -221,6 +223,8 @@ class JaxModelRunner:
     def init_kv_cache(self, num_blocks: int, allocate: bool = True) -> None:
         """allocate=False only fixes the cache shape the programs are compiled for (AOT: no device memory)."""
         self.num_blocks = num_blocks
+        # the cache shape is part of every program: the store's key with it
+        self._store = self._executable_store() if self._store_enabled else None
         if not allocate:
             return
         shape = self._kv_cache_shape(num_blocks)
@@ -284,7 +288,7 @@ class JaxModelRunner:
             H, V, R = self.arch.hidden_size, self.arch.vocab_size, key.size
             rows = jax.ShapeDtypeStruct((self.num_rows, H), jnp_dtype(self.dtype), sharding=rep)
             extra = ()
-            bitmask = jax.ShapeDtypeStruct((R, -(-V // 32)), jnp.int32, sharding=rep)
+            bitmask = jax.ShapeDtypeStruct((R, bitmask_width(V)), jnp.int32, sharding=rep)
             if key.mode == "masked":
                 extra = (bitmask,)
             if key.mode == "processed":
@@ -308,7 +312,7 @@ class JaxModelRunner:
 
     def _load_or_compile(self, key: ProgramKey) -> tuple[object, bool]:
         """(program, loaded from the executable store)."""
-        store = self._executable_store()
+        store = self._store
         if store is not None:
             prog = store.load(key, self.mesh.devices.flat)
             if prog is not None:
@@ -319,20 +323,17 @@ class JaxModelRunner:
             store.save(key, prog)
         return prog, False
 
-    def _executable_store(self) -> ExecutableStore | None:
-        if not self._store_enabled or not self.num_blocks:
-            return None
-        if self._store is None or self._store.num_blocks != self.num_blocks:
-            c = self.config  # what names the model or the run, not what shapes a program, stays out
-            config = dataclasses.replace(
-                c, model_config=dataclasses.replace(c.model_config, model=None, tokenizer=None, served_model_name=None),
-                device_config=dataclasses.replace(c.device_config, warmup="all", compilation_cache_dir=None))
-            context = "\n".join([repr(config), repr(self.arch), self.platform, self.attention_backend,
-                                  repr([(d.platform, d.device_kind, d.id) for d in self.devices]),
-                                  repr(self.abstract_inputs())])
-            self._store = ExecutableStore(self.cache_dir, context)
-            self._store.num_blocks = self.num_blocks
-        return self._store
+    def _executable_store(self) -> ExecutableStore:
+        """The store for this runner's programs; its key covers everything that shapes them (not what names
+        the model or the run)."""
+        c = self.config
+        config = dataclasses.replace(
+            c, model_config=dataclasses.replace(c.model_config, model=None, tokenizer=None, served_model_name=None),
+            device_config=dataclasses.replace(c.device_config, warmup="all", compilation_cache_dir=None))
+        context = "\n".join([repr(config), repr(self.arch), self.platform, self.attention_backend,
+                              repr([(d.platform, d.device_kind, d.id) for d in self.devices]),
+                              repr(self.abstract_inputs())])
+        return ExecutableStore(self.cache_dir, context)
 
     @property
     def programs(self) -> MappingProxyType:
@@ -362,7 +363,8 @@ class JaxModelRunner:
     def warmup(self, level: str | None = None, threads: int | None = None, progress=None) -> dict:
         """Compile every program of the warmup level, `threads` at a time (XLA compiles in parallel).
 
-        Returns {"level", "programs": [{"key", "seconds", "compiles", "cache_hits", "cache_misses"}], "seconds",
+        Returns {"level", "programs": [{"key", "seconds", "compiles", "cache_hits", "cache_misses", "status"}],
+        "seconds",
         "compiles", "cache_hits", "cache_misses", "cache_dir", "recompilation_guard"}; then arms the
         recompilation guard. `progress(done, total, key)` is called after each program.
         """
@@ -370,8 +372,6 @@ class JaxModelRunner:
         keys = [k for k in self.program_keys(level) if k not in self._programs] if level != "none" else []
         t_all = time.perf_counter()
         c0, h0, m0 = self.monitor.snapshot()
-        store = self._executable_store()
-        loaded0 = store.hits if store is not None else 0
         rows = []
 
         def one(key):
@@ -379,19 +379,20 @@ class JaxModelRunner:
             with self.monitor.counting() as counts:
                 prog, loaded = self._load_or_compile(key)
             counts.hits += loaded  # a stored executable: a cache hit without tracing, lowering or XLA
-            return key, prog, time.perf_counter() - t0, counts
+            return key, prog, time.perf_counter() - t0, counts, loaded
 
         threads = threads or max(1, min(len(keys), len(os.sched_getaffinity(0))))
-        if progress is None:
-            progress = _ProgressLog(t_all)
+        progress = progress or _ProgressLog(t_all)
+        loaded_total = 0
         if keys:
             with ThreadPoolExecutor(threads) as pool:
-                for i, (key, prog, dt, counts) in enumerate(pool.map(one, keys)):
+                for i, (key, prog, dt, counts, loaded) in enumerate(pool.map(one, keys)):
                     self._programs[key] = prog
+                    loaded_total += loaded
                     rows.append({"key": key, "seconds": round(dt, 3), "compiles": counts.compiles,
-                                 "cache_hits": counts.hits, "cache_misses": counts.misses})
-                    if progress is not None:
-                        progress(i + 1, len(keys), key)
+                                 "cache_hits": counts.hits, "cache_misses": counts.misses,
+                                 "status": "hit" if counts.hits and not counts.misses else "compiled"})
+                    progress(i + 1, len(keys), key)
         c1, h1, m1 = self.monitor.snapshot()
         self.guard.arm(set(self._programs))
         stats = {
@@ -399,7 +400,7 @@ class JaxModelRunner:
             "programs": rows,
             "seconds": round(time.perf_counter() - t_all, 3),
             "compiles": c1 - c0,
-            "cache_hits": h1 - h0 + ((store.hits - loaded0) if store is not None else 0),
+            "cache_hits": h1 - h0 + loaded_total,
             "cache_misses": m1 - m0,
             "cache_dir": self.cache_dir,
             "recompilation_guard": self.guard.armed,
@@ -407,7 +408,7 @@ class JaxModelRunner:
         if rows:
             logger.info("jax warmup (%s): %d programs in %.1fs (%d threads): %d compiled, %d from the cache (%s)",
                         level, len(rows), stats["seconds"], threads, stats["compiles"], stats["cache_hits"],
-                        "executables" if store is not None else "XLA persistent cache" if self.cache_dir else "off")
+                        "executables" if self._store is not None else "XLA persistent cache" if self.cache_dir else "off")
         return stats
 
     # -- one step -------------------------------------------------------------------------
