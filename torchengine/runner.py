@@ -266,7 +266,7 @@ class TorchModelRunner:
                                               self.input_batch.max_blocks_per_req, shapes, self.device)
                 stats["cuda_graphs"] = self.cuda_graphs.capture()
         elif level != "none":
-            self._run(self._dummy_batch(min(8, sc.max_num_seqs), 1)).result()
+            self._run(self._dummy_batch(8, 1)).result()
             self._run(self._dummy_batch(1, min(16, self.max_model_len - 1, sc.max_num_batched_tokens))).result()
         stats["warmup_s"] = round(time.perf_counter() - t0, 3)
         return stats
@@ -290,9 +290,9 @@ class TorchModelRunner:
     def _profile_batches(self) -> list[StepBatch]:
         sc = self.config.scheduler_config
         longest = min(sc.max_num_batched_tokens, self.max_model_len - 1)
-        widest = min(sc.max_num_seqs, sc.max_num_batched_tokens)
         heavy = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.1, logprobs=1)
-        return [self._dummy_batch(1, longest), self._dummy_batch(widest, 1, heavy)]
+        # the widest step: one token for each of --max-num-seqs requests (_dummy_batch's cap) within the token budget
+        return [self._dummy_batch(1, longest), self._dummy_batch(sc.max_num_batched_tokens, 1, heavy)]
 
     # -- one step -----------------------------------------------------------------------------
 
