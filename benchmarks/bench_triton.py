@@ -60,7 +60,7 @@ def make_paged_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype
     )
 
 
-def sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
+def sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
     """Dense torch path: gather blocks per request (padded to the longest), then one SDPA call.
 
     Equal lengths only (the tables below use equal lengths), so no mask is needed:
@@ -69,7 +69,7 @@ def sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
     assert len(set(q_lens)) == 1 and len(set(kv_lens)) == 1
     q_len, kv_len = q_lens[0], kv_lens[0]
     if pre_gathered is None:
-        pre_gathered = gather_pages(batch, kv_len)
+        pre_gathered = gather_blocks(batch, kv_len)
     k, v = pre_gathered
     num_reqs = len(q_lens)
     q = batch["q"].view(num_reqs, q_len, *batch["q"].shape[1:]).transpose(1, 2)  # [B, Hq, L, D]
@@ -79,7 +79,7 @@ def sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, pre_gathered=None):
     return out.transpose(1, 2).reshape(-1, *batch["q"].shape[1:])
 
 
-def gather_pages(batch, kv_len):
+def gather_blocks(batch, kv_len):
     num_blocks_read = -(-kv_len // BLOCK_SIZE)
     blocks = batch["block_tables"][:, :num_blocks_read].long()
 
@@ -144,15 +144,15 @@ def run_gpu_tables(args, device: torch.device) -> None:
             out = torch.empty_like(batch["q"])
             cfg = tk_config(batch, q_lens)
 
-            def triton_call(splits=None):
+            def triton_call(splits=None, out=out):
                 return tk.unified_attention(**batch, sm_scale=sm_scale, out=out, num_kv_splits=splits)
 
             t_triton = timer(triton_call)
             kv_bytes = 2 * batch_size * kv_len * hkv * d * batch["key_cache"].element_size()
             gbs = kv_bytes / (t_triton * 1e-3) / 1e9
-            t_sdpa = timer(lambda: sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale))
-            gathered = gather_pages(batch, kv_len)
-            t_sdpa_only = timer(lambda: sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, gathered))
+            t_sdpa = timer(lambda: sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale))
+            gathered = gather_blocks(batch, kv_len)
+            t_sdpa_only = timer(lambda: sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale, gathered))
             del gathered
             ref_ms, err = "-", "-"
             if batch_size * kv_len <= args.ref_limit:
@@ -176,13 +176,13 @@ def run_gpu_tables(args, device: torch.device) -> None:
     batch = make_paged_batch(q_lens, kv_lens, hq, hkv, d, dtype, device)
     t_triton = timer(lambda: tk.unified_attention(**batch, sm_scale=sm_scale))
     flops = num_reqs * 4 * hq * d * q_len * (q_len + 1) / 2  # QK^T and PV over the causal half
-    t_sdpa = timer(lambda: sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale))
-    gathered = gather_pages(batch, q_len)
-    t_sdpa_only = timer(lambda: sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, gathered))
+    t_sdpa = timer(lambda: sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale))
+    gathered = gather_blocks(batch, q_len)
+    t_sdpa_only = timer(lambda: sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale, gathered))
     ref = tk.ref_unified_attention(**batch, sm_scale=sm_scale)
     t_ref = timer(lambda: tk.ref_unified_attention(**batch, sm_scale=sm_scale), slow=True)
     err = max_abs_err(tk.unified_attention(**batch, sm_scale=sm_scale), ref)
-    sdpa_err = max_abs_err(sdpa_on_gathered_pages(batch, q_lens, kv_lens, sm_scale, gathered), ref)
+    sdpa_err = max_abs_err(sdpa_on_gathered_blocks(batch, q_lens, kv_lens, sm_scale, gathered), ref)
     tflops = flops / (t_triton * 1e-3) / 1e12
     print(f"{'':>11} {t_triton:9.3f} {tflops:7.1f} {t_sdpa:8.3f} {t_sdpa_only:9.3f} {t_ref:8.2f} {err:8.1e}")
     print(f"(sdpa max abs err vs ref: {sdpa_err:.1e})")

@@ -38,7 +38,8 @@ __all__ = [
 def _needs_triton(name: str) -> Callable[..., Any]:
     def launcher(*args: Any, **kwargs: Any) -> Any:
         raise ImportError(
-            f"triton_kernels.{name} needs triton; on CPU use ref_unified_attention / ref_reshape_and_cache"
+            f"triton_kernels.{name} needs triton; on a CPU, attention is torchengine.attention.TorchAttention "
+            "(--attention-backend torch)"
         )
 
     launcher.__name__ = launcher.__qualname__ = name

@@ -37,7 +37,7 @@ def launching(kernel: object, device: torch.device) -> Iterator[None]:
             raise RuntimeError(
                 f"Triton kernels got {device.type} tensors but triton is compiling for a GPU; "
                 "set TRITON_INTERPRET=1 before triton is first imported to run them on CPU, "
-                "or use triton_kernels.ref_unified_attention / ref_reshape_and_cache"
+                "or use torchengine.attention.TorchAttention (--attention-backend torch)"
             )
         yield
         return
