@@ -40,7 +40,8 @@ def hf_folder(dtype: str) -> str:
 # ---- workers (run in a subprocess each) ---------------------------------------------------
 
 
-def _timed(fn):
+def timed(fn) -> dict:
+    """Run `fn` (it returns the output tokens it made) once, timed, with the CPU other processes took."""
     from benchmarks._sysload import OtherCpu
 
     with OtherCpu() as noise:
@@ -73,7 +74,7 @@ def worker_engine(backend: str, spec: dict) -> dict:
         def run(prompts=prompts):
             res = llm.generate(prompts, sp, use_tqdm=False)
             return sum(len(r.outputs[0].token_ids) for r in res)
-        out["runs"][b] = _timed(run)
+        out["runs"][b] = timed(run)
         print(f"  {backend} batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
@@ -99,7 +100,7 @@ def worker_transformers(spec: dict) -> dict:
     out = {"load_s": load, "dtype": spec["dtype"], "runs": {}}
     for b, prompts in spec["prompts"].items():
         gen(prompts, 4)
-        out["runs"][b] = _timed(lambda prompts=prompts: gen(prompts, spec["output_len"]))
+        out["runs"][b] = timed(lambda prompts=prompts: gen(prompts, spec["output_len"]))
         print(f"  transformers batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 

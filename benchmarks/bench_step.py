@@ -115,6 +115,7 @@ def _device_time(llm, batch: int, reps: int = 20) -> float:
 
 
 def worker(backend: str, batches: list[int], steps: int, profile: bool) -> dict:
+    from benchmarks._sysload import OtherCpu
     from enginecore import LLM, SamplingParams
 
     model = tiny_model_dir()
@@ -135,8 +136,6 @@ def worker(backend: str, batches: list[int], steps: int, profile: bool) -> dict:
 
         gen(steps)  # warm-up: every bucket this shape meets
         gen(1)
-        from benchmarks._sysload import OtherCpu
-
         with OtherCpu() as noise:
             t1 = min(gen(1) for _ in range(3))
             tn = min(gen(steps) for _ in range(2))
