@@ -137,6 +137,26 @@ class ParallelConfig:
             raise ConfigError("--tensor-parallel-size and --data-parallel-size must be at least 1.")
 
 
+TPU_CHIPS = ("v5e", "v6e", "v5p")
+_TOPOLOGY_RE = re.compile(r"^(v5e|v6e|v5p):(\d+(?:x\d+){1,2})$")
+
+
+def parse_topology_name(name: str) -> tuple[str, tuple[int, ...]]:
+    """'v5e:2x2' -> ('v5e', (2, 2)); a ConfigError naming the value and the accepted forms otherwise (v5e and
+    v6e slices are 2-D grids of chips, v5p slices 3-D)."""
+    m = _TOPOLOGY_RE.match(name.strip()) if isinstance(name, str) else None
+    if m is None:
+        raise ConfigError(
+            f"--topology {name!r} is not a TPU topology name: use <chip>:<grid> with chip one of "
+            f"{', '.join(TPU_CHIPS)}, e.g. v5e:2x2, v6e:2x4, v5e:4x4 (2-D for v5e/v6e) or v5p:2x2x1 (3-D)")
+    chip, grid = m.group(1), tuple(int(d) for d in m.group(2).split("x"))
+    want = 3 if chip == "v5p" else 2
+    if len(grid) != want or min(grid) < 1:
+        raise ConfigError(f"--topology {name!r}: a {chip} slice is a {want}-D grid of chips "
+                          f"(e.g. {'v5p:2x2x1' if want == 3 else chip + ':2x2'})")
+    return chip, grid
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     platform: str = "cpu"  # resolved: tpu, cuda or cpu
@@ -159,9 +179,7 @@ class DeviceConfig:
         if self.warmup not in ("auto", "none", "decode", "all"):
             raise ConfigError(f"--warmup must be one of auto, none, decode, all; got {self.warmup!r}.")
         if self.topology is not None:
-            if not re.fullmatch(r"(v5e|v6e):\d+x\d+|v5p:\d+x\d+x\d+", self.topology):
-                raise ConfigError(f"--topology must name a TPU slice such as v5e:2x2, v6e:2x4 or v5p:2x2x1; "
-                                  f"got {self.topology!r}.")
+            parse_topology_name(self.topology)
             if self.platform != "tpu":
                 raise ConfigError(f"--topology {self.topology} names TPU chips; it needs --platform tpu, "
                                   f"not {self.platform}.")
@@ -194,7 +212,7 @@ class StructuredOutputsConfig:
     disable_fallback: bool = False  # accepted; there is no other backend to fall back to
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
     disable_additional_properties: bool = False  # JSON schemas: additionalProperties false unless given
-    reasoning_parser: str = ""  # accepted for vLLM compatibility; --reasoning-parser sets it
+    reasoning_parser: str = ""  # vLLM's other spelling of --reasoning-parser (the frontend reads it; a conflict is refused)
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:

@@ -34,7 +34,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(ctx)
         self.output_text = ""
-        self.token_ids: list[int] = []  # output tokens only
         self._sent = 0  # chars of output_text already handed out as deltas
         self.hold = max((len(s) for s in self.stop), default=1) - 1 if not self.include_stop else 0
         self._stream = None
@@ -54,7 +53,6 @@ class IncrementalDetokenizer:
             return self._add_tokens_stream(new_ids)
         for t in new_ids:
             self.ids.append(int(t))
-            self.token_ids.append(int(t))
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -71,20 +69,19 @@ class IncrementalDetokenizer:
         for t in new_ids:
             t = int(t)
             self.ids.append(t)
-            self.token_ids.append(t)
             chunk = self._stream.step(self._backend, t)
+            if chunk is None:  # an incomplete character: wait for the next token
+                continue
+            # the slow path's offsets, for flush_text: everything up to here is decoded ("" too: a skipped
+            # special token leaves nothing pending)
+            self.prefix_offset = max(len(self.ids) - self._CONTEXT, 0)
+            self.read_offset = len(self.ids)
             if chunk:
                 before = len(self.output_text)
                 self.output_text += chunk
-                # the slow path's offsets, for flush_text: everything up to here is decoded
-                self.prefix_offset = max(len(self.ids) - self._CONTEXT, 0)
-                self.read_offset = len(self.ids)
                 hit = self._check_stop(before)
                 if hit is not None:
                     return hit
-            elif chunk is not None:  # "" (a skipped special token): nothing pending either
-                self.prefix_offset = max(len(self.ids) - self._CONTEXT, 0)
-                self.read_offset = len(self.ids)
         return None
 
     def _check_stop(self, before: int) -> str | None:

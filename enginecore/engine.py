@@ -62,7 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks, self._faults,
                                    self.grammar_compiler)
         self.async_scheduling = config.scheduler_config.async_scheduling
-        cache_tokens = (self.num_blocks - 1) * config.cache_config.block_size
+        cache_tokens = self.scheduler.kv.pool.num_usable_blocks * config.cache_config.block_size
         if cache_tokens < config.scheduler_config.max_model_len - 1:
             logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: requests whose prompt plus "
                            "max_tokens need more are refused (HTTP 400)", cache_tokens,
@@ -123,25 +123,19 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        if self.grammar_compiler is not None:
-            self.grammar_compiler.shutdown()
+        self.grammar_compiler.shutdown()
         self.runner.shutdown()
 
 
 def _grammar_compiler(config: EngineConfig, model: ModelSource, tokenizer: Tokenizer | None,
-                      vocab_size: int | None) -> GrammarCompiler | None:
-    """The structured-output grammar compiler; its llguidance tokenizer is built on first use."""
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        logger.warning("llguidance is not installed: structured-output requests will be refused")
-        return None
+                      vocab_size: int | None) -> GrammarCompiler:
+    """The structured-output grammar compiler; its llguidance tokenizer is built on first use (the engine
+    process loads the tokenizer then; in-process engines share the frontend's)."""
     soc = config.structured_outputs_config
     V = vocab_size or max(model.config.vocab_size, 0)
 
     def factory():
-        tok = tokenizer or load_tokenizer(model, config.model_config.tokenizer,
-                                          use_generation_config=config.model_config.generation_config == "auto")
+        tok = tokenizer or load_engine_tokenizer(config, model)
         return build_ll_tokenizer(tok.hf, V, tok.eos_token_ids)
 
     return GrammarCompiler(factory, soc.disable_any_whitespace, soc.disable_additional_properties)
@@ -151,10 +145,13 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Tok
     """Resolve the model and tokenizer and freeze the config (shared by every entry point)."""
     model = resolve_model(args.model)
     config = args.create_engine_config(model_max_len=model.config.max_position_embeddings)
-    tokenizer = load_tokenizer(
-        model, config.model_config.tokenizer, use_generation_config=config.model_config.generation_config == "auto"
-    )
-    return config, model, tokenizer
+    return config, model, load_engine_tokenizer(config, model)
+
+
+def load_engine_tokenizer(config: EngineConfig, model: ModelSource) -> Tokenizer:
+    """The tokenizer `config` names for `model` (--tokenizer, --generation-config)."""
+    return load_tokenizer(model, config.model_config.tokenizer,
+                          use_generation_config=config.model_config.generation_config == "auto")
 
 
 def served_model_names(config: EngineConfig, model: ModelSource) -> list[str]:

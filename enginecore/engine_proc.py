@@ -43,14 +43,11 @@ class EngineCoreLoop:
         self._results: list = []
         self._last_stats: dict | None = None
 
-    def _has_work(self) -> bool:
-        return self.core.has_work()
-
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.in_sock, zmq.POLLIN)
         while not self.stopped:
-            if not self._has_work() and not poller.poll(_IDLE_WAKE_MS):
+            if not self.core.has_work() and not poller.poll(_IDLE_WAKE_MS):
                 if self.parent_alive is not None and not self.parent_alive():
                     logger.error("the API process is gone; engine core exits")
                     return
@@ -60,7 +57,7 @@ class EngineCoreLoop:
                 break
             if self._acks or self._results:  # answer adds and calls now, not after a whole step
                 self._publish([])
-            outputs = self.core.step() if self._has_work() else []
+            outputs = self.core.step() if self.core.has_work() else []
             self._publish(outputs)
 
     def _drain_inputs(self) -> None:
@@ -155,7 +152,7 @@ def serve_engine_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, 
             logger.error("engine core failed to start:\n%s", traceback.format_exc())
             _send(out_sock, {"startup_error": f"{type(e).__name__}: {e}"})
             return 1
-        _send(out_sock, {"ready": {"num_blocks": core.num_blocks, "warmup": _plain(core.warmup_stats)},
+        _send(out_sock, {"ready": {"num_blocks": core.num_blocks},
                          "stats": wire.encode_stats(core.get_stats())})
         try:
             EngineCoreLoop(core, in_sock, out_sock, parent_alive).run()
@@ -174,13 +171,6 @@ def serve_engine_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, 
         out_sock.close()
 
 
-def _plain(d) -> dict:
-    """Warm-up stats for the log: keep only what msgpack can carry."""
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[str(k)] = v
-    return out
 
 
 def _set_parent_death_signal() -> None:

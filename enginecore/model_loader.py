@@ -47,7 +47,6 @@ class ModelSource:
     path: str  # folder (hf) or file (gguf)
     name: str  # default served model name
     config: ArchConfig
-    gguf_metadata: dict = field(default_factory=dict, repr=False)
     # the parsed GGUF header (enginecore.model_checks.GGUFFile: shared by config, tokenizer, weights)
     gguf_reader: object = field(default=None, repr=False, compare=False)
 
@@ -194,20 +193,9 @@ _GGUF_LAYER_MAP = {
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _open_gguf(path: str):
-    return read_gguf(path)
-
-
-def read_gguf_metadata(path: str, reader=None) -> dict:
-    """Scalar/str metadata (token lists skipped)."""
-    reader = reader or _open_gguf(path)
-    return {k: v for k, v in reader.metadata.items()
-            if not (k.startswith("tokenizer.ggml.") and k.split(".")[-1] in ("tokens", "token_type", "merges", "scores"))}
-
-
 def _gguf_source(path: str) -> ModelSource:
-    reader = _open_gguf(path)
-    meta = read_gguf_metadata(path, reader)
+    reader = read_gguf(path)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCH:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCH)}")
@@ -222,7 +210,7 @@ def _gguf_source(path: str) -> ModelSource:
         if t.tensor_type.name in ("I8", "I16", "I32", "I64"):
             raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; weights must be floating "
                                  "point or a quantized float type")
-    src = ModelSource("gguf", os.path.abspath(path), os.path.splitext(os.path.basename(path))[0], cfg, meta, reader)
+    src = ModelSource("gguf", os.path.abspath(path), os.path.splitext(os.path.basename(path))[0], cfg, reader)
     check_declared_weights(cfg, src.declared_weights(), path)
     return src
 
@@ -274,7 +262,7 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
 
-    reader = reader or _open_gguf(path)
+    reader = reader or read_gguf(path)
     for t in reader.tensors:
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)

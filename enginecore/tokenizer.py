@@ -70,18 +70,17 @@ class Tokenizer:
         return self.hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
 
 
-def _gguf_fields(path: str, reader=None):
+def _gguf_header(path: str, reader=None):
     from enginecore.model_checks import read_gguf
 
-    r = reader or read_gguf(path)
-    return r, r.get
+    return reader or read_gguf(path)
 
 
 def _build_bpe_from_gguf(path: str, reader=None):
     from tokenizers import Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    r, get = _gguf_fields(path, reader)
+    get = _gguf_header(path, reader).get
     tokens = get("tokenizer.ggml.tokens")
     merges = get("tokenizer.ggml.merges") or []
     types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -160,8 +159,8 @@ def _load_gguf_tokenizer(path: str, reader=None):
             return AutoTokenizer.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
         except Exception:  # a damaged cache entry: convert again
             shutil.rmtree(cached, ignore_errors=True)
-    reader, get = _gguf_fields(path, reader)
-    if get("tokenizer.ggml.model") == "gpt2":
+    reader = _gguf_header(path, reader)
+    if reader.get("tokenizer.ggml.model") == "gpt2":
         tok = _build_bpe_from_gguf(path, reader)
     else:  # sentencepiece vocabularies: transformers' converter
         tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -6,7 +6,7 @@ API -> engine messages (tuples):
     ("call", call_id, method, args)      utility calls (reset_prefix_cache, ...)
     ("shutdown",)
 Engine -> API messages (dicts, every key optional):
-    ready: {num_blocks, ...}          once, after the runner is warm
+    ready: {num_blocks}               once, after the runner is warm
     startup_error: str                instead of ready
     outputs: [engine core output, ...]
     acks: [(parent_id, None | (error kind, message)), ...]
@@ -38,7 +38,7 @@ def _default(obj):
         return float(obj)
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    if isinstance(obj, (set, frozenset, tuple)):
+    if isinstance(obj, (set, frozenset)):
         return list(obj)
     raise TypeError(f"cannot encode {type(obj).__name__}")
 

@@ -172,10 +172,10 @@ class AsyncEngineClient:
     def _start_thread(self, in_addr: str, out_addr: str, core_factory) -> None:
         from enginecore.engine_proc import serve_engine_core
 
-        build = core_factory or EngineCore
-
         def factory() -> EngineCore:
-            return build(self.config, self.model)
+            if core_factory is not None:
+                return core_factory(self.config, self.model)
+            return EngineCore(self.config, self.model, tokenizer=self.tokenizer)  # in-process: one tokenizer
 
         loop = asyncio.get_running_loop()
 

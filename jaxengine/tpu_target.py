@@ -18,10 +18,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import re
 from dataclasses import dataclass
 
-from enginecore.config import ConfigError
+from enginecore.config import ConfigError, parse_topology_name
 
 LIBTPU_PIN = "libtpu==0.0.42.1"  # what jax[tpu]==0.10.2 pins (requirements.lock)
 GiB = 1 << 30
@@ -36,27 +35,25 @@ class ChipSpec:
     hbm_bytes: int  # per chip
     peak_bf16_flops: float  # per chip, dense
     hbm_bandwidth: float  # bytes/s per chip
-    max_single_host_chips: int  # slices up to this size are one host (a single Cloud TPU VM)
+    # slices up to this size are one host (a single Cloud TPU VM) whose shape libtpu must be told;
+    # 0: libtpu's default host shape always holds (v5p's 2x2x1 hosts)
+    max_single_host_chips: int
 
 
 CHIPS: dict[str, ChipSpec] = {
     "v5e": ChipSpec("v5e", "TPU v5 lite", 16 * GiB, 197e12, 819e9, 8),
     "v6e": ChipSpec("v6e", "TPU v6 lite", 32 * GiB, 918e12, 1640e9, 8),
-    "v5p": ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 2765e9, 4),
+    "v5p": ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 2765e9, 0),
 }
-_KIND_ALIASES = {"TPU v5e": "v5e", "TPU v6e": "v6e", "TPU v5p": "v5p"}
 
 
 def chip_for_device_kind(device_kind: str) -> ChipSpec | None:
-    """'TPU v5 lite' -> CHIPS['v5e']; None for a device kind the table does not hold."""
-    for chip in CHIPS.values():
-        if chip.device_kind == device_kind:
-            return chip
-    name = _KIND_ALIASES.get(device_kind)
-    return CHIPS[name] if name else None
+    """'TPU v5 lite' -> CHIPS['v5e']; None for a device kind the table does not hold (one table of jax's
+    device-kind strings: the kernel's, `pallas_kernels.tuning.DEVICE_KINDS`)."""
+    from pallas_kernels.tuning import chip_of
 
-
-_TOPOLOGY_RE = re.compile(r"^(v5e|v6e|v5p):(\d+(?:x\d+){1,2})$")
+    name = chip_of(device_kind)
+    return CHIPS.get(name) if name else None
 
 
 @dataclass(frozen=True)
@@ -74,24 +71,15 @@ class Topology:
     @property
     def chips_per_host_bounds(self) -> list[int] | None:
         """libtpu's host shape: the whole slice when it is a single-host VM type, else libtpu's default."""
-        if self.chip.name in ("v5e", "v6e") and self.num_chips <= self.chip.max_single_host_chips:
+        if self.num_chips <= self.chip.max_single_host_chips:
             return [*self.dims, 1]
         return None
 
 
 def parse_topology(name: str) -> Topology:
     """'v5e:2x2' -> Topology; a ConfigError that names the value and the accepted forms otherwise."""
-    m = _TOPOLOGY_RE.match(name.strip()) if isinstance(name, str) else None
-    if m is None:
-        raise ConfigError(
-            f"--topology {name!r} is not a TPU topology name: use <chip>:<grid> with chip one of "
-            f"{', '.join(CHIPS)}, e.g. v5e:2x2, v6e:2x4, v5e:4x4 (2-D for v5e/v6e) or v5p:2x2x1 (3-D)")
-    chip, grid = CHIPS[m.group(1)], tuple(int(d) for d in m.group(2).split("x"))
-    want = 3 if chip.name == "v5p" else 2
-    if len(grid) != want or min(grid) < 1:
-        raise ConfigError(f"--topology {name!r}: a {chip.name} slice is a {want}-D grid of chips "
-                          f"(e.g. {'v5p:2x2x1' if want == 3 else chip.name + ':2x2'})")
-    return Topology(f"{chip.name}:{m.group(2)}", chip, grid)
+    chip, grid = parse_topology_name(name)
+    return Topology(f"{chip}:{'x'.join(map(str, grid))}", CHIPS[chip], grid)
 
 
 def libtpu_missing_reason() -> str | None:

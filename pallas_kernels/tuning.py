@@ -41,16 +41,15 @@ MAX_CHUNK_TOKENS = 1024
 class KernelTuning:
     """One chip generation's targets (see the module docstring for the model behind them)."""
 
-    chip: str
     kv_chunk_bytes: int  # HBM bytes one kv chunk should move on one device
     q_rows: int  # rows of the q block's matmul (bq * G): one MXU width
     vmem_limit_bytes: int  # scoped VMEM granted to the kernel
 
 
 TUNING: dict[str, KernelTuning] = {
-    "v5e": KernelTuning("v5e", kv_chunk_bytes=3 << 19, q_rows=128, vmem_limit_bytes=32 << 20),
-    "v6e": KernelTuning("v6e", kv_chunk_bytes=3 << 20, q_rows=256, vmem_limit_bytes=32 << 20),
-    "v5p": KernelTuning("v5p", kv_chunk_bytes=5 << 20, q_rows=128, vmem_limit_bytes=32 << 20),
+    "v5e": KernelTuning(kv_chunk_bytes=3 << 19, q_rows=128, vmem_limit_bytes=32 << 20),
+    "v6e": KernelTuning(kv_chunk_bytes=3 << 20, q_rows=256, vmem_limit_bytes=32 << 20),
+    "v5p": KernelTuning(kv_chunk_bytes=5 << 20, q_rows=128, vmem_limit_bytes=32 << 20),
 }
 
 # jax's device_kind strings (as TPU VMs and libtpu's topology descriptions report them) -> chip.
