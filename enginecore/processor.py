@@ -31,7 +31,7 @@ from enginecore.detokenizer import IncrementalDetokenizer
 from enginecore.faults import FaultInjector
 from enginecore.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
 from enginecore.request import Request
-from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from enginecore.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
 from enginecore.scheduler import RequestRejectedError
 from enginecore.tokenizer import TextEncodingError, Tokenizer
 
@@ -111,24 +111,23 @@ class InputProcessor:
                 f"this request needs {params.n} sequences (n or best_of) but the waiting queue holds at most "
                 f"{sc.max_waiting_requests} (--max-waiting-requests): it could never be admitted", "n")
         if params.structured_outputs is not None:
-            self._validate_structured_outputs(params)
+            self.validate_structured_outputs(params.structured_outputs)
         return params.max_tokens if params.max_tokens is not None else room
 
-    def _validate_structured_outputs(self, params: SamplingParams) -> None:
-        """An invalid schema / regex / grammar is a 400 here, not a failure in the engine (about 1 ms,
-        remembered for the last few hundred constraints)."""
+    def validate_structured_outputs(self, so: StructuredOutputsParams) -> None:
+        """An invalid schema / regex / grammar is a 400 naming the client's field (`so.param`) here, not a
+        failure in the engine (about 1 ms, remembered for the last few hundred valid constraints)."""
         from enginecore import structured_outputs
 
-        so, soc = params.structured_outputs, self.config.structured_outputs_config
+        soc = self.config.structured_outputs_config
         key = repr((so.kind, getattr(so, so.kind), so.whitespace_pattern, so.disable_any_whitespace,
                     so.disable_additional_properties))
         if key in self._valid_constraints:
             return
         try:
-            structured_outputs.validate(so, "structured_outputs", soc.disable_any_whitespace,
-                                        soc.disable_additional_properties)
+            structured_outputs.validate(so, so.param, soc.disable_any_whitespace, soc.disable_additional_properties)
         except ImportError:
-            raise SamplingParamsError("structured outputs need the llguidance package", "structured_outputs")
+            raise SamplingParamsError("structured outputs need the llguidance package", so.param)
         self._valid_constraints[key] = True
         if len(self._valid_constraints) > 512:
             self._valid_constraints.pop(next(iter(self._valid_constraints)))

@@ -54,6 +54,9 @@ class StructuredOutputsParams:
     # Engine-internal: enforce only after the output contains this token sequence (the end of
     # the reasoning, set by the frontend's --reasoning-parser); None: from the first output token.
     start_after_token_ids: list[int] | None = None
+    # Engine-internal: the request field the client gave the constraint in (set by the frontend), named
+    # by a 400 when the constraint is invalid ("response_format", "guided_regex", "tools", ...).
+    param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
         if isinstance(self.start_after_token_ids, tuple):
@@ -62,34 +65,37 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         self._verify()
 
+    def _set_kinds(self) -> list[str]:
+        return [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+
     @property
     def kind(self) -> str:
         """The one constraint kind that is set ("json", "regex", ...)."""
-        for k in STRUCTURED_OUTPUT_KINDS:
-            v = getattr(self, k)
-            if v is not None and v is not False:
-                return k
-        raise SamplingParamsError("structured_outputs sets no constraint.", "structured_outputs")
+        kinds = self._set_kinds()
+        if not kinds:
+            raise SamplingParamsError(f"{self.param} sets no constraint.", self.param)
+        return kinds[0]
 
     def _verify(self) -> None:
-        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        p = self.param
+        set_kinds = self._set_kinds()
         if len(set_kinds) != 1:
             raise SamplingParamsError(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
-                f"structural_tag; got {set_kinds or 'none'}.", "structured_outputs")
+                f"{p} must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got {set_kinds or 'none'}.", p)
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise SamplingParamsError("structured_outputs.json must be a JSON schema object or string.",
-                                      "structured_outputs")
+            raise SamplingParamsError(f"{p}.json must be a JSON schema object or string.", p)
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of strings.",
-                                      "structured_outputs")
+            raise SamplingParamsError(f"{p}.choice must be a non-empty list of strings.", p)
         for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
-                raise SamplingParamsError(f"structured_outputs.{name} must be a string.", "structured_outputs")
+                raise SamplingParamsError(f"{p}.{name} must be a string.", p)
         if self.start_after_token_ids is not None and not all(isinstance(t, int) for t in self.start_after_token_ids):
-            raise SamplingParamsError("structured_outputs.start_after_token_ids must be token ids.",
-                                      "structured_outputs")
+            raise SamplingParamsError(f"{p}.start_after_token_ids must be token ids.", p)
+
+
+# set by the engine's callers, not a client's keys
+ENGINE_INTERNAL_STRUCTURED_FIELDS = frozenset({"start_after_token_ids", "param"})
 
 
 @dataclass

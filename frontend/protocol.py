@@ -87,7 +87,9 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     request_id: str = Field(default_factory=random_id)
     return_token_ids: bool | None = None
-    # structured outputs (frontend/structured_outputs.py): vLLM's object, and its deprecated guided_* fields
+    # structured outputs (frontend/structured_outputs.py): OpenAI's response_format, vLLM's object, and its
+    # deprecated guided_* fields
+    response_format: dict | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -154,7 +156,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
-    response_format: dict | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -221,7 +222,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = 0
-    response_format: dict | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None

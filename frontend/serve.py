@@ -118,12 +118,13 @@ def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
     from frontend.serving_common import FrontendOptions, load_sampling_defaults, resolve_chat_template
 
     from frontend.reasoning_parsers import REASONING_PARSERS
+    from frontend.tool_parsers import TOOL_PARSERS
 
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
-        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, "
-                          "qwen3_xml): the parser that finds the model's calls in its text")
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))}): "
+                          "the parser that finds the model's calls in its text")
     # vLLM also takes the reasoning parser as --structured-outputs-config's reasoning_parser
-    so_reasoning = getattr(getattr(config, "structured_outputs_config", None), "reasoning_parser", "") or None
+    so_reasoning = config.structured_outputs_config.reasoning_parser or None
     if so_reasoning and ns.reasoning_parser and so_reasoning != ns.reasoning_parser:
         raise ConfigError(f"--reasoning-parser {ns.reasoning_parser} and --structured-outputs-config's "
                           f"reasoning_parser {so_reasoning} differ: give one")

@@ -9,7 +9,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from enginecore.outputs import Logprob, RequestOutput
-from enginecore.sampling_params import StructuredOutputsParams
+from enginecore.sampling_params import SamplingParamsError, StructuredOutputsParams
 from enginecore.tokenizer import TextEncodingError
 from frontend.chat_output import ChatOutputParser, ParsedDelta
 from frontend.engine_client import RequestStream
@@ -30,7 +30,7 @@ from frontend.reasoning_parsers import REASONING_PARSERS
 from frontend.serving_common import APIError, OpenAIServing, clamp_logprob, detect_content_format, \
     plain_prompt_logprobs, SSEResponse, sse, sse_error, unless_disconnected
 from frontend.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolChoiceError,
-                                   check_parameter_schemas, resolve_tool_choice, tool_choice_schema)
+                                   invalid_tool_schema, resolve_tool_choice, tool_choice_schema)
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -113,12 +113,10 @@ class ServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: HTTPRequest | None):
         model_name = self.check_model(req.model)
-        self.reject_unsupported(req)
+        self.warn_ignored_fields(req)
         try:
             choice = resolve_tool_choice(req.tools, req.tool_choice, auto_enabled=bool(
                 self.options.enable_auto_tool_choice and self.options.tool_call_parser))
-            if choice.enforced:
-                check_parameter_schemas(choice.tools)
             schema = tool_choice_schema(choice, req.parallel_tool_calls)
         except ToolChoiceError as e:
             raise APIError(str(e), param=e.param) from None
@@ -141,7 +139,13 @@ class ServingChat(OpenAIServing):
         public_id = f"chatcmpl-{self.base_request_id(raw, req.request_id)}"
         rid = self.engine_request_id(public_id)
         self.log_request(rid, text, params)
-        stream = await self.client.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params, req.priority)
+        try:
+            stream = await self.client.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params,
+                                                   req.priority)
+        except SamplingParamsError as e:
+            if schema is None or e.param != "tools":
+                raise
+            raise APIError(str(invalid_tool_schema(choice, req.parallel_tool_calls, e)), param="tools") from None
         role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
         if req.stream:
             return SSEResponse(self._stream(req, public_id, model_name, role, stream, parsing))
@@ -159,7 +163,8 @@ class ServingChat(OpenAIServing):
             if params.structured_outputs is not None:
                 raise APIError("tool_choice 'required' or a named function is enforced with a JSON schema and "
                                "cannot be combined with response_format / structured_outputs", param="tool_choice")
-            params.structured_outputs = StructuredOutputsParams(json=schema)
+            # validated (and cached) with the request's other checks, a 400 naming "tools"
+            params.structured_outputs = StructuredOutputsParams(json=schema, param="tools")
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = self.reasoning_parser.for_request(prompt, req.chat_template_kwargs)

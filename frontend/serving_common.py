@@ -148,7 +148,7 @@ class OpenAIServing:
         # public ids may repeat (clients choose them); engine ids never do
         return f"{public_id}-{index}-{next(self._ids)}"
 
-    def reject_unsupported(self, req: SamplingFields) -> None:
+    def warn_ignored_fields(self, req: SamplingFields) -> None:
         ignored = req.ignored_fields()
         if ignored:
             logger.warning("request fields ignored (not supported): %s", ", ".join(ignored))

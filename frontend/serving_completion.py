@@ -44,7 +44,7 @@ def normalize_prompts(prompt) -> list:
 class ServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: HTTPRequest | None):
         model_name = self.check_model(req.model)
-        self.reject_unsupported(req)
+        self.warn_ignored_fields(req)
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         prompts = normalize_prompts(req.prompt)

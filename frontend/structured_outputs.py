@@ -10,36 +10,35 @@ Three spellings, at most one per request:
 - the deprecated `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
   (+ `guided_whitespace_pattern`), accepted with a warning in the log.
 
-The constraint is validated here (llguidance, no tokenizer, about a millisecond), so a bad
-schema, regex or grammar is a 400 naming the field the client used.
+The constraint's `param` is the field the client used: `InputProcessor` (enginecore/processor.py) compiles
+the constraint with the request's other checks (llguidance, no tokenizer, about a millisecond, cached), so a
+bad schema, regex or grammar is a 400 naming that field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
-from enginecore import structured_outputs
-from enginecore.sampling_params import SamplingParamsError, StructuredOutputsParams
+from enginecore.sampling_params import ENGINE_INTERNAL_STRUCTURED_FIELDS, SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger("xlaserve.frontend")
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "whitespace_pattern",
-                    "disable_any_whitespace", "disable_additional_properties"}
+_STRUCTURED_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams)) - \
+    ENGINE_INTERNAL_STRUCTURED_FIELDS
 # vLLM keys that choose among its own backends: nothing to choose here
 _IGNORED_KEYS = {"disable_fallback", "backend", "_backend", "_backend_was_auto"}
 
 
-def _from_response_format(rf) -> StructuredOutputsParams | None:
+def _from_response_format(rf) -> StructuredOutputsParams:
     if not isinstance(rf, dict):
         raise SamplingParamsError("response_format must be an object", "response_format")
     kind = rf.get("type", "text")
-    if kind == "text":
-        return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, param="response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
@@ -51,9 +50,9 @@ def _from_response_format(rf) -> StructuredOutputsParams | None:
         if not isinstance(schema, (dict, str)):
             raise SamplingParamsError("response_format.json_schema.schema must be a JSON schema object",
                                       "response_format")
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, param="response_format")
     if kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag=json.dumps(rf))
+        return StructuredOutputsParams(structural_tag=json.dumps(rf), param="response_format")
     raise SamplingParamsError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
                               "structural_tag)", "response_format")
 
@@ -68,19 +67,20 @@ def _from_structured_outputs(d) -> StructuredOutputsParams:
     kwargs = {k: v for k, v in d.items() if k in _STRUCTURED_KEYS and v is not None}
     if isinstance(kwargs.get("structural_tag"), dict):
         kwargs["structural_tag"] = json.dumps(kwargs["structural_tag"])
-    return StructuredOutputsParams(**kwargs)
+    return StructuredOutputsParams(**kwargs, param="structured_outputs")
 
 
 def request_constraint(req) -> StructuredOutputsParams | None:
-    """The request's constraint, validated; None for none. Raises SamplingParamsError (400) naming the field."""
+    """The request's constraint (its `param` naming the field it came in), None for none. Raises
+    SamplingParamsError (400) naming the field for a malformed one; the input processor compiles it."""
     sources: list[tuple[str, object]] = []
-    rf = getattr(req, "response_format", None)
+    rf = req.response_format
     if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
         sources.append(("response_format", rf))
-    so = getattr(req, "structured_outputs", None)
+    so = req.structured_outputs
     if so is not None:
         sources.append(("structured_outputs", so))
-    guided = {name: getattr(req, name, None) for name in GUIDED_FIELDS}
+    guided = {name: getattr(req, name) for name in GUIDED_FIELDS}
     guided = {k: v for k, v in guided.items() if v is not None}
     if guided:
         sources.append((next(iter(guided)), guided))
@@ -101,11 +101,7 @@ def request_constraint(req) -> StructuredOutputsParams | None:
             if len(value) > 1:
                 raise SamplingParamsError(f"give one of {', '.join(GUIDED_FIELDS)}, not several", field)
             params = StructuredOutputsParams(**{GUIDED_FIELDS[field]: value[field]},
-                                             whitespace_pattern=getattr(req, "guided_whitespace_pattern", None))
-    except SamplingParamsError as e:
-        raise SamplingParamsError(str(e).replace("structured_outputs", field), field) from None
+                                             whitespace_pattern=req.guided_whitespace_pattern, param=field)
     except TypeError as e:
         raise SamplingParamsError(f"{field}: {e}", field) from None
-    if params is not None:
-        structured_outputs.validate(params, field)
     return params

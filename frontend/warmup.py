@@ -57,16 +57,15 @@ def run_warmup_cli(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     engine_args = engine_args_from_namespace(ns)
     if engine_args.backend == "torch":
         parser.error("xlaserve warmup compiles the JAX engine; --backend torch has nothing to warm up ahead of time")
-    if engine_args.topology:
-        return _run_aot(engine_args, ns)
-    if ns.executables_dir or ns.roofline_context is not None:
+    if not engine_args.topology and (ns.executables_dir or ns.roofline_context is not None):
         parser.error("--executables-dir and --roofline-context need --topology (a TPU slice to compile for)")
-    run_warmup = _load_run_warmup()
     try:
-        rows = run_warmup(engine_args, level=ns.level)
+        if engine_args.topology:
+            return _run_aot(engine_args, ns)
+        rows = _load_run_warmup()(engine_args, level=ns.level)
     except (ConfigError, ModelLoadError) as e:
         hint = ""
-        if isinstance(e, ModelLoadError) and "safetensors" in str(e):
+        if not engine_args.topology and isinstance(e, ModelLoadError) and "safetensors" in str(e):
             hint = (" (a folder holding only config.json is enough to compile for a TPU target: add --topology, "
                     "e.g. --topology v5e:2x2; compiling for this host's own devices needs the weights)")
         logger.error("%s%s", e, hint)
@@ -76,9 +75,7 @@ def run_warmup_cli(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 
 
 def _run_aot(engine_args, ns: argparse.Namespace) -> int:
-    from enginecore.config import ConfigError
-    from enginecore.model_loader import ModelLoadError
-
+    """`--topology`: compile for a TPU slice. ConfigError / ModelLoadError go to the caller."""
     try:
         from jaxengine.aot import DEFAULT_ROOFLINE_CONTEXT, format_report, run_aot_warmup
     except ImportError as e:
@@ -87,12 +84,8 @@ def _run_aot(engine_args, ns: argparse.Namespace) -> int:
     def progress(done, total, key):
         logger.info("compiled %d/%d: %s", done, total, key.describe())
 
-    try:
-        report = run_aot_warmup(engine_args, engine_args.topology, ns.level, executables_dir=ns.executables_dir,
-                                roofline_context=ns.roofline_context or DEFAULT_ROOFLINE_CONTEXT, progress=progress)
-    except (ConfigError, ModelLoadError) as e:
-        logger.error("%s", e)
-        return 2
+    report = run_aot_warmup(engine_args, engine_args.topology, ns.level, executables_dir=ns.executables_dir,
+                            roofline_context=ns.roofline_context or DEFAULT_ROOFLINE_CONTEXT, progress=progress)
     print(format_report(report))
     return 0 if report.fit["fits_hbm"] else 3
 

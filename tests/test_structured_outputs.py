@@ -177,10 +177,21 @@ def test_request_fields_to_params(caplog):
      "not several"),
 ])
 def test_invalid_constraints_are_400_naming_the_field(kw, param, needle):
+    from types import SimpleNamespace
+
+    from enginecore.config import StructuredOutputsConfig
+    from enginecore.processor import InputProcessor
     from frontend.structured_outputs import request_constraint
 
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64), model_config=SimpleNamespace(seed=0),
+                             structured_outputs_config=StructuredOutputsConfig())
+
+    def request_constraint_validated(req):  # the frontend builds it, the input processor compiles it
+        so = request_constraint(req)
+        InputProcessor(config, None, 100).validate_structured_outputs(so)
+
     with pytest.raises(SamplingParamsError) as e:
-        request_constraint(_req(**kw))
+        request_constraint_validated(_req(**kw))
     assert e.value.param == param, e.value
     assert needle in str(e.value), e.value
 

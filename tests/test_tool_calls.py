@@ -15,7 +15,7 @@ from frontend.tool_parsers import (
     RequiredToolParser,
     ToolCallStreamer,
     ToolChoiceError,
-    check_parameter_schemas,
+    invalid_tool_schema,
     resolve_tool_choice,
     tool_choice_schema,
 )
@@ -196,6 +196,30 @@ def test_schemas_for_enforced_choices():
     assert e.value.param == "tools"
 
 
+def check_parameter_schemas(tools: list[dict]) -> None:
+    """The server's path for an enforced choice's schema: the input processor compiles it (a 400 naming
+    "tools"), then `invalid_tool_schema` names the tools[i] at fault."""
+    from enginecore.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+    choice = resolve_tool_choice(tools, "required", auto_enabled=False)
+    try:
+        scripted_input_processor(100).validate_structured_outputs(
+            StructuredOutputsParams(json=tool_choice_schema(choice, None), param="tools"))
+    except SamplingParamsError as e:
+        assert e.param == "tools"
+        raise invalid_tool_schema(choice, None, e) from None
+
+
+def scripted_input_processor(vocab_size: int):
+    """The real client's InputProcessor (its structured-output check), on a minimal config."""
+    from enginecore.config import StructuredOutputsConfig
+    from enginecore.processor import InputProcessor
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=4096), model_config=SimpleNamespace(seed=0),
+                             structured_outputs_config=StructuredOutputsConfig())
+    return InputProcessor(config, None, vocab_size)
+
+
 # ---- the chat endpoint in-process, over a scripted engine ----------------------------------------------
 
 import asyncio  # noqa: E402
@@ -214,12 +238,14 @@ class ScriptedClient:
     def __init__(self, tokenizer, script: list[str], finish: str = "stop"):
         self.tokenizer = tokenizer
         self.config = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=4096))
-        self.input_processor = SimpleNamespace(vocab_size=tokenizer.vocab_size)
+        self.input_processor = scripted_input_processor(tokenizer.vocab_size)
         self.script = script
         self.finish = finish
         self.requests: list[tuple[dict, object]] = []
 
     async def add_request(self, rid, prompt, params, priority=0):
+        if params.structured_outputs is not None:  # as AsyncEngineClient's InputProcessor does
+            self.input_processor.validate_structured_outputs(params.structured_outputs)
         self.requests.append((prompt, params))
         ids = prompt["prompt_token_ids"]
 

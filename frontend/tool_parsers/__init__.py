@@ -13,7 +13,7 @@ from frontend.tool_parsers.tool_choice import (
     RequiredToolParser,
     ToolChoice,
     ToolChoiceError,
-    check_parameter_schemas,
+    invalid_tool_schema,
     resolve_tool_choice,
     tool_choice_schema,
 )
@@ -28,6 +28,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 __all__ = [
     "TOOL_PARSERS", "ToolCall", "ToolCallStreamer", "ToolParser", "complete_calls", "make_tool_call_id",
-    "NamedToolParser", "RequiredToolParser", "ToolChoice", "ToolChoiceError", "check_parameter_schemas",
+    "NamedToolParser", "RequiredToolParser", "ToolChoice", "ToolChoiceError", "invalid_tool_schema",
     "resolve_tool_choice", "tool_choice_schema",
 ]

@@ -139,6 +139,27 @@ def held_marker_prefix(s: str, marker: str) -> int:
     return 0
 
 
+def content_until(text: str, marker: str, final: bool) -> tuple[int, Parse]:
+    """(index of the first `marker`, a parse whose content ends there); no marker yet: (-1, a parse where
+    everything is content except a tail that may be the marker's start)."""
+    start = text.find(marker)
+    if start < 0:
+        return -1, Parse(len(text) if final else len(text) - held_marker_prefix(text, marker))
+    return start, Parse(start)
+
+
+def after_next_marker(text: str, i: int, marker: str) -> int | None:
+    """The index after the next `marker` from i on (whitespace skipped; other text before it is dropped, as
+    vLLM does), or None if there is none yet (the text may end with the marker's beginning)."""
+    i = skip_ws(text, i)
+    if text.startswith(marker, i):
+        return i + len(marker)
+    if i >= len(text) or marker.startswith(text[i:]):
+        return None
+    nxt = text.find(marker, i)
+    return None if nxt < 0 else nxt + len(marker)
+
+
 _STRING_STOP = re.compile(r'["\\]')
 _VALUE_STOP = re.compile(r'["{}\[\]]')
 
@@ -192,7 +213,7 @@ NAME_KEYS = ("name",)
 ARG_KEYS = ("arguments", "parameters")
 
 
-def parse_call_object(s: str, i: int, final: bool, arg_keys=ARG_KEYS) -> tuple[PartialCall, int | None]:
+def parse_call_object(s: str, i: int, final: bool) -> tuple[PartialCall, int | None]:
     """A `{"name": ..., "arguments": {...}}` object at s[i] (whitespace allowed before it).
     Returns the call and the index after the object, or None if it is not finished yet.
     Arguments stream as raw text once their object has started; arguments given as a JSON string
@@ -238,7 +259,7 @@ def parse_call_object(s: str, i: int, final: bool, arg_keys=ARG_KEYS) -> tuple[P
             if not isinstance(name, str):
                 raise ValueError("the function name is not a string")
             call.name = name
-        elif key in arg_keys:
+        elif key in ARG_KEYS:
             if ve is None:
                 if s[i] == "{":
                     call.arguments = s[i:]
@@ -263,10 +284,10 @@ def scan_calls(p: Parse, calls, text: str, i: int, final: bool) -> Parse:
     return p
 
 
-def scan_call_array(text: str, i: int, final: bool, p: Parse, arg_keys=ARG_KEYS) -> None:
+def scan_call_array(text: str, i: int, final: bool, p: Parse) -> None:
     """The call objects of a JSON array whose `[` ends before `i`, appended to `p` (ValueError: malformed)."""
     while True:
-        call, end = parse_call_object(text, i, final, arg_keys=arg_keys)
+        call, end = parse_call_object(text, i, final)
         p.calls.append(call)
         if end is None:
             return

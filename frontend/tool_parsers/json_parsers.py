@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, held_marker_prefix, parse_call_object,
-                                        scan_call_array, scan_calls, scan_value, skip_ws)
-
-
-def _content_until(text: str, marker: str, final: bool) -> Parse | None:
-    """No marker yet: everything is content except a tail that may be the marker's start."""
-    if marker in text:
-        return None
-    return Parse(len(text) if final else len(text) - held_marker_prefix(text, marker))
+from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, after_next_marker, content_until,
+                                        parse_call_object, scan_call_array, scan_calls, scan_value, skip_ws)
 
 
 class HermesToolParser(ToolParser):
@@ -21,25 +14,13 @@ class HermesToolParser(ToolParser):
     markers = (START,)
 
     def parse(self, text: str, final: bool) -> Parse:
-        early = _content_until(text, self.START, final)
-        if early is not None:
-            return early
-        start = text.index(self.START)
-        return scan_calls(Parse(start), self._calls, text, start, final)
+        start, p = content_until(text, self.START, final)
+        if start < 0:
+            return p
+        return scan_calls(p, self._calls, text, start, final)
 
     def _calls(self, text: str, i: int, final: bool, p: Parse) -> None:
-        while True:
-            i = skip_ws(text, i)
-            if text.startswith(self.START, i):
-                i += len(self.START)
-            elif i >= len(text) or self.START.startswith(text[i:]):
-                return
-            else:  # text between calls is dropped, as vLLM does
-                nxt = text.find(self.START, i)
-                if nxt < 0:
-                    return
-                i = nxt
-                continue
+        while (i := after_next_marker(text, i, self.START)) is not None:
             call, end = parse_call_object(text, i, final)
             p.calls.append(call)
             if end is None:
@@ -96,11 +77,9 @@ class MistralToolParser(ToolParser):
     markers = (START,)
 
     def parse(self, text: str, final: bool) -> Parse:
-        early = _content_until(text, self.START, final)
-        if early is not None:
-            return early
-        start = text.index(self.START)
-        p = Parse(start)
+        start, p = content_until(text, self.START, final)
+        if start < 0:
+            return p
         i = skip_ws(text, start + len(self.START))
         if i >= len(text):
             return p

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, held_marker_prefix, skip_ws
+from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, after_next_marker, content_until, skip_ws
 
 
 class Qwen3XmlToolParser(ToolParser):
@@ -27,23 +27,12 @@ class Qwen3XmlToolParser(ToolParser):
     markers = (START,)
 
     def parse(self, text: str, final: bool) -> Parse:
-        start = text.find(self.START)
+        start, p = content_until(text, self.START, final)
         if start < 0:
-            return Parse(len(text) if final else len(text) - held_marker_prefix(text, self.START))
-        p = Parse(start)
+            return p
         i = start
-        while True:
+        while (i := after_next_marker(text, i, self.START)) is not None:
             i = skip_ws(text, i)
-            if text.startswith(self.START, i):
-                i = skip_ws(text, i + len(self.START))
-            elif i >= len(text) or self.START.startswith(text[i:]):
-                return p
-            else:
-                nxt = text.find(self.START, i)
-                if nxt < 0:
-                    return p
-                i = nxt
-                continue
             if i >= len(text) or self.FUNC.startswith(text[i:]):
                 return p
             if not text.startswith(self.FUNC, i):
@@ -55,6 +44,7 @@ class Qwen3XmlToolParser(ToolParser):
             i = skip_ws(text, i)
             if text.startswith(self.END, i):
                 i += len(self.END)
+        return p
 
     def _function(self, text: str, i: int, p: Parse) -> int | None:
         gt = text.find(">", i)

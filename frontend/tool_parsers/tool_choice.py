@@ -10,10 +10,9 @@ enforces a named or `required` choice through structured outputs, and the parser
 
 from __future__ import annotations
 
-import copy
-import functools
 from dataclasses import dataclass
 
+from enginecore.sampling_params import SamplingParamsError, StructuredOutputsParams
 from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, scan_call_array, scan_calls, skip_ws
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -93,34 +92,37 @@ def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or EMPTY_PARAMETERS
 
 
-def check_parameter_schemas(tools: list[dict]) -> None:
-    """Each tool's parameters must compile as a JSON schema (llguidance), else a 400 naming `tools`."""
-    try:
-        import llguidance
-    except ImportError:  # the engine checks again when it compiles the grammar
-        return
-    for i, t in enumerate(tools):
-        fn = t["function"]
+def invalid_tool_schema(choice: ToolChoice, parallel_tool_calls: bool | None, error: Exception) -> ToolChoiceError:
+    """The 400 of an enforced choice whose schema does not compile (`error`: the input processor's, naming
+    "tools"): the tools[i] at fault, found by compiling the schema of each tool alone (on this failure only)."""
+    from enginecore import structured_outputs
+
+    for i, t in enumerate(choice.tools):
+        name = t["function"]["name"]
+        if choice.mode == "named" and name != choice.name:
+            continue
+        one = tool_choice_schema(ToolChoice(choice.mode, [t], choice.name), parallel_tool_calls)
         try:
-            err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(_parameters(fn)))
-        except Exception as e:  # noqa: BLE001 - any failure is the schema's
-            err = str(e)
-        if err:
-            raise ToolChoiceError(f"tools[{i}] ({fn['name']}): parameters is not a valid JSON schema: {err}", "tools")
+            structured_outputs.validate(StructuredOutputsParams(json=one, param="tools"), "tools")
+        except SamplingParamsError as e:
+            return ToolChoiceError(f"tools[{i}] ({name}): parameters is not a valid JSON schema: {e}", "tools")
+        except ImportError:
+            break
+    return ToolChoiceError(f"tools: the JSON schema that enforces tool_choice does not compile: {error}", "tools")
 
 
 def tool_choice_schema(choice: ToolChoice, parallel_tool_calls: bool | None) -> dict | None:
     """The JSON schema that enforces a named or required choice (None for none/auto)."""
     if choice.mode == "named":
         fn = next(t["function"] for t in choice.tools if t["function"]["name"] == choice.name)
-        return copy.deepcopy(_parameters(fn))
+        return _parameters(fn)
     if choice.mode != "required":
         return None
     defs: dict = {}
     items = []
     for t in choice.tools:
         fn = t["function"]
-        params = copy.deepcopy(_parameters(fn))
+        params = dict(_parameters(fn))  # its $defs move to the top
         # "#/$defs/x" references must resolve from the top of the combined schema
         for k, v in (params.pop("$defs", None) or {}).items():
             if k in defs and defs[k] != v:
@@ -148,7 +150,7 @@ class NamedToolParser(ToolParser):
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> Parse:
-        args = text.strip() if final else text.lstrip().rstrip()
+        args = text.strip()
         return Parse(0, [PartialCall(self.function_name, args, final)] if (args or not final) else [])
 
 
@@ -166,5 +168,4 @@ class RequiredToolParser(ToolParser):
         if text[i] != "[":
             p.error = True
             return p
-        return scan_calls(p, functools.partial(scan_call_array, arg_keys=("parameters", "arguments")), text, i + 1,
-                          final)
+        return scan_calls(p, scan_call_array, text, i + 1, final)
