@@ -240,12 +240,11 @@ def compute_logits(params: ModelParams, hidden, arch: ArchConfig):
     return jnp.einsum("nh,vh->nv", h, w, preferred_element_type=jnp.float32)
 
 
-def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int | None = None,
-                   head_dim: int | None = None) -> tuple[int, int, int, int]:
-    """All layers in one array: [L * num_blocks, block_size, 2 * Hkv, D]. `kv_heads` / `head_dim` override
-    Hkv / D: the Pallas path on TPU stores them padded (`jaxengine.platform.pallas_cache_heads`)."""
-    return (arch.num_hidden_layers * num_blocks, block_size, 2 * (kv_heads or arch.num_key_value_heads),
-            head_dim or arch.head_dim)
+def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    """All layers in one array: [L * num_blocks, block_size, 2 * kv_heads, head_dim] (as stored: the Pallas
+    path on TPU pads heads and head_dim, `jaxengine.platform.pallas_cache_heads`)."""
+    return (arch.num_hidden_layers * num_blocks, block_size, 2 * kv_heads, head_dim)
 
 
 __all__ = [

@@ -57,25 +57,21 @@ def _pallas_available() -> bool:
         return False
 
 
-def pallas_attention(platform: str, device_kind: str = "", *, arch=None, block_size: int = 16,
-                     kv_heads_per_device: int | None = None, kv_dtype=None):
+def pallas_attention(platform: str, device_kind: str, *, group: int, block_size: int, kv_heads: int, head_dim: int,
+                     kv_dtype):
     """The Pallas kernel with our call signature: ``(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens,
     distribution, *, sm_scale, sliding_window)``.
 
     On TPU it is compiled by Mosaic with the chip's chunk and q-block sizes
-    (`pallas_kernels.tuning`, looked up by `device_kind`, for the per-device shape
-    given by `arch`, `block_size`, `kv_heads_per_device` and `kv_dtype`). On CPU it
-    runs in the TPU interpreter (tests only: slow).
+    (`pallas_kernels.tuning`, looked up by `device_kind`, for the per-device cache
+    as the kernel reads it: `kv_heads` and `head_dim` padded as stored, `group` q
+    heads per kv head). On CPU it runs in the TPU interpreter (tests only: slow).
     """
     import pallas_kernels
 
     if platform == "tpu":
-        tuned = {}
-        if arch is not None:
-            tuned = pallas_kernels.kernel_block_sizes(
-                device_kind, block_size=block_size, num_kv_heads=kv_heads_per_device or arch.num_key_value_heads,
-                group=arch.num_attention_heads // arch.num_key_value_heads, head_dim=arch.head_dim,
-                dtype=kv_dtype)
+        tuned = pallas_kernels.kernel_block_sizes(device_kind, block_size=block_size, num_kv_heads=kv_heads,
+                                                  group=group, head_dim=head_dim, dtype=kv_dtype)
         if tuned:
             logger.info("pallas attention on %s: %s", device_kind, tuned)
         return _padded_cache(functools.partial(pallas_kernels.ragged_paged_attention, **tuned))

@@ -163,8 +163,9 @@ class JaxModelRunner:
     def _attention_fn(self):
         if self.attention_backend == "reference":
             return ragged_paged_attention_xla
-        return plat.pallas_attention(self.platform, self.devices[0].device_kind, arch=self.arch,
-                                     block_size=self.block_size, kv_heads_per_device=self.cache_kv_heads,
+        return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
+                                     group=self.arch.num_attention_heads // self.arch.num_key_value_heads,
+                                     kv_heads=self.cache_kv_heads, head_dim=self.cache_head_dim,
                                      kv_dtype=jnp_dtype(self.kv_dtype))
 
     def load_model(self) -> None:
