@@ -29,12 +29,12 @@ import fcntl
 import glob
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from benchmarks._server import LoggedProcess, free_port
 
 PEERS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "peers")
 LLAMA_CPP_PKG = "llama-cpp-python[server]==0.3.36"
@@ -168,12 +168,6 @@ def peer_available(name: str, module: str) -> str | None:
 # ---- servers --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def define_servers(args, port: dict, gguf: str, hf_dir: str | None, eos_ids: list[int]) -> list[Server]:
     max_len = str(args.max_model_len)
     out = []
@@ -203,29 +197,6 @@ def define_servers(args, port: dict, gguf: str, hf_dir: str | None, eos_ids: lis
     return out
 
 
-class Running:
-    """A started server process group; `stop()` ends exactly that group."""
-
-    def __init__(self, server: Server, log_path: str):
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(server.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **server.env}, start_new_session=True,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-
-
 def prompts_for_level(args, concurrency: int) -> int:
     return max(args.min_prompts, args.prompts_per_level * concurrency)
 
@@ -246,7 +217,7 @@ def bench_server(server: Server, port: int, reqs, args) -> dict:
     cfg = ServeConfig(base_url=f"http://127.0.0.1:{port}", ignore_eos=False, temperature=0.0,
                       extra_body=server.extra_body, request_timeout=args.request_timeout,
                       ready_timeout=server.ready_timeout, disable_tqdm=args.disable_tqdm, seed=0)
-    run = Running(server, log_path)
+    run = LoggedProcess(server.cmd, log_path, server.env, group=True)  # stop(): that process group
     try:
         t0 = time.perf_counter()
         with httpx.Client() as client:
@@ -292,7 +263,7 @@ def bench_server(server: Server, port: int, reqs, args) -> dict:
     except Exception as e:  # noqa: BLE001 - one server's failure must not stop the others
         return {"error": f"{type(e).__name__}: {e}; server log {log_path}:\n    {_tail(log_path)}"}
     finally:
-        run.stop()
+        run.stop(timeout=30)
 
 
 # ---- the report -----------------------------------------------------------------------------

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks._server import ServerProcess, parse_metrics
+
 PROMPTS = ["The capital of France is", "Once upon a time", "List three colors:", "def fibonacci(n):",
            "The best way to learn is", "Water boils at", "My favourite animal is", "In 1969, humans"]
 STOPS = [["."], [" the"], ["\n"], [",", "!"]]
@@ -121,14 +121,7 @@ def percentiles(xs: list[float]) -> dict:
 
 
 def metrics(url: str, headers: dict) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return parse_metrics(httpx.get(url + "/metrics", headers=headers, timeout=30).text)
 
 
 class _Tally:
@@ -347,14 +340,11 @@ def run_soak(url: str, duration: float, clients: int, server_pid: int | None = N
     info = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
     max_model_len = int(info.get("max_model_len") or 2048)
     tally = _Tally()
-    # one of each kind first, so the baseline RSS is taken after the first allocations of each path
-    warm = threading.Thread(target=_client_loop, args=(url, headers, _Tally(), seed + 10_000,
-                                                       time.monotonic() + min(5.0, duration / 6), max_model_len))
-    warm.start()
-    warm.join()
-    wait_idle(url, headers)
+    # one client's random mix for a few seconds first (its results not counted), so that the baseline RSS is
+    # taken after the first allocations of the paths it took
+    _client_loop(url, headers, _Tally(), seed + 10_000, time.monotonic() + min(5.0, duration / 6), max_model_len)
+    before = wait_idle(url, headers)
     rss_start = _rss_mb(server_pid)
-    before = metrics(url, headers)
     t0 = time.monotonic()
     deadline = t0 + duration
     threads = [threading.Thread(target=_client_loop, args=(url, headers, tally, seed + i, deadline, max_model_len),
@@ -422,32 +412,12 @@ def kill_engine(url: str, proc: subprocess.Popen, headers: dict | None = None) -
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(server_args: list[str], log_path: str, timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
-    """`xlaserve serve` on a free port (dev mode: /server_info gives the engine's pid); waits for /health."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "30"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server was not ready in {timeout:.0f}s; see {log_path}")
+def start_server(server_args: list[str], log_path: str, timeout: float = 900.0) -> ServerProcess:
+    """`xlaserve serve` on a free port (dev mode: /server_info gives the engine's pid), ready on /health;
+    `stop()` it when done."""
+    srv = ServerProcess(server_args, log_path, env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "30"})
+    srv.wait_ready(timeout)
+    return srv
 
 
 def report(r: SoakResult) -> str:
@@ -488,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the started server's log (default: %(default)s)")
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
-    proc = None
+    srv = None
     if args.url:
         url = args.url.rstrip("/")
     else:
@@ -496,15 +466,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend:
             server_args += ["--backend", args.backend]
         print(f"starting xlaserve serve {' '.join(server_args)} (log: {args.log})")
-        proc, url = start_server(server_args, args.log)
+        srv = start_server(server_args, args.log)
+        url = srv.url
     try:
-        result = run_soak(url, args.duration, args.clients, proc.pid if proc else None, args.seed)
-        if proc is not None and not args.no_kill:
-            result.engine_kill = kill_engine(url, proc)
+        result = run_soak(url, args.duration, args.clients, srv.proc.pid if srv else None, args.seed)
+        if srv is not None and not args.no_kill:
+            result.engine_kill = kill_engine(url, srv.proc)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+        if srv is not None:
+            srv.stop()
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,9 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks._server import ServerProcess as _ServerProcess
+from benchmarks._server import parse_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -46,50 +47,10 @@ ENGINE_FLAGS = ["--backend", BACKEND, "--platform", "cpu", "--max-model-len", st
                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "256", "--max-logprobs", "5"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProcess(_ServerProcess):
+    """`xlaserve serve` for these tests: ready within XLASERVE_TEST_STARTUP_TIMEOUT seconds."""
 
-
-class ServerProcess:
-    def __init__(self, args: list[str], log_path: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(__file__)))
-
-    def log_tail(self, n: int = 4000) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-n:]
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_tail()}")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
+    ready_timeout = STARTUP_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +79,7 @@ def http(server):
 
 def metrics(http) -> dict[str, float]:
     """'name{labels}' and bare 'name' (summed over labels) -> value."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(http.get("/metrics").text):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-            if labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return parse_metrics(http.get("/metrics").text)
 
 
 def wait_for(cond, timeout: float = 30.0, interval: float = 0.1):

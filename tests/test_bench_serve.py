@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from benchmarks._server import ServerProcess
 from frontend.bench import main as bench_main
 from frontend.bench.serve import ServeConfig, prepare, run_serve
 
@@ -144,12 +144,6 @@ def test_serve_reports_failures_when_the_server_errors(scripted_server):
 # ---- our real server ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _backend_flags() -> list[str]:
     """The default backend (jax on CPU) while its runner exists, else torch."""
     import importlib.util
@@ -173,29 +167,22 @@ def test_serve_against_our_server(tmp_path):
     reason = _serve_available()
     if reason:
         pytest.skip(reason)
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "256", "--max-num-seqs", "4", *_backend_flags()],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = ServerProcess(["--max-model-len", "256", "--max-num-seqs", "4", *_backend_flags()],
+                        str(tmp_path / "server.log"), env={"JAX_PLATFORMS": "cpu"})
     try:
-        cfg = ServeConfig(base_url=f"http://127.0.0.1:{port}", num_prompts=4, random_input_len=32,
+        cfg = ServeConfig(base_url=srv.url, num_prompts=4, random_input_len=32,
                           random_output_len=8, ignore_eos=True, temperature=0.0, disable_tqdm=True,
                           ready_timeout=600, request_timeout=300)
         deadline = time.monotonic() + cfg.ready_timeout
         while True:  # fail fast if the server dies while starting
-            if proc.poll() is not None:
-                log.flush()
-                pytest.fail(f"server exited {proc.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+            if not srv.alive():
+                pytest.fail(f"server exited {srv.proc.returncode}:\n{srv.log_tail(3000)}")
             try:
                 model, reqs, source, counter = prepare(dataclasses.replace(cfg, ready_timeout=5))
                 break
             except RuntimeError as e:
                 if time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail(f"server did not come up: {e}\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+                    pytest.fail(f"server did not come up: {e}\n{srv.log_tail(3000)}")
         res = run_serve(cfg, model, reqs, source, counter, max_concurrency=4)
         errors = [r.error for r in res.records if not r.success]
         assert res.metrics.completed == 4, errors
@@ -203,10 +190,4 @@ def test_serve_against_our_server(tmp_path):
         assert all(r.prompt_len == 32 for r in reqs) or source.startswith("estimate")
         assert res.metrics.ttft_ms.median > 0 and res.metrics.tpot_ms.median > 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        srv.stop(timeout=30)

@@ -7,11 +7,11 @@ hook (enginecore/faults.py) while a failing model step stays an engine death.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
+from benchmarks._server import parse_metrics, sse_events
 from enginecore.config import EngineArgs
 from enginecore.faults import ENV, FaultInjector, InjectedFault
 from frontend.api_server import HTTPOptions, ServerState, build_app
@@ -56,15 +56,7 @@ class App:
         self.client, self.runner, self.state, self.http = client, runner, state, http
 
     def metric(self, name: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for fam in text_string_to_metric_families(self.state.metrics.render().decode()):
-            for s in fam.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-                if name in (s.name, f"{s.name}{{{labels}}}"):
-                    total += s.value
-        return total
+        return parse_metrics(self.state.metrics.render().decode()).get(name, 0.0)
 
     async def settled(self) -> None:
         """Every request gone from the engine, its blocks back in the pool, the pool's invariants true."""
@@ -109,10 +101,6 @@ async def hold_until_queued(app: App) -> None:
     adds wait in the engine's socket; the step after this one then schedules them all together."""
     assert await asyncio.to_thread(app.runner.in_step.wait, 10)
     await asyncio.sleep(0.3)
-
-
-def sse_events(text: str) -> list:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
 def completion(i: int = 0, **kw) -> dict:

@@ -21,7 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.test_api_server import ServerProcess, metrics
+from benchmarks._server import sse_events
+from tests.test_api_server import ServerProcess, metrics, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +61,9 @@ def _stream_tokens(http: httpx.Client, body: dict) -> list[int]:
     toks = []
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                toks += chunk["choices"][0].get("token_ids") or []
+        for chunk in sse_events(r.iter_lines()):
+            assert "error" not in chunk, chunk
+            toks += chunk["choices"][0].get("token_ids") or []
     return toks
 
 
@@ -95,9 +94,7 @@ def test_kv_pressure_outputs_equal_alone(tmp_path, tiny_llama, backend):
             assert r.status_code == 400 and "KV-cache blocks" in r.json()["error"]["message"], r.text
             r = http.post("/v1/completions", json={"prompt": list(range(100, 200)), "max_tokens": 150})
             assert r.status_code == 400 and "max_tokens (150)" in r.json()["error"]["message"], r.text
-            deadline = time.monotonic() + 30
-            while _metric(http, "xlaserve:kv_cache_used_blocks") and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for(lambda: _metric(http, "xlaserve:kv_cache_used_blocks") == 0, timeout=30, interval=0.2)
             assert _metric(http, "xlaserve:kv_cache_used_blocks") == 0
             assert _metric(http, "vllm:num_requests_running") == 0
             assert _metric(http, 'vllm:request_success_total{finished_reason="length"}') >= 12

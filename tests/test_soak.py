@@ -11,8 +11,6 @@ engine process is SIGKILLed with a request in flight: 503, and the server exits 
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from benchmarks.soak import kill_engine, report, run_soak, start_server
@@ -24,14 +22,12 @@ SERVER_ARGS = ["--backend", "torch", "--platform", "cpu", "--max-num-seqs", "8",
 
 
 def test_soak_30s(tmp_path):
-    proc, url = start_server(SERVER_ARGS, str(tmp_path / "server.log"))
+    srv = start_server(SERVER_ARGS, str(tmp_path / "server.log"))
     try:
-        result = run_soak(url, duration=30, clients=8, server_pid=proc.pid, seed=15)
-        result.engine_kill = kill_engine(url, proc)
+        result = run_soak(srv.url, duration=30, clients=8, server_pid=srv.proc.pid, seed=15)
+        result.engine_kill = kill_engine(srv.url, srv.proc)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+        srv.stop()
     text = report(result)
     print(text)
     assert not result.problems(), text
