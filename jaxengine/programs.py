@@ -111,14 +111,14 @@ class ModelLayout:
 
 
 def model_step(params, kv_cache, last_tokens, rope, packed, *, layout: ModelLayout, num_rows: int,
-               arch: ArchConfig, attention_fn, scan_layers: bool):
+               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0):
     """-> (hidden [Tp, H] before the final norm, rows [num_rows, H] at logits_indices, kv_cache)."""
     f = layout.unpack(packed)
     src = f["input_from_row"]
     ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], f["input_ids"])
     md = RaggedMetadata(f["kv_lens"], f["block_tables"], f["cu_q_lens"], f["distribution"])
     hidden, kv_cache = forward(params, kv_cache, ids, f["positions"], md, rope, arch, attention_fn,
-                               scan_layers=scan_layers)
+                               scan_layers=scan_layers, weights_first_rows=weights_first_rows)
     rows = hidden[f["logits_indices"]]
     rows = jnp.pad(rows, ((0, num_rows - layout.reqs), (0, 0)))
     return hidden, rows, kv_cache
@@ -184,7 +184,8 @@ def processed_inputs(sb: SamplingBatch, reqs: int, vocab_size: int) -> tuple[np.
 
 
 def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout, arch: ArchConfig,
-                mode: str, num_logprobs: int, method: str, chunk_rows: int | None = None):
+                mode: str, num_logprobs: int, method: str, chunk_rows: int | None = None,
+                weights_first_rows: int = 0):
     """-> (out [Rp, 3 + 2N] i32: sampled, top-N ids, top-N logprobs, sampled logprob, rank; last_tokens).
 
     `extra`: the variant's inputs (`sampler_inputs`): () | (bitmask,) | (*processed, bitmask).
@@ -197,7 +198,7 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)
 
     def head(hidden, per_row, extra):
-        logits = compute_logits(params, hidden, arch)
+        logits = compute_logits(params, hidden, arch, weights_first_rows)
         processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
         return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,
                       mode=mode, num_logprobs=num_logprobs, method=method)

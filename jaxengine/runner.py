@@ -131,6 +131,9 @@ class JaxModelRunner:
         self.sampler_method = opts.get("sampler_method", "topk")
         # CPU: LM head + sampler 64 rows at a time (see programs.sample_step)
         self.logits_chunk_rows = opts.get("logits_chunk_rows", 64 if self.platform == "cpu" else None)
+        # CPU: the linears of steps of <= 32 tokens (and the LM head of <= 32 rows) run weights first
+        # (see model.dense); TPU and GPU compilers choose their own layouts
+        self.weights_first_rows = int(opts.get("weights_first_rows", 32 if self.platform == "cpu" else 0))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
@@ -281,7 +284,8 @@ class JaxModelRunner:
         if key.kind == "model":
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
-                                           attention_fn=self._attention, scan_layers=self.scan_layers),
+                                           attention_fn=self._attention, scan_layers=self.scan_layers,
+                                           weights_first_rows=self.weights_first_rows),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
             return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":
@@ -298,7 +302,8 @@ class JaxModelRunner:
                          f32(R), f32(R), f32(R), bitmask)
             fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, mode=key.mode,
                                            num_logprobs=self.max_logprobs, method=self.sampler_method,
-                                           chunk_rows=self.logits_chunk_rows),
+                                           chunk_rows=self.logits_chunk_rows,
+                                           weights_first_rows=self.weights_first_rows),
                          donate_argnums=(2,), out_shardings=(rep, rep))
             return fn.lower(params, rows, last, i32(layout.size), *extra)
         if key.kind == "prompt_logprobs":

@@ -54,7 +54,16 @@ def test_async_equals_sync(tiny, backend):
     assert any(r[2] == "stop" for r in want), "the stop-token requests must stop early"
     got = run(LLM(tiny, async_scheduling=True, **kw), params)
     assert got == want
-    # preemption by recompute while a step is in flight (12 blocks of 16 for ~8 x 50 tokens)
+    # preemption by recompute while a step is in flight (12 blocks of 16 for ~8 x 50 tokens). A recomputed
+    # request runs in steps of other sizes, whose matmuls may round the last bit differently (on a CPU the
+    # LM head and linears of 2-32 rows run weights first, jaxengine.model.dense): same tokens, same texts,
+    # logprobs equal to 1e-3.
     tight = LLM(tiny, async_scheduling=True, num_gpu_blocks_override=12, **{**kw, "enable_prefix_caching": False})
-    assert run(tight, params) == want
+    got = run(tight, params)
+    assert [r[:4] for r in got] == [r[:4] for r in want]
+    for g, w in zip(got, want):
+        assert (g[4] is None) == (w[4] is None)
+        for gd, wd in zip(g[4] or [], w[4] or []):
+            assert [t for t, _ in gd] == [t for t, _ in wd]
+            assert [v for _, v in gd] == pytest.approx([v for _, v in wd], abs=1e-3)
     assert tight.llm_engine.core.scheduler.num_preemptions > 0

@@ -163,6 +163,8 @@ class TorchModelRunner:
             tp = (self.rank, self.tp_size, self.tp.group) if self.tp is not None else None
             model = build_model(self.arch, self.max_model_len + 1, self.device, self.dtype, tp=tp)
             load_weights(model, self.model_source.iter_weights())
+        if self.device.type == "cpu":
+            model.weights_first_rows = 32
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)

@@ -1,0 +1,79 @@
+"""A linear layer of a few rows on this CPU, both orientations, both backends.
+
+    python -m benchmarks.bench_dense [--rows 1,2,4,8,16,32,64] [--layers 8]
+
+`h [M, K] . w [N, K]^T` (what every linear and the LM head compute) in the
+usual orientation and weights first (`w . h^T`, then transposed:
+`jaxengine.model.dense`, `torchengine.model.Model.compute_logits`), at the
+embedded model's shapes. Each timing cycles through --layers distinct weight
+matrices, so the weights come from memory as in a real step, not from cache.
+Prints ms per matmul and the speedup of weights first; the engines use it for
+2 to 32 rows on a CPU (`weights_first_rows`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+SHAPES = (("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152))
+
+
+def best_ms(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jaxengine.model import dense
+
+    torch.set_num_threads(threads)
+    jstd = jax.jit(lambda h, w: dense(h, w, False))
+    jwf = jax.jit(lambda h, w: dense(h, w, True))
+    rng = np.random.default_rng(0)
+    print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
+    print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5}")
+    for name, K, N in SHAPES:
+        n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
+        ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
+        jws = [jnp.asarray(w) for w in ws]
+        tws = [torch.from_numpy(w) for w in ws]
+        for M in rows:
+            h = rng.standard_normal((M, K), np.float32)
+            jh, th = jnp.asarray(h), torch.from_numpy(h)
+
+            def run_j(f):
+                return lambda: jax.block_until_ready([f(jh, w) for w in jws])
+
+            with torch.inference_mode():
+                t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
+                t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
+            j_usual = best_ms(run_j(jstd)) / n_layers
+            j_wf = best_ms(run_j(jwf)) / n_layers
+            print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "
+                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
