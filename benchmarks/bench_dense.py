@@ -1,4 +1,4 @@
-"""A linear layer of a few rows on this CPU, both orientations, both backends.
+"""A linear layer of a few rows on this CPU, both orientations, both backends, and 4-bit.
 
     python -m benchmarks.bench_dense [--rows 1,2,4,8,16,32,64] [--layers 8]
 
@@ -8,7 +8,9 @@ usual orientation and weights first (`w . h^T`, then transposed:
 embedded model's shapes. Each timing cycles through --layers distinct weight
 matrices, so the weights come from memory as in a real step, not from cache.
 Prints ms per matmul and the speedup of weights first; the engines use it for
-2 to 32 rows on a CPU (`weights_first_rows`).
+2 to 32 rows on a CPU (`weights_first_rows`). The last column is torch's 4-bit
+kernel on the same weights quantized in groups of 32 (`--quantization gguf`,
+`torchengine.quant`), as a speedup over torch's usual float32 linear.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def best_ms(fn, reps: int = 5) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
@@ -44,7 +46,9 @@ def main() -> int:
     import jax.numpy as jnp
     import torch
 
+    from enginecore.model_loader import Int4Groups
     from jaxengine.model import dense
+    from torchengine.quant import Int4Linear
 
     torch.set_num_threads(threads)
     jstd = jax.jit(lambda h, w: dense(h, w, False))
@@ -52,12 +56,20 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
-          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5}")
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch 4-bit':>11} {'x':>5}")
     for name, K, N in SHAPES:
         n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
         jws = [jnp.asarray(w) for w in ws]
         tws = [torch.from_numpy(w) for w in ws]
+        q4s = []
+        for w in ws:
+            g = w.reshape(N, K // 32, 32)
+            lo, hi = g.min(-1), g.max(-1)
+            scale = (hi - lo) / 15
+            q = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8).reshape(N, K)
+            lin = torch.nn.Linear(K, N, bias=False)
+            q4s.append(Int4Linear(lin, Int4Groups(q, scale, lo), max_rows=1 << 30))
         for M in rows:
             h = rng.standard_normal((M, K), np.float32)
             jh, th = jnp.asarray(h), torch.from_numpy(h)
@@ -68,10 +80,12 @@ def main() -> int:
             with torch.inference_mode():
                 t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
+                t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
             j_usual = best_ms(run_j(jstd)) / n_layers
             j_wf = best_ms(run_j(jwf)) / n_layers
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "
-                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f}", flush=True)
+                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | {t_q4:>11.3f} {t_usual / t_q4:>5.2f}",
+                  flush=True)
     return 0
 
 

@@ -38,8 +38,13 @@ class ModelConfig:
     generation_config: str = "auto"  # "auto" (from the model) or "vllm" (ignore it)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     load_format: str = "auto"
+    # "gguf": keep a GGUF file's 4-bit weights (Q4_0 / Q4_1) quantized and multiply them as they are
+    # (torch backend on CPU); None: dequantize every weight on load
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "gguf"):
+            raise ConfigError(f"--quantization must be gguf (or unset); got {self.quantization!r}.")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp32", "fp16"):
             raise ConfigError(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -257,6 +262,7 @@ class EngineArgs:
     generation_config: str = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     load_format: str = "auto"
+    quantization: str | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -303,6 +309,15 @@ class EngineArgs:
         from enginecore.platform import resolve_platform_and_backend
 
         platform, backend = resolve_platform_and_backend(self.platform, self.backend)
+        if self.quantization == "gguf":
+            # the 4-bit matmul is torch's CPU kernel (torchengine.quant)
+            if self.backend == "auto" and platform == "cpu":
+                backend = "torch"
+            if backend != "torch" or platform != "cpu":
+                raise ConfigError(f"--quantization gguf runs on --backend torch --platform cpu only (got --backend "
+                                  f"{backend} --platform {platform}); without it GGUF weights are dequantized")
+            if self.tensor_parallel_size != 1:
+                raise ConfigError("--quantization gguf does not run with --tensor-parallel-size > 1")
         max_model_len = self.max_model_len or model_max_len or 8192
         if model_max_len is not None and self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ConfigError(
@@ -322,6 +337,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
             load_format=self.load_format,
+            quantization=self.quantization,
         )
         # vLLM's defaults: CPU gets a smaller batch.
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if platform != "cpu" else 64)

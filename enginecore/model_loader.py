@@ -73,6 +73,23 @@ class ModelSource:
                     _check_weight_dtype(path, name, dtype)
                     yield name, shape
 
+    def iter_int4_weights(self) -> Iterator[tuple[str, "Int4Groups"]]:
+        """(hf_name, Int4Groups) of every 2-D GGUF tensor stored as Q4_0 or Q4_1, as stored (not
+        dequantized), rows in Hugging Face order; nothing for other files and types."""
+        if self.kind != "gguf":
+            return
+        for t in self.gguf_reader.tensors:
+            if t.tensor_type.name not in ("Q4_0", "Q4_1") or len(t.shape) != 2:
+                continue
+            name = _gguf_hf_name(self.path, t.name)
+            if name is None:
+                continue
+            g = Int4Groups.from_gguf(self.path, t)
+            n_head = _rope_permuted_heads(self.config, name)
+            if n_head:
+                g = Int4Groups(*(_unpermute_rope(a, n_head) for a in (g.q, g.scale, g.offset)))
+            yield name, g
+
     def load_weights(self) -> dict[str, np.ndarray]:
         return dict(self.iter_weights())
 
@@ -259,6 +276,55 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rope_permuted_heads(cfg: ArchConfig, hf_name: str) -> int:
+    """Heads of a Q/K weight whose rows llama.cpp interleaved (0 for every other tensor)."""
+    if cfg.model_type == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+        return cfg.num_attention_heads
+    if cfg.model_type == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+        return cfg.num_key_value_heads
+    return 0
+
+
+@dataclass
+class Int4Groups:
+    """A 4-bit weight [N, K] in groups of 32 along K: w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32].
+
+    GGUF's Q4_1 stores exactly that (d and m, float16); Q4_0 is w = (q - 8) * d, i.e. offset = -8 d.
+    """
+
+    q: np.ndarray  # [N, K] uint8 in 0..15
+    scale: np.ndarray  # [N, K // 32] float32
+    offset: np.ndarray  # [N, K // 32] float32
+
+    GROUP = 32
+
+    @classmethod
+    def from_gguf(cls, path: str, t) -> "Int4Groups":
+        K, N = t.shape  # innermost first
+        if K % cls.GROUP:
+            raise ModelLoadError(f"{path}: tensor {t.name}: rows of {K} are not whole blocks of {cls.GROUP}")
+        with_min = t.tensor_type.name == "Q4_1"
+        block = 20 if with_min else 18
+        nblocks = N * K // cls.GROUP
+        if t.data.size != nblocks * block:
+            raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
+        raw = np.asarray(t.data).reshape(nblocks, block)
+        d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+        qs = raw[:, block - 16 :]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # element j: low nibble of byte j, j + 16: high
+        if with_min:
+            m = raw[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+        else:
+            m = -8.0 * d
+        groups = (N, K // cls.GROUP)
+        return cls(q.reshape(N, K), d.reshape(groups), m.reshape(groups))
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.q.shape
+        w = self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None] + self.offset[..., None]
+        return w.reshape(N, K)
+
+
 def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
 
@@ -275,10 +341,9 @@ def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tupl
         name = _gguf_hf_name(path, t.name)
         if name is None:
             continue
-        if cfg.model_type == "llama" and name.endswith("self_attn.q_proj.weight"):
-            arr = _unpermute_rope(arr, cfg.num_attention_heads)
-        elif cfg.model_type == "llama" and name.endswith("self_attn.k_proj.weight"):
-            arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+        n_head = _rope_permuted_heads(cfg, name)
+        if n_head:
+            arr = _unpermute_rope(arr, n_head)
         yield name, arr
 
 

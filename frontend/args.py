@@ -47,6 +47,9 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "max_logprobs": ("ModelConfig", "Largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
                      "(-1: no limit).", None),
     "load_format": ("ModelConfig", "Weights format.", ("auto", "safetensors", "gguf", "orbax")),
+    "quantization": ("ModelConfig", "gguf: keep a GGUF file's Q4_0/Q4_1 weights 4-bit and multiply them as "
+                     "they are (torch on CPU; bf16 activations for steps of up to 16 tokens). Unset: every "
+                     "weight dequantized on load.", ("gguf",)),
     "block_size": ("CacheConfig", "Tokens per KV-cache block.", (1, 8, 16, 32, 64, 128, 256)),
     "gpu_memory_utilization": ("CacheConfig", "Fraction of accelerator memory for weights, activations and the "
                                "KV cache.", None),
@@ -187,7 +190,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
             kw["choices"] = choices
             if all(isinstance(c, int) for c in choices):
                 kw["type"] = int
-        g.add_argument(_flag(f.name), **kw)
+        g.add_argument(_flag(f.name), *(["-q"] if f.name == "quantization" else []), **kw)  # vLLM's -q
     return groups
 
 

@@ -61,8 +61,6 @@ VLLM_COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     _F("api-server-count", REJECT, "one API server process per engine", noop_values=("1",)),
     _F("device", REJECT, "use --platform {auto,tpu,cuda,cpu}", noop_values=("auto",)),
     # rejected: would change results or behaviour
-    _F("quantization", REJECT, "quantized inference is not supported (GGUF weights are dequantized on load)",
-       short="-q"),
     _F("speculative-config", REJECT, "speculative decoding is not supported"),
     _F("num-speculative-tokens", REJECT, "speculative decoding is not supported"),
     _F("speculative-model", REJECT, "speculative decoding is not supported"),

@@ -110,8 +110,8 @@ def test_model_given_twice_differently(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--quantization", "awq"], "--quantization awq: this vLLM flag is not supported"),
-    (["-q", "awq"], "--quantization awq"),
+    (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
+    (["-q", "awq"], "invalid choice: 'awq'"),
     (["--speculative-config", "{}"], "speculative decoding"),
     (["--enable-lora"], "LoRA"),
     (["--cpu-offload-gb", "4"], "offloading"),
@@ -171,9 +171,12 @@ def test_cli_help_group_and_version():
 
 
 def test_cli_rejects_unsupported_vllm_flag_before_loading_anything():
-    r = run_cli("serve", "--quantization", "gptq")
+    r = run_cli("serve", "--speculative-config", "{}")
     assert r.returncode == 2
-    assert "--quantization gptq: this vLLM flag is not supported by xlaserve" in r.stderr
+    assert "--speculative-config {}: this vLLM flag is not supported by xlaserve" in r.stderr
+    r = run_cli("serve", "--quantization", "gptq")  # ours takes gguf only
+    assert r.returncode == 2
+    assert "invalid choice: 'gptq'" in r.stderr
 
 
 def test_collect_env_runs():

@@ -165,6 +165,14 @@ class TorchModelRunner:
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
             model.weights_first_rows = 32
+        if self.config.model_config.quantization == "gguf":
+            from torchengine.quant import quantize_gguf_linears
+
+            n = quantize_gguf_linears(model, self.model_source)
+            if n == 0:
+                raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
+                                  "(a .gguf file is needed; other types are dequantized without the flag)")
+            logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)

@@ -1,0 +1,123 @@
+"""`--quantization gguf`: the embedded GGUF's Q4_1 linears kept 4-bit (torch on CPU).
+
+- the 4-bit groups read from the file's blocks dequantize to exactly what the
+  `gguf` package's dequantizer gives (so the f32 path and the 4-bit path hold the same weights);
+- Q4_0's form (offset -8 d) too, on a block written by hand;
+- an Int4Linear equals the dense float32 linear of the dequantized weight up to bfloat16 rounding, on
+  the 4-bit path (few rows) and the dense path (many rows);
+- the engine with the flag answers like the dequantized model: same first greedy tokens on chat
+  prompts, logprobs close;
+- the flag is refused where it cannot run (jax, a Hugging Face folder, tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from enginecore import LLM, SamplingParams  # noqa: E402
+from enginecore.config import ConfigError, EngineArgs  # noqa: E402
+from enginecore.model_loader import Int4Groups, resolve_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model(None)
+
+
+def test_int4_groups_equal_the_gguf_dequantizer(source):
+    groups = dict(source.iter_int4_weights())
+    assert len(groups) == 7 * source.config.num_hidden_layers  # q k v o gate up down, all Q4_1
+    wanted = {n for n in groups if ".0." in n or ".29." in n}
+    dense = {n: a for n, a in source.iter_weights() if n in wanted}
+    for n in wanted:
+        g = groups[n]
+        assert g.q.dtype == np.uint8 and g.q.max() <= 15
+        np.testing.assert_array_equal(g.dequantize(), dense[n])  # bit for bit, rows unpermuted alike
+
+
+def test_q4_0_block_form():
+    class T:  # the attributes Int4Groups.from_gguf reads from a GGUFTensor
+        name = "blk.0.ffn_down.weight"
+        shape = (32, 2)
+
+        class tensor_type:
+            name = "Q4_0"
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (2, 32)).astype(np.uint8)
+    d = np.array([0.5, -0.25], np.float16)
+    blocks = [np.concatenate([np.frombuffer(d[i].tobytes(), np.uint8), q[i, :16] | (q[i, 16:] << 4)])
+              for i in range(2)]
+    T.data = np.concatenate(blocks)
+    g = Int4Groups.from_gguf("x.gguf", T)
+    np.testing.assert_array_equal(g.q, q)
+    np.testing.assert_array_equal(g.dequantize(), (q.astype(np.float32) - 8) * d.astype(np.float32)[:, None])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_int4_linear_matches_dense(rows):
+    from torchengine.quant import Int4Linear
+
+    rng = np.random.default_rng(rows)
+    N, K = 96, 128
+    g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8),
+                   rng.uniform(0.01, 0.05, (N, K // 32)).astype(np.float32),
+                   rng.uniform(-0.4, 0.0, (N, K // 32)).astype(np.float32))
+    dense = torch.nn.Linear(K, N, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_(torch.from_numpy(g.dequantize()))
+        dense.bias.copy_(torch.from_numpy(rng.standard_normal(N).astype(np.float32)))
+    lin = Int4Linear(dense, g)
+    x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32))
+    with torch.inference_mode():
+        want = dense(x)
+        got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if rows > lin.max_rows:
+        assert torch.equal(got, want)  # the dense path
+    else:
+        # bf16 activations and scales: ~3 significant digits of each product
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+        assert not torch.equal(got, want), "the 4-bit path was expected to run"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    kw = dict(backend="torch", platform="cpu", max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    q = LLM(quantization="gguf", **kw)
+    f = LLM(**kw)
+    yield q, f
+    for e in (q, f):
+        e.llm_engine.core.shutdown()
+
+
+def test_engine_answers_like_the_dequantized_model(engines):
+    q, f = engines
+    tok = q.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+               for c in ("What is the capital of France?", "Name three colours.")]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    got, want = q.generate(prompts, sp, use_tqdm=False), f.generate(prompts, sp, use_tqdm=False)
+    mods = q.llm_engine.core.runner.model
+    assert type(mods.layers[0].mlp.down_proj).__name__ == "Int4Linear"
+    for a, b in zip(got, want):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids[:3] == cb.token_ids[:3], (ca.text, cb.text)
+        for la, lb, t in zip(ca.logprobs[:3], cb.logprobs[:3], ca.token_ids[:3]):
+            assert abs(la[t].logprob - lb[t].logprob) < 0.15
+
+
+def test_flag_refused_where_it_cannot_run(tiny_model_dir):
+    with pytest.raises(ConfigError, match="torch --platform cpu only"):
+        EngineArgs(quantization="gguf", backend="jax", platform="cpu").create_engine_config()
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        EngineArgs(quantization="gguf", platform="cpu", tensor_parallel_size=2).create_engine_config()
+    cfg = EngineArgs(quantization="gguf", platform="cpu").create_engine_config()
+    assert cfg.device_config.backend == "torch"  # auto picks the backend that has the kernel
+    with pytest.raises(ConfigError, match="must be gguf"):
+        EngineArgs(quantization="awq").create_engine_config()
+    with pytest.raises(ConfigError, match="no Q4_0/Q4_1"):
+        LLM(tiny_model_dir("llama"), quantization="gguf", platform="cpu", max_model_len=64)

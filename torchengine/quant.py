@@ -1,0 +1,98 @@
+"""`--quantization gguf` on a CPU: a GGUF file's 4-bit linears multiplied as they are stored.
+
+A Q4_0 / Q4_1 weight is groups of 32 values along the input dimension, each
+w = q * scale + offset with q in 0..15 (`enginecore.model_loader.Int4Groups`,
+read from the file's blocks, not dequantized). torch's CPU kernel for 4-bit
+weights (`_weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao use)
+computes exactly that form, w = (q - 8) * scale + zero with zero = offset +
+8 * scale, from bfloat16 activations, scales and zeros: a decode step reads
+~4.5 bits a weight instead of 32 (4-5x faster matmuls at 1-4 rows on a
+2-core AVX2 machine, `benchmarks/bench_dense.py`). It is slower than the dense
+float32 matmul from ~32 rows, so steps of more than `MAX_ROWS` tokens (prefill)
+multiply the dequantized float32 weight the model keeps as well.
+
+Results are those of the dequantized model up to bfloat16 rounding of the
+activations and of the per-group scales (float16 in the file), so greedy
+tokens may part from `transformers`' after a while; the jax backend has no
+such kernel (XLA:CPU converts a narrow weight to float32 in memory first).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from enginecore.arch import fused_slices, weight_spec
+from enginecore.model_loader import Int4Groups, ModelSource
+
+logger = logging.getLogger("xlaserve.torchengine")
+
+MAX_ROWS = 16  # steps of at most this many tokens use the 4-bit kernel (measured: bench_dense)
+_MODULES = {"qkv_proj": "attn.qkv_proj", "o_proj": "attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
+            "down_proj": "mlp.down_proj"}
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with its weight twice: 4-bit packed (few rows) and dense (many rows)."""
+
+    def __init__(self, dense: nn.Linear, g: Int4Groups, max_rows: int = MAX_ROWS):
+        super().__init__()
+        self.dense = dense
+        self.max_rows = max_rows
+        q = torch.from_numpy(g.q.astype(np.int32))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
+        scale = torch.from_numpy(g.scale)
+        zero = torch.from_numpy(g.offset) + 8 * scale
+        # [K / 32, N, 2] bfloat16: the kernel's layout
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.register_buffer("scales_zeros", sz, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self.dense(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP,
+                                                       self.scales_zeros).to(x.dtype)
+        return y if self.dense.bias is None else y + self.dense.bias
+
+
+def quantize_gguf_linears(model, source: ModelSource) -> int:
+    """Give every linear whose weight the GGUF file stores as Q4_0/Q4_1 (all its fused parts) a 4-bit
+    path; the model's dense weights must already be loaded. Returns how many linears got one.
+
+    The LM head stays dense (GGUF files store it as Q6_K / Q8_0 or float); for one row it is multiplied
+    in bfloat16 (`Transformer.lm_head_bf16`), which reads half the bytes of float32.
+    """
+    arch = model.arch
+    parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
+    modules = dict(model.named_modules())
+    for hf_name, g in source.iter_int4_weights():
+        found = weight_spec(hf_name)
+        if found is None or found[0] is None:
+            continue
+        layer, spec = found
+        stored = spec.fused or spec.param
+        if stored not in _MODULES:
+            continue
+        path = f"layers.{layer}.{_MODULES[stored]}"
+        lin = modules[path]
+        N, K = lin.weight.shape
+        p = parts.setdefault(path, {"q": np.zeros((N, K), np.uint8), "scale": np.zeros((N, K // Int4Groups.GROUP),
+                                    np.float32), "offset": np.zeros((N, K // Int4Groups.GROUP), np.float32), "rows": 0})
+        rows = fused_slices(arch, spec.fused, 1)[spec.param] if spec.fused else slice(0, N)
+        for key in ("q", "scale", "offset"):
+            p[key][rows] = getattr(g, key)
+        p["rows"] += rows.stop - rows.start
+    done = 0
+    for path, p in parts.items():
+        lin = modules[path]
+        if p["rows"] != lin.weight.shape[0]:
+            continue  # a fused part stored in another type: this linear stays dense
+        parent_path, _, attr = path.rpartition(".")
+        setattr(modules[parent_path], attr, Int4Linear(lin, Int4Groups(p["q"], p["scale"], p["offset"])))
+        done += 1
+    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head_bf16 = w.to(torch.bfloat16)
+    return done
