@@ -51,8 +51,8 @@ def main() -> int:
     from torchengine.quant import Int4Linear
 
     torch.set_num_threads(threads)
-    jstd = jax.jit(lambda h, w: dense(h, w, False))
-    jwf = jax.jit(lambda h, w: dense(h, w, True))
+    jstd = jax.jit(lambda h, w: dense(h, w, 0))
+    jwf = jax.jit(lambda h, w: dense(h, w, 1 << 30))  # one row: the same dot either way
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "

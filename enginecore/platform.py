@@ -37,6 +37,11 @@ def resolve_platform_and_backend(platform: str = "auto", backend: str = "auto") 
     return plat, backend
 
 
+# CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where
+# XLA:CPU and MKL are 1.4-3.5x faster than in the usual orientation (benchmarks/bench_dense.py)
+CPU_WEIGHTS_FIRST_ROWS = 32
+
+
 def resolve_dtype(dtype: str, platform: str, compute_capability: tuple[int, int] | None = None) -> str:
     """`--dtype` -> float32 | bfloat16 | float16, the same rule for both backends.
 

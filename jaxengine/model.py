@@ -166,10 +166,11 @@ class RaggedMetadata:
 AttentionFn = Callable
 
 
-def dense(h, w, weights_first: bool = False, preferred_element_type=None):
+def dense(h, w, weights_first_rows: int = 0, preferred_element_type=None):
     """h [T, K] . w [N, K] (Hugging Face's [out, in]) -> [T, N].
 
-    `weights_first` computes it as w . h^T -> [N, T], then transposes. On XLA:CPU that
+    For 2 to `weights_first_rows` rows (one row is a matrix-vector product either way) it is
+    computed weights first: w . h^T -> [N, T], then transposed. On XLA:CPU that
     orientation runs 1.5-2.5x faster for a few rows (decode steps of 2-32 tokens: the
     LM head of a 49k vocabulary at 4 rows 6 ms instead of 11-17 ms; equal at 64 rows,
     slower at 512), `benchmarks/bench_dense.py`. The optimization barrier keeps XLA's
@@ -178,20 +179,20 @@ def dense(h, w, weights_first: bool = False, preferred_element_type=None):
     itself copies [N, T], a few hundred KB at most.
     """
     dims = (((1,), (1,)), ((), ()))
-    if not weights_first:
+    if not 1 < h.shape[0] <= weights_first_rows:
         return jax.lax.dot_general(h, w, dims, preferred_element_type=preferred_element_type)
     out = jax.lax.dot_general(w, h, dims, preferred_element_type=preferred_element_type)
     return jax.lax.optimization_barrier(out).T
 
 
 def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first: bool = False):
+           weights_first_rows: int = 0):
     """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU)."""
     T = x.shape[0]
     Hq, D, eps = arch.num_attention_heads, arch.head_dim, arch.rms_norm_eps
 
     def lin(h, w):  # h [T, K], w [N, K] -> [T, N]
-        return dense(h, w, weights_first)
+        return dense(h, w, weights_first_rows)
 
     def proj(h, w):  # h [T, H], w [N, D, H] -> [T, N, D]
         return lin(h, w.reshape(-1, w.shape[-1])).reshape(T, w.shape[0], w.shape[1])
@@ -240,13 +241,12 @@ def forward(
     """
     L = arch.num_hidden_layers
     num_blocks = kv_cache.shape[0] // L
-    weights_first = 1 < input_ids.shape[0] <= weights_first_rows
     x = params.embed[input_ids]
     cos, sin = rope[0][positions], rope[1][positions]
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first)
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows)
 
     if scan_layers:
         def body(carry, xs):
@@ -265,7 +265,7 @@ def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_
     """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows)."""
     h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     w = params.embed if params.lm_head is None else params.lm_head
-    return dense(h, w, 1 < h.shape[0] <= weights_first_rows, preferred_element_type=jnp.float32)
+    return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,

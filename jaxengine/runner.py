@@ -39,7 +39,7 @@ from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
-from enginecore.platform import resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -133,7 +133,8 @@ class JaxModelRunner:
         self.logits_chunk_rows = opts.get("logits_chunk_rows", 64 if self.platform == "cpu" else None)
         # CPU: the linears of steps of <= 32 tokens (and the LM head of <= 32 rows) run weights first
         # (see model.dense); TPU and GPU compilers choose their own layouts
-        self.weights_first_rows = int(opts.get("weights_first_rows", 32 if self.platform == "cpu" else 0))
+        self.weights_first_rows = int(opts.get("weights_first_rows",
+                                               CPU_WEIGHTS_FIRST_ROWS if self.platform == "cpu" else 0))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most

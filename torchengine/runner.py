@@ -34,7 +34,7 @@ from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from enginecore.platform import resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.sampling_params import SamplingParams
@@ -164,7 +164,7 @@ class TorchModelRunner:
             model = build_model(self.arch, self.max_model_len + 1, self.device, self.dtype, tp=tp)
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
-            model.weights_first_rows = 32
+            model.weights_first_rows = CPU_WEIGHTS_FIRST_ROWS
         if self.config.model_config.quantization == "gguf":
             from torchengine.quant import quantize_gguf_linears
 
