@@ -37,8 +37,8 @@ class RequestGroup:
     """Requests attended together, padded to [n, L] query rows over S = P * block_size cache slots."""
 
     token_index: torch.Tensor  # [n, L] i64 flat token of each query row (padding rows repeat a real one)
-    blocks: torch.Tensor  # [n, P] i64 block ids
-    mask: torch.Tensor  # [n, 1, G*L, S] bool: query row (g, l) may see cache slot s
+    blocks: torch.Tensor  # [n * P] i64 block ids, request by request
+    mask: torch.Tensor  # [n, 1, G*L, S] additive (0 or -inf) in the query's dtype: row (g, l) may see slot s
     out_rows: torch.Tensor  # [m] i64 rows of the [n*L] padded queries that are real
     out_tokens: torch.Tensor  # [m] i64 their flat token index
     whole_batch: bool = False  # the [n, L] rows are exactly tokens 0..T-1 in order (no gather or scatter needed)
@@ -68,8 +68,9 @@ class AttentionBackend(abc.ABC):
         self.sliding_window = sliding_window
         self.sm_scale = head_dim**-0.5
 
-    def plan(self, batch: StepBatch, device: torch.device, block_size: int) -> tuple[RequestGroup, ...]:
-        """Host-side per-step precomputation shared by all layers (none by default)."""
+    def plan(self, batch: StepBatch, device: torch.device, block_size: int,
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup, ...]:
+        """Host-side per-step precomputation shared by all layers (none by default); `dtype`: the queries'."""
         return ()
 
     @abc.abstractmethod
@@ -109,14 +110,16 @@ class TorchAttention(AttentionBackend):
     # 1/GROUP_SPREAD of the group's largest: bounded padding waste, few SDPA calls per layer
     GROUP_SPREAD = 4
 
-    def plan(self, batch: StepBatch, device: torch.device, block_size: int) -> tuple[RequestGroup, ...]:
+    def plan(self, batch: StepBatch, device: torch.device, block_size: int,
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup, ...]:
         R = batch.num_reqs
         cu = batch.cu_q_lens[: R + 1].astype(np.int64)
         q_lens = np.diff(cu)
         kv = batch.kv_lens[:R].astype(np.int64)
         decode = q_lens == 1
         groups = self._split(np.nonzero(decode)[0], kv) + self._split(np.nonzero(~decode)[0], q_lens)
-        return tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device) for idx in groups)
+        return tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device, dtype)
+                     for idx in groups)
 
     def _split(self, reqs: np.ndarray, size: np.ndarray) -> list[np.ndarray]:
         """`reqs` cut into groups of similar `size` (largest first)."""
@@ -128,7 +131,7 @@ class TorchAttention(AttentionBackend):
                 start = i
         return groups
 
-    def _group(self, batch, reqs, starts, q_lens, kv, block_size, device) -> RequestGroup:
+    def _group(self, batch, reqs, starts, q_lens, kv, block_size, device, dtype) -> RequestGroup:
         group = self.num_heads // self.num_kv_heads
         L = int(q_lens.max())
         P = int(-(-kv.max() // block_size))
@@ -142,7 +145,8 @@ class TorchAttention(AttentionBackend):
         if self.sliding_window is not None:
             visible &= q_pos[:, :, None] - s < self.sliding_window
         visible |= ~valid[:, :, None] & (s == 0)  # padding rows see one slot: no NaN from an empty softmax
-        mask = np.tile(visible, (1, group, 1))[:, None]  # [n, 1, G*L, S] rows ordered (g, l)
+        # [n, 1, G*L, S] rows ordered (g, l); additive, so SDPA does not convert a boolean mask in every layer
+        mask = np.where(np.tile(visible, (1, group, 1))[:, None], np.float32(0), np.float32(-np.inf))
         flat_valid = valid.reshape(-1)
         flat_tokens = token_index.reshape(-1)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
@@ -150,8 +154,8 @@ class TorchAttention(AttentionBackend):
             np.array_equal(flat_tokens, np.arange(len(flat_tokens))))
         return RequestGroup(
             token_index=to(token_index.astype(np.int64)),
-            blocks=to(batch.block_tables[reqs, :P].astype(np.int64)),
-            mask=to(mask),
+            blocks=to(batch.block_tables[reqs, :P].astype(np.int64).reshape(-1)),
+            mask=to(mask).to(dtype),
             out_rows=to(np.nonzero(flat_valid)[0].astype(np.int64)),
             out_tokens=to(flat_tokens[flat_valid].astype(np.int64)),
             whole_batch=whole,
@@ -169,8 +173,9 @@ class TorchAttention(AttentionBackend):
             n, L = g.token_index.shape
             qg = q[:T] if g.whole_batch else q[g.token_index]
             qg = qg.view(n, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * L, D)
-            kg = key_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
-            vg = value_cache[g.blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            # index_select, not key_cache[blocks]: on a CPU 2-3x faster for the same copy
+            kg = key_cache.index_select(0, g.blocks).view(n, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
+            vg = value_cache.index_select(0, g.blocks).view(n, -1, Hkv, D).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.sm_scale)
             o = o.view(n, Hkv, G, L, D).permute(0, 3, 1, 2, 4).reshape(n * L, Hq, D)
             if g.whole_batch and q.shape[0] == T:

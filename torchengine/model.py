@@ -35,9 +35,17 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D/2] (rotate-half convention), math in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """x [T, H, D] rotated (rotate-half convention), math in float32.
+
+    cos [T, 1, D] is cos(pos * freq) repeated for both halves and sin [T, 1, D] is -sin, +sin (the tables
+    `Transformer.forward` looks up once a step): x * cos + swap_halves(x) * sin is transformers'
+    `x * cos + rotate_half(x) * sin`, in three ops (on a CPU each op of a decode step costs more in dispatch
+    than in arithmetic, so q and k of a layer are rotated in one call).
+    """
+    T, H, D = x.shape
+    xf = x.float()
+    swapped = xf.view(T, H, 2, D // 2).flip(2).view(T, H, D)
+    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------
@@ -51,6 +59,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # the same arithmetic in one call (bit-equal; one op instead of six on a CPU decode step)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -72,14 +83,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         T, hd = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(T, self.num_heads, hd)
-        k = k.view(T, self.num_kv_heads, hd)
-        v = v.view(T, self.num_kv_heads, hd)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, hd)
+        v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads together
+        o = attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], v)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -124,18 +134,19 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        # [max_positions, D/2] float32 whatever the model dtype: filled by init_rope()
-        self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim // 2), persistent=False)
+        # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
+        self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
 
     def init_rope(self) -> None:
         device = self.embed.weight.device
-        cos, sin = rope_cos_sin(self.arch, self.max_positions)
-        self.rope_cos, self.rope_sin = torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
+        cos, sin = rope_cos_sin(self.arch, self.max_positions)  # [P, D/2] each
+        self.rope_cos = torch.from_numpy(np.concatenate([cos, cos], -1)).to(device)
+        self.rope_sin = torch.from_numpy(np.concatenate([-sin, sin], -1)).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         # input_ids [T], positions [T] -> hidden [T, H] (before the final norm)
-        cos = self.rope_cos[positions][:, None, :]  # [T, 1, D/2] f32
+        cos = self.rope_cos[positions][:, None, :]  # [T, 1, D] f32, shared by every layer
         sin = self.rope_sin[positions][:, None, :]
         x = self.embed(input_ids)
         for layer in self.layers:
@@ -148,10 +159,13 @@ class Transformer(nn.Module):
         h = self.final_norm(hidden)
         if self.lm_head_bf16 is not None and h.shape[0] == 1:
             return F.linear(h.to(torch.bfloat16), self.lm_head_bf16).float()
-        if 1 < h.shape[0] <= self.weights_first_rows:
+        n = h.shape[0]
+        if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M
-            # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py)
-            return torch.mm(w, h.t()).t().contiguous().float()
+            # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py). One row
+            # goes as two: MKL's matrix-vector product reads [V, H] at half the speed of its 2-column gemm.
+            hh = h.expand(2, h.shape[1]).contiguous() if n == 1 else h
+            return torch.mm(w, hh.t())[:, :n].t().contiguous().float()
         return F.linear(h, w).float()
 
 

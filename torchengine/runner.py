@@ -339,7 +339,7 @@ class TorchModelRunner:
         else:
             # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
             meta.slot_mapping = meta.slot_mapping[:T]
-            meta.groups = self.attn_backend.plan(batch, self.device, self.block_size)
+            meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
             attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
             hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
             out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows)
