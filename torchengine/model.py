@@ -43,9 +43,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     than in arithmetic, so q and k of a layer are rotated in one call).
     """
     T, H, D = x.shape
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(T, H, 2, D // 2).flip(2).view(T, H, D)
-    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
+    out = torch.addcmul(xf * cos, swapped, sin)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from enginecore.model_loader import Int4Groups, ModelSource
 
 logger = logging.getLogger("xlaserve.torchengine")
 
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 MAX_ROWS = 16  # steps of at most this many tokens use the 4-bit kernel (measured: bench_dense)
 _MODULES = {"qkv_proj": "attn.qkv_proj", "o_proj": "attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
             "down_proj": "mlp.down_proj"}
@@ -43,19 +44,21 @@ class Int4Linear(nn.Module):
         self.dense = dense
         self.max_rows = max_rows
         q = torch.from_numpy(g.q.astype(np.int32))
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
         scale = torch.from_numpy(g.scale)
         zero = torch.from_numpy(g.offset) + 8 * scale
+        # plain attributes, not buffers (this path is CPU-only, nothing moves them): a decode step reads them
+        # 120 times, and a module's buffer lookup costs more than the attribute
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
         # [K / 32, N, 2] bfloat16: the kernel's layout
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.register_buffer("scales_zeros", sz, persistent=False)
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.bias = None if dense.bias is None else dense.bias.detach()  # shares the parameter's storage
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP,
-                                                       self.scales_zeros).to(x.dtype)
-        return y if self.dense.bias is None else y + self.dense.bias
+        y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
+        y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 def quantize_gguf_linears(model, source: ModelSource) -> int:
