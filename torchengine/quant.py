@@ -2,19 +2,22 @@
 
 A Q4_0 / Q4_1 weight is groups of 32 values along the input dimension, each
 w = q * scale + offset with q in 0..15 (`enginecore.model_loader.Int4Groups`,
-read from the file's blocks, not dequantized). torch's CPU kernel for 4-bit
-weights (`_weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao use)
-computes exactly that form, w = (q - 8) * scale + zero with zero = offset +
-8 * scale, from bfloat16 activations, scales and zeros: a decode step reads
-~4.5 bits a weight instead of 32 (4-5x faster matmuls at 1-4 rows on a
-2-core AVX2 machine, `benchmarks/bench_dense.py`). It is slower than the dense
-float32 matmul from ~32 rows, so steps of more than `MAX_ROWS` tokens (prefill)
-multiply the dequantized float32 weight the model keeps as well.
+read from the file's blocks, not dequantized). Two kernels compute with that form:
 
-Results are those of the dequantized model up to bfloat16 rounding of the
-activations and of the per-group scales (float16 in the file), so greedy
-tokens may part from `transformers`' after a while; the jax backend has no
-such kernel (XLA:CPU converts a narrow weight to float32 in memory first).
+- `torchengine.q4_cpu` (x86 with AVX2, FMA and F16C, and a C compiler): the
+  weights in llama.cpp's Q4_1 block layout, the activations quantized to 8 bits
+  per block of 32 like llama.cpp's, integer dot products (2x torch's kernel at
+  one row on a 2-core AVX2 machine). Results are the dequantized model's up to
+  that activation rounding (~1/254 of a block's largest value), as llama.cpp's are.
+- torch's own (`_weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao use),
+  elsewhere or with `XLASERVE_Q4_KERNEL=torch`: w = (q - 8) * scale + zero with
+  zero = offset + 8 * scale, from bfloat16 activations, scales and zeros.
+
+Either reads ~5 bits a weight instead of 32. Both are slower than the dense
+float32 matmul from some tens of rows, so steps of more than `max_rows` tokens
+(prefill) multiply the dequantized float32 weight the model keeps as well.
+Greedy tokens may part from `transformers`' after a while; the jax backend has
+no such path (XLA:CPU converts a narrow weight to float32 in memory first).
 """
 
 from __future__ import annotations
@@ -27,37 +30,53 @@ from torch import nn
 
 from enginecore.arch import fused_slices, weight_spec
 from enginecore.model_loader import Int4Groups, ModelSource
+from torchengine import q4_cpu
 
 logger = logging.getLogger("xlaserve.torchengine")
 
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-MAX_ROWS = 16  # steps of at most this many tokens use the 4-bit kernel (measured: bench_dense)
+MAX_ROWS = 16  # steps of at most this many tokens use torch's 4-bit kernel (measured: bench_dense)
+Q4_MAX_ROWS = q4_cpu.MAX_ROWS  # and the AVX2 kernel's (its limit; still faster than dense f32 there)
 _MODULES = {"qkv_proj": "attn.qkv_proj", "o_proj": "attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
             "down_proj": "mlp.down_proj"}
 
 
 class Int4Linear(nn.Module):
-    """A linear layer with its weight twice: 4-bit packed (few rows) and dense (many rows)."""
+    """A linear layer with its weight twice: 4-bit (few rows) and dense float32 (many rows)."""
 
-    def __init__(self, dense: nn.Linear, g: Int4Groups, max_rows: int = MAX_ROWS):
+    def __init__(self, dense: nn.Linear, g: Int4Groups, max_rows: int | None = None, kernel: str = "auto"):
         super().__init__()
         self.dense = dense
-        self.max_rows = max_rows
-        q = torch.from_numpy(g.q.astype(np.int32))
-        scale = torch.from_numpy(g.scale)
-        zero = torch.from_numpy(g.offset) + 8 * scale
         # plain attributes, not buffers (this path is CPU-only, nothing moves them): a decode step reads them
         # 120 times, and a module's buffer lookup costs more than the attribute
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        # [K / 32, N, 2] bfloat16: the kernel's layout
-        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = None if dense.bias is None else dense.bias.detach()  # shares the parameter's storage
+        self.lib = q4_cpu.load()[0] if kernel == "auto" else None  # "torch": torch's kernel
+        if self.lib is not None:
+            self.blocks = q4_cpu.pack(g.q, g.scale, g.offset)
+            self.max_rows = Q4_MAX_ROWS if max_rows is None else min(max_rows, Q4_MAX_ROWS)
+        else:
+            q = torch.from_numpy(g.q.astype(np.int32))
+            scale = torch.from_numpy(g.scale)
+            zero = torch.from_numpy(g.offset) + 8 * scale
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            # [K / 32, N, 2] bfloat16: the kernel's layout
+            self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            self.max_rows = MAX_ROWS if max_rows is None else max_rows
+
+    @property
+    def kernel(self) -> str:
+        return "q4_cpu" if self.lib is not None else "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
-        y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
-        y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        if self.lib is not None and x.dtype == torch.float32:
+            y = q4_cpu.gemm(self.lib, x, self.blocks)
+        elif self.lib is not None:
+            y = q4_cpu.gemm(self.lib, x.float(), self.blocks).to(x.dtype)
+        else:
+            y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
+            y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -98,4 +117,8 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         done += 1
     w = model.embed.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head_bf16 = w.to(torch.bfloat16)
+    lib, why = q4_cpu.load()
+    if done:
+        logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/q4_cpu.c)" if lib is not None
+                    else f"torch's int4 kernel ({why})")
     return done

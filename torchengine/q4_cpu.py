@@ -1,0 +1,136 @@
+"""The AVX2 kernel for 4-bit GGUF linears (`q4_cpu.c`): built on first use, loaded with ctypes.
+
+`--quantization gguf` on an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`)
+multiplies Q4_0/Q4_1 weights with this kernel, whose activations are quantized to 8 bits per block of 32
+like llama.cpp's (see the C file); elsewhere, or with `XLASERVE_Q4_KERNEL=torch`, with torch's own int4
+kernel (bfloat16 activations; 3-4x slower at one row on a 2-core AVX2 machine). The shared library is
+cached under `~/.cache/xlaserve/kernels/` by a hash of the source and the compiler, so it is built once a
+machine (~1 s). It runs on torch's OpenMP threads: the library links `libgomp.so.1`, which torch has
+already loaded into the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("xlaserve.torchengine")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "q4_cpu.c")
+MAX_ROWS = 32  # the C file's MAX_ROWS
+BLOCK_BYTES = 20  # {f16 d, f16 m, 16 bytes of nibbles}
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    if os.environ.get("XLASERVE_Q4_KERNEL", "auto") == "torch":
+        return None, "XLASERVE_Q4_KERNEL=torch"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC)"
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XLASERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                                "xlaserve"), "kernels")
+    path = os.path.join(cache, f"q4_cpu-{key}.so")
+    if not os.path.isfile(path):
+        os.makedirs(cache, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                return None, f"building {os.path.basename(SOURCE)} failed: {r.stderr.strip()[-500:]}"
+            os.replace(tmp, path)  # atomic: concurrent builders (test workers, TP ranks) each write their own
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"building {os.path.basename(SOURCE)} failed: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
+    lib = ctypes.CDLL(path)
+    lib.q4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_void_p, ctypes.c_int]
+    lib.q4_gemm.restype = ctypes.c_int
+    if lib.q4_block_bytes() != BLOCK_BYTES:
+        return None, "q4_cpu.c's block layout does not match q4_cpu.py"
+    return lib, ""
+
+
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
+    """Int4Groups arrays (q [N, K] in 0..15, scale/offset [N, K/32], float16-exact) -> [N, K/32 * 20] uint8."""
+    N, K = q.shape
+    G = K // 32
+    qg = q.reshape(N, G, 32).astype(np.uint8)
+    out = np.empty((N, G, BLOCK_BYTES), np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 2:4] = offset.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 4:] = qg[:, :, :16] | (qg[:, :, 16:] << 4)
+    return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (M <= MAX_ROWS) . W^T -> [M, N] float32, W packed by `pack`."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = blocks.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    rc = lib.q4_gemm(x.data_ptr(), M, K, blocks.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q4_gemm: bad arguments (rows {M}, K {K}, N {N}; rc {rc})")
+    return y
+
+
+def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """What the kernel computes, in numpy (float64 sums): 8-bit activations per block, exact block sums."""
+    M, K = x.shape
+    G = K // 32
+    xb = x.reshape(M, G, 32).astype(np.float32)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)  # [M, G, 32]
+    isum = np.einsum("ngj,mgj->mng", q.reshape(-1, G, 32).astype(np.int64), xq)  # exact
+    s = scale.astype(np.float16).astype(np.float64)
+    o = offset.astype(np.float16).astype(np.float64)
+    return (isum * s[None] * d[:, None, :].astype(np.float64)).sum(-1) + (o[None] * xb.sum(-1, dtype=np.float32)
+                                                                          [:, None, :]).sum(-1)
