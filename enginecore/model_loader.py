@@ -17,6 +17,7 @@ the weights are checked for NaN / inf as they stream in (`model_checks`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -76,18 +77,24 @@ class ModelSource:
     def iter_int4_weights(self) -> Iterator[tuple[str, "Int4Groups"]]:
         """(hf_name, Int4Groups) of every 2-D GGUF tensor stored as Q4_0 or Q4_1, as stored (not
         dequantized), rows in Hugging Face order; nothing for other files and types."""
+        yield from self.iter_quantized_weights(("Q4_0", "Q4_1"))
+
+    def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[tuple[str, "Int4Groups | Int8Groups"]]:
+        """(hf_name, Int4Groups for Q4_0/Q4_1 | Int8Groups for Q8_0) of every 2-D GGUF tensor stored as one of
+        `types`, as stored, rows in Hugging Face order; nothing for other files."""
         if self.kind != "gguf":
             return
         for t in self.gguf_reader.tensors:
-            if t.tensor_type.name not in ("Q4_0", "Q4_1") or len(t.shape) != 2:
+            if t.tensor_type.name not in types or len(t.shape) != 2:
                 continue
             name = _gguf_hf_name(self.path, t.name)
             if name is None:
                 continue
-            g = Int4Groups.from_gguf(self.path, t)
+            cls = Int8Groups if t.tensor_type.name == "Q8_0" else Int4Groups
+            g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
-                g = Int4Groups(*(_unpermute_rope(a, n_head) for a in (g.q, g.scale, g.offset)))
+                g = cls(*(_unpermute_rope(getattr(g, f.name), n_head) for f in dataclasses.fields(g)))
             yield name, g
 
     def load_weights(self) -> dict[str, np.ndarray]:
@@ -323,6 +330,34 @@ class Int4Groups:
         N, K = self.q.shape
         w = self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None] + self.offset[..., None]
         return w.reshape(N, K)
+
+
+@dataclass
+class Int8Groups:
+    """An 8-bit weight [N, K] in groups of 32 along K: w[n, k] = q[n, k] * scale[n, k // 32] (GGUF's Q8_0:
+    a float16 d and 32 int8 values a block)."""
+
+    q: np.ndarray  # [N, K] int8
+    scale: np.ndarray  # [N, K // 32] float32
+
+    GROUP = 32
+
+    @classmethod
+    def from_gguf(cls, path: str, t) -> "Int8Groups":
+        K, N = t.shape  # innermost first
+        if K % cls.GROUP or t.tensor_type.name != "Q8_0":
+            raise ModelLoadError(f"{path}: tensor {t.name}: not Q8_0 rows of whole blocks of {cls.GROUP}")
+        nblocks = N * K // cls.GROUP
+        if t.data.size != nblocks * 34:
+            raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
+        raw = np.asarray(t.data).reshape(nblocks, 34)
+        d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+        q = raw[:, 2:].copy().view(np.int8)
+        return cls(q.reshape(N, K), d.reshape(N, K // cls.GROUP))
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.q.shape
+        return (self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None]).reshape(N, K)
 
 
 def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:

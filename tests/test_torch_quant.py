@@ -82,6 +82,15 @@ def test_q4_cpu_kernel_matches_its_reference():
             # and it is the dequantized linear up to the 8-bit activations
             dense = x @ (q.reshape(N, G, 32) * scale[..., None] + offset[..., None]).reshape(N, K).T
             assert np.abs(got - dense).max() < 0.02 * np.abs(dense).max()
+    # Q8_0 blocks (the LM head): int8 weights, no offset
+    q8 = rng.integers(-128, 128, (72, 96)).astype(np.int8)
+    s8 = rng.uniform(0.001, 0.01, (72, 3)).astype(np.float16).astype(np.float32)
+    blocks8 = q4_cpu.pack8(q8, s8)
+    for M in (1, 4, 7):
+        x = rng.standard_normal((M, 96)).astype(np.float32)
+        got = q4_cpu.gemm(lib, torch.from_numpy(x), blocks8).numpy()
+        want = q4_cpu.reference(x, q8, s8)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="bad arguments"):
         q4_cpu.gemm(lib, torch.zeros(33, 128), q4_cpu.pack(np.zeros((4, 128), np.uint8), *np.ones((2, 4, 4), np.float32)))
 

@@ -128,8 +128,10 @@ class Transformer(nn.Module):
         self.tp_rank, self.tp_size = 0, 1  # set by torchengine.tensor_parallel.apply_tensor_parallel
         # LM heads of 2 to this many rows run weights first (compute_logits); the runner sets it on a CPU
         self.weights_first_rows = 0
-        # --quantization gguf: a bfloat16 copy of the LM head for one-row steps (torchengine.quant)
-        self.lm_head_bf16: torch.Tensor | None = None
+        # --quantization gguf (torchengine.quant): the LM head as the file stores it (or in bfloat16) for steps
+        # of up to lm_head_small_rows rows: normed hidden [N, H] -> logits [N, V] float32
+        self.lm_head_small: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.lm_head_small_rows = 0
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -158,9 +160,9 @@ class Transformer(nn.Module):
         # hidden [N, H] -> logits [N, V] float32
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         h = self.final_norm(hidden)
-        if self.lm_head_bf16 is not None and h.shape[0] == 1:
-            return F.linear(h.to(torch.bfloat16), self.lm_head_bf16).float()
         n = h.shape[0]
+        if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
+            return self.lm_head_small(h)
         if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M
             # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py). One row

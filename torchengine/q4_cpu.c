@@ -1,10 +1,13 @@
-// 4-bit GGUF linears on an x86 CPU with AVX2: y[M, N] = x[M, K] . w[N, K]^T, w in Q4 blocks.
+// 4- and 8-bit GGUF linears on an x86 CPU with AVX2: y[M, N] = x[M, K] . w[N, K]^T, w in Q4_1 or Q8_0 blocks.
 //
 // Built and loaded by torchengine/q4_cpu.py (gcc -O3 -mavx2 -mfma -mf16c -fopenmp); the OpenMP runtime is
 // the one torch already loaded (same soname), so the threads are torch's.
 //
 // A block is 32 weights of one output row: w[j] = q[j] * d + m with q in 0..15, stored as llama.cpp's
 // Q4_1 is: {f16 d, f16 m, 16 bytes}, byte j holding q[j] (low nibble) and q[j + 16] (high nibble).
+// An 8-bit block is Q8_0's: {f16 d, 32 int8}, w[j] = q[j] * d (the LM head of most GGUF files). Its
+// activations are quantized to 16 bits instead (dx = max|x| / 32767): the LM head's logits decide the
+// tokens, and 8-bit activations there move them by ~0.1-0.3, enough to flip a near-tie of greedy sampling.
 // Blocks are row-major: row n's K / 32 blocks are contiguous.
 //
 // The activations are quantized like llama.cpp's Q8 activations: per row and block of 32,
@@ -30,9 +33,15 @@ typedef struct {
     uint8_t qs[QK / 2];
 } block_q4;
 
-_Static_assert(sizeof(block_q4) == 20, "block layout");
+typedef struct {
+    uint16_t d;  // float16
+    int8_t qs[QK];
+} block_q8;
+
+_Static_assert(sizeof(block_q4) == 20 && sizeof(block_q8) == 34, "block layouts");
 
 int q4_block_bytes(void) { return (int)sizeof(block_q4); }
+int q8_block_bytes(void) { return (int)sizeof(block_q8); }
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -41,8 +50,10 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// x [M, K] float32 -> xq [M, K / 32, 32] int8, dx and xs [M, K / 32] (scale and exact sum of each block)
-static void quantize_rows(const float *x, int M, int K, int8_t *xq, float *dx, float *xs) {
+// x [M, K] float32 -> xq [M, K / 32, 32] int8 (Q16: int16), dx and xs [M, K / 32] (scale and exact sum of
+// each block)
+static void quantize_rows(const int Q16, const float *x, int M, int K, void *xq, float *dx, float *xs) {
+    const float qmax = Q16 ? 32767.f : 127.f;
     const int G = K / QK;
     for (int i = 0; i < M * G; i++) {
         const float *p = x + (size_t)i * QK;  // rows are contiguous, K a multiple of 32: block i of all rows
@@ -52,9 +63,12 @@ static void quantize_rows(const float *x, int M, int K, int8_t *xq, float *dx, f
             amax = a > amax ? a : amax;
             sum += p[j];
         }
-        const float d = amax / 127.f;
+        const float d = amax / qmax;
         const float id = d > 0.f ? 1.f / d : 0.f;
-        for (int j = 0; j < QK; j++) xq[(size_t)i * QK + j] = (int8_t)nearbyintf(p[j] * id);
+        for (int j = 0; j < QK; j++) {
+            if (Q16) ((int16_t *)xq)[(size_t)i * QK + j] = (int16_t)nearbyintf(p[j] * id);
+            else ((int8_t *)xq)[(size_t)i * QK + j] = (int8_t)nearbyintf(p[j] * id);
+        }
         dx[i] = d;
         xs[i] = sum;
     }
@@ -67,44 +81,67 @@ static inline __m256i unpack(const block_q4 *b) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
 }
 
-// sum_j q[j] * a[j] as 8 int32 lanes -> float: unsigned q (<= 15) times signed a (|.| <= 127), so the
-// pair sums of vpmaddubsw fit int16 (<= 3810)
-static inline __m256 dot_block(__m256i q, const int8_t *a) {
-    const __m256i s16 = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)a));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+// sum_j q[j] * a[j] of block i as 8 float lanes. Q4 (Q8 == 0): unsigned q (<= 15) times signed 8-bit a,
+// so the pair sums of vpmaddubsw fit int16 (<= 3810). Q8: int8 q widened to int16 times 16-bit a
+// (vpmaddwd; |pair sums| <= 2 * 128 * 32767).
+static inline __attribute__((always_inline)) __m256 dot_block(const int Q8, __m256i q, const void *xq, size_t i) {
+    if (Q8) {
+        const int16_t *a = (const int16_t *)xq + i * QK;
+        const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                                             _mm256_loadu_si256((const __m256i *)a));
+        const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                             _mm256_loadu_si256((const __m256i *)(a + 16)));
+        return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+    }
+    const __m256i x = _mm256_loadu_si256((const __m256i *)((const int8_t *)xq + i * QK));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
 }
 
-// Output rows [n0, n1) for R activation rows starting at r0. R is a compile-time constant at every call,
-// so the accumulators stay in registers; one row goes two blocks at a time on two chains (an FMA's latency,
-// not its throughput, bounds a single chain).
+// Block g of row n: its weights (ready for dot_block), scale and offset (0 for Q8).
+#define BLOCK_BYTES(Q8) ((Q8) ? sizeof(block_q8) : sizeof(block_q4))
+static inline __attribute__((always_inline)) __m256i load_block(const int Q8, const uint8_t *p, float *d, float *m) {
+    if (Q8) {
+        const block_q8 *b = (const block_q8 *)p;
+        *d = _cvtsh_ss(b->d), *m = 0.f;
+        return _mm256_loadu_si256((const __m256i *)b->qs);
+    }
+    const block_q4 *b = (const block_q4 *)p;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return unpack(b);
+}
+
+// Output rows [n0, n1) for R activation rows starting at r0. Q8 and R are compile-time constants at every
+// call, so the accumulators stay in registers; one row goes two blocks at a time on two chains (an FMA's
+// latency, not its throughput, bounds a single chain).
 static inline __attribute__((always_inline)) void rows_pass(
-    const int R, int r0, int G, int N, const block_q4 *w, const int8_t *xq, const float *dx, const float *xs,
-    float *y, int n0, int n1) {
+    const int Q8, const int R, int r0, int G, int N, const uint8_t *w, const void *xq, const float *dx,
+    const float *xs, float *y, int n0, int n1) {
+    const size_t bb = BLOCK_BYTES(Q8);
     for (int n = n0; n < n1; n++) {
-        const block_q4 *b = w + (size_t)n * G;
+        const uint8_t *b = w + (size_t)n * G * bb;
         __m256 acc[4], acc2 = _mm256_setzero_ps();
         float off[4] = {0.f, 0.f, 0.f, 0.f}, off2 = 0.f;
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         int g = 0;
         if (R == 1) {
-            const int8_t *a = xq + (size_t)r0 * G * QK;
+            const size_t a = (size_t)r0 * G;  // block index of the row's first block
             const float *d1 = dx + (size_t)r0 * G, *s1 = xs + (size_t)r0 * G;
             for (; g + 1 < G; g += 2) {
-                const __m256 p0 = dot_block(unpack(b + g), a + (size_t)g * QK);
-                const __m256 p1 = dot_block(unpack(b + g + 1), a + (size_t)(g + 1) * QK);
-                acc[0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(_cvtsh_ss(b[g].d) * d1[g]), acc[0]);
-                acc2 = _mm256_fmadd_ps(p1, _mm256_set1_ps(_cvtsh_ss(b[g + 1].d) * d1[g + 1]), acc2);
-                off[0] += _cvtsh_ss(b[g].m) * s1[g];
-                off2 += _cvtsh_ss(b[g + 1].m) * s1[g + 1];
+                float d0, m0, d2, m2;
+                const __m256i q0 = load_block(Q8, b + g * bb, &d0, &m0);
+                const __m256i q2 = load_block(Q8, b + (g + 1) * bb, &d2, &m2);
+                acc[0] = _mm256_fmadd_ps(dot_block(Q8, q0, xq, a + g), _mm256_set1_ps(d0 * d1[g]), acc[0]);
+                acc2 = _mm256_fmadd_ps(dot_block(Q8, q2, xq, a + g + 1), _mm256_set1_ps(d2 * d1[g + 1]), acc2);
+                if (!Q8) off[0] += m0 * s1[g], off2 += m2 * s1[g + 1];
             }
         }
         for (; g < G; g++) {
-            const __m256i q = unpack(b + g);
-            const float d = _cvtsh_ss(b[g].d), m = _cvtsh_ss(b[g].m);
+            float d, m;
+            const __m256i q = load_block(Q8, b + g * bb, &d, &m);
             for (int r = 0; r < R; r++) {
                 const size_t i = (size_t)(r0 + r) * G + g;
-                acc[r] = _mm256_fmadd_ps(dot_block(q, xq + i * QK), _mm256_set1_ps(d * dx[i]), acc[r]);
-                off[r] += m * xs[i];
+                acc[r] = _mm256_fmadd_ps(dot_block(Q8, q, xq, i), _mm256_set1_ps(d * dx[i]), acc[r]);
+                if (!Q8) off[r] += m * xs[i];
             }
         }
         if (R == 1) acc[0] = _mm256_add_ps(acc[0], acc2), off[0] += off2;
@@ -112,18 +149,17 @@ static inline __attribute__((always_inline)) void rows_pass(
     }
 }
 
-// y [M, N] = x [M, K] . W^T; w: N * K / 32 blocks; M <= MAX_ROWS; nthreads <= 0: OpenMP's default
-int q4_gemm(const float *x, int M, int K, const block_q4 *w, int N, float *y, int nthreads) {
+static int gemm(const int Q8, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
     if (M < 1 || M > MAX_ROWS || K % QK != 0 || K <= 0 || N <= 0) return -1;
     const int G = K / QK;
-    int8_t *xq = (int8_t *)aligned_alloc(32, ((size_t)M * K + 31) / 32 * 32);
+    void *xq = aligned_alloc(32, ((size_t)M * K * (Q8 ? 2 : 1) + 31) / 32 * 32);
     float *dx = (float *)malloc(sizeof(float) * (size_t)M * G);
     float *xs = (float *)malloc(sizeof(float) * (size_t)M * G);
     if (!xq || !dx || !xs) {
         free(xq), free(dx), free(xs);
         return -2;
     }
-    quantize_rows(x, M, K, xq, dx, xs);
+    quantize_rows(Q8, x, M, K, xq, dx, xs);
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     // each thread a contiguous share of the output rows (in whole 16-row chunks), all activation rows
     const int chunks = (N + 15) / 16;
@@ -134,11 +170,28 @@ int q4_gemm(const float *x, int M, int K, const block_q4 *w, int N, float *y, in
         const int n0 = (int)((long)chunks * t / T) * 16, n1e = (int)((long)chunks * (t + 1) / T) * 16;
         const int n1 = n1e < N ? n1e : N;
         int r = 0;
-        for (; r + 4 <= M; r += 4) rows_pass(4, r, G, N, w, xq, dx, xs, y, n0, n1);
-        if (M - r == 3) rows_pass(3, r, G, N, w, xq, dx, xs, y, n0, n1);
-        else if (M - r == 2) rows_pass(2, r, G, N, w, xq, dx, xs, y, n0, n1);
-        else if (M - r == 1) rows_pass(1, r, G, N, w, xq, dx, xs, y, n0, n1);
+        if (Q8) {
+            for (; r + 4 <= M; r += 4) rows_pass(1, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
+            if (M - r == 3) rows_pass(1, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
+            else if (M - r == 2) rows_pass(1, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
+            else if (M - r == 1) rows_pass(1, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
+        } else {
+            for (; r + 4 <= M; r += 4) rows_pass(0, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
+            if (M - r == 3) rows_pass(0, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
+            else if (M - r == 2) rows_pass(0, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
+            else if (M - r == 1) rows_pass(0, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
+        }
     }
     free(xq), free(dx), free(xs);
     return 0;
+}
+
+// y [M, N] = x [M, K] . W^T; w: N * K / 32 blocks (Q4_1 layout / Q8_0 layout); M <= MAX_ROWS;
+// nthreads <= 0: OpenMP's default. Returns 0, or < 0 for bad arguments.
+int q4_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nthreads) {
+    return gemm(0, x, M, K, (const uint8_t *)w, N, y, nthreads);
+}
+
+int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nthreads) {
+    return gemm(1, x, M, K, (const uint8_t *)w, N, y, nthreads);
 }

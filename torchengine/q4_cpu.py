@@ -1,9 +1,10 @@
-"""The AVX2 kernel for 4-bit GGUF linears (`q4_cpu.c`): built on first use, loaded with ctypes.
+"""The AVX2 kernel for 4- and 8-bit GGUF linears (`q4_cpu.c`): built on first use, loaded with ctypes.
 
 `--quantization gguf` on an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`)
-multiplies Q4_0/Q4_1 weights with this kernel, whose activations are quantized to 8 bits per block of 32
-like llama.cpp's (see the C file); elsewhere, or with `XLASERVE_Q4_KERNEL=torch`, with torch's own int4
-kernel (bfloat16 activations; 3-4x slower at one row on a 2-core AVX2 machine). The shared library is
+multiplies Q4_0/Q4_1 weights with this kernel, their activations quantized to 8 bits per block of 32 like
+llama.cpp's, and a Q8_0 LM head with 16-bit activations (see the C file); elsewhere, or with
+`XLASERVE_Q4_KERNEL=torch`, with torch's own int4 kernel (bfloat16 activations; 2x slower at one row on a
+2-core AVX2 machine). The shared library is
 cached under `~/.cache/xlaserve/kernels/` by a hash of the source and the compiler, so it is built once a
 machine (~1 s). It runs on torch's OpenMP threads: the library links `libgomp.so.1`, which torch has
 already loaded into the process.
@@ -28,7 +29,8 @@ logger = logging.getLogger("xlaserve.torchengine")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "q4_cpu.c")
 MAX_ROWS = 32  # the C file's MAX_ROWS
-BLOCK_BYTES = 20  # {f16 d, f16 m, 16 bytes of nibbles}
+BLOCK_BYTES = 20  # Q4: {f16 d, f16 m, 16 bytes of nibbles}
+Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -89,10 +91,11 @@ def load() -> tuple[ctypes.CDLL | None, str]:
                 os.unlink(tmp)
     torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
     lib = ctypes.CDLL(path)
-    lib.q4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_void_p, ctypes.c_int]
-    lib.q4_gemm.restype = ctypes.c_int
-    if lib.q4_block_bytes() != BLOCK_BYTES:
+    for fn in (lib.q4_gemm, lib.q8_gemm):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+    if lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES:
         return None, "q4_cpu.c's block layout does not match q4_cpu.py"
     return lib, ""
 
@@ -109,28 +112,45 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
 
 
+def pack8(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """Int8Groups arrays (q [N, K] int8, scale [N, K/32], float16-exact) -> [N, K/32 * 34] uint8 (Q8_0's blocks)."""
+    N, K = q.shape
+    G = K // 32
+    out = np.empty((N, G, Q8_BLOCK_BYTES), np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 2:] = q.reshape(N, G, 32).view(np.uint8)
+    return torch.from_numpy(out.reshape(N, G * Q8_BLOCK_BYTES))
+
+
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 (M <= MAX_ROWS) . W^T -> [M, N] float32, W packed by `pack`."""
+    """x [M, K] float32 (M <= MAX_ROWS) . W^T -> [M, N] float32, W packed by `pack` or `pack8`."""
     x = x.contiguous()
     M, K = x.shape
     N = blocks.shape[0]
-    y = torch.empty((M, N), dtype=torch.float32)
-    rc = lib.q4_gemm(x.data_ptr(), M, K, blocks.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"q4_gemm: bad arguments (rows {M}, K {K}, N {N}; rc {rc})")
-    return y
+    fn = {K // 32 * Q8_BLOCK_BYTES: lib.q8_gemm, K // 32 * BLOCK_BYTES: lib.q4_gemm}.get(blocks.shape[1])
+    rc = None
+    if fn is not None and x.dtype == torch.float32 and blocks.dtype == torch.uint8 and blocks.is_contiguous():
+        y = torch.empty((M, N), dtype=torch.float32)
+        rc = fn(x.data_ptr(), M, K, blocks.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
+        if rc == 0:
+            return y
+    raise ValueError(f"q4_cpu.gemm: bad arguments (x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)}; "
+                     f"rc {rc})")
 
 
-def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """What the kernel computes, in numpy (float64 sums): 8-bit activations per block, exact block sums."""
+def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> np.ndarray:
+    """What the kernel computes, in numpy (float64 sums): q in 0..15 with `offset` (Q4) and 8-bit activations
+    per block, or int8 q without (Q8) and 16-bit activations; exact integer block sums."""
     M, K = x.shape
     G = K // 32
     xb = x.reshape(M, G, 32).astype(np.float32)
-    d = np.abs(xb).max(-1) / np.float32(127)
+    d = np.abs(xb).max(-1) / np.float32(127 if offset is not None else 32767)  # Q8 weights: 16-bit activations
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     xq = np.rint(xb * inv[..., None]).astype(np.int64)  # [M, G, 32]
     isum = np.einsum("ngj,mgj->mng", q.reshape(-1, G, 32).astype(np.int64), xq)  # exact
     s = scale.astype(np.float16).astype(np.float64)
-    o = offset.astype(np.float16).astype(np.float64)
-    return (isum * s[None] * d[:, None, :].astype(np.float64)).sum(-1) + (o[None] * xb.sum(-1, dtype=np.float32)
-                                                                          [:, None, :]).sum(-1)
+    y = (isum * s[None] * d[:, None, :].astype(np.float64)).sum(-1)
+    if offset is not None:
+        o = offset.astype(np.float16).astype(np.float64)
+        y += (o[None] * xb.sum(-1, dtype=np.float32)[:, None, :]).sum(-1)
+    return y

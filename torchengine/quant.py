@@ -26,6 +26,7 @@ import logging
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from enginecore.arch import fused_slices, weight_spec
@@ -84,8 +85,8 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     """Give every linear whose weight the GGUF file stores as Q4_0/Q4_1 (all its fused parts) a 4-bit
     path; the model's dense weights must already be loaded. Returns how many linears got one.
 
-    The LM head stays dense (GGUF files store it as Q6_K / Q8_0 or float); for one row it is multiplied
-    in bfloat16 (`Transformer.lm_head_bf16`), which reads half the bytes of float32.
+    The LM head gets a path for steps of few rows too (`_quantize_lm_head`): the file's Q8_0 blocks where
+    the AVX2 kernel runs, else bfloat16 for one row.
     """
     arch = model.arch
     parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
@@ -115,10 +116,28 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         parent_path, _, attr = path.rpartition(".")
         setattr(modules[parent_path], attr, Int4Linear(lin, Int4Groups(p["q"], p["scale"], p["offset"])))
         done += 1
-    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head_bf16 = w.to(torch.bfloat16)
     lib, why = q4_cpu.load()
     if done:
         logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/q4_cpu.c)" if lib is not None
                     else f"torch's int4 kernel ({why})")
+        _quantize_lm_head(model, source, lib)
     return done
+
+
+def _quantize_lm_head(model, source: ModelSource, lib) -> None:
+    """The LM head for steps of few rows: the file's Q8_0 blocks with the AVX2 kernel (exactly the file's
+    weights, a quarter of float32's bytes), else a bfloat16 copy for one row (half the bytes)."""
+    head = "model.embed_tokens.weight" if model.arch.tie_word_embeddings else "lm_head.weight"
+    q8 = None
+    if lib is not None and model.tp_size == 1:
+        q8 = next((g for n, g in source.iter_quantized_weights(("Q8_0",)) if n == head), None)
+    if q8 is not None:
+        blocks = q4_cpu.pack8(q8.q, q8.scale)
+        model.lm_head_small = lambda h: q4_cpu.gemm(lib, h.float(), blocks)
+        model.lm_head_small_rows = Q4_MAX_ROWS
+        logger.info("LM head: the file's Q8_0 blocks, the AVX2 kernel for steps of <= %d rows", Q4_MAX_ROWS)
+        return
+    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    w16 = w.to(torch.bfloat16)
+    model.lm_head_small = lambda h: F.linear(h.to(torch.bfloat16), w16).float()
+    model.lm_head_small_rows = 1
