@@ -8,9 +8,11 @@ usual orientation and weights first (`w . h^T`, then transposed:
 embedded model's shapes. Each timing cycles through --layers distinct weight
 matrices, so the weights come from memory as in a real step, not from cache.
 Prints ms per matmul and the speedup of weights first; the engines use it for
-2 to 32 rows on a CPU (`weights_first_rows`). The last column is torch's 4-bit
-kernel on the same weights quantized in groups of 32 (`--quantization gguf`,
-`torchengine.quant`), as a speedup over torch's usual float32 linear.
+2 to 32 rows on a CPU (`weights_first_rows`). The last columns are the 4-bit
+kernels of `--quantization gguf` (`torchengine.quant`) on the same weights
+quantized in groups of 32: torch's int4 kernel, and our AVX2 kernel
+(`torchengine/q4_cpu.c`, up to 32 rows; `-` where it cannot run), each as a
+speedup over torch's usual float32 linear.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> int:
 
     from enginecore.model_loader import Int4Groups
     from jaxengine.model import dense
+    from torchengine import q4_cpu
     from torchengine.quant import Int4Linear
 
     torch.set_num_threads(threads)
@@ -56,20 +59,23 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
-          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch 4-bit':>11} {'x':>5}")
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch int4':>10} {'x':>5} | {'q4_cpu':>7} {'x':>5}")
+    have_q4 = q4_cpu.load()[0] is not None
     for name, K, N in SHAPES:
         n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
         jws = [jnp.asarray(w) for w in ws]
         tws = [torch.from_numpy(w) for w in ws]
-        q4s = []
+        q4s, avx = [], []
         for w in ws:
             g = w.reshape(N, K // 32, 32)
             lo, hi = g.min(-1), g.max(-1)
             scale = (hi - lo) / 15
             q = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8).reshape(N, K)
             lin = torch.nn.Linear(K, N, bias=False)
-            q4s.append(Int4Linear(lin, Int4Groups(q, scale, lo), max_rows=1 << 30))
+            q4s.append(Int4Linear(lin, Int4Groups(q, scale, lo), max_rows=1 << 30, kernel="torch"))
+            if have_q4:
+                avx.append(Int4Linear(lin, Int4Groups(q, scale, lo)))
         for M in rows:
             h = rng.standard_normal((M, K), np.float32)
             jh, th = jnp.asarray(h), torch.from_numpy(h)
@@ -81,11 +87,12 @@ def main() -> int:
                 t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
                 t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
+                t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= q4_cpu.MAX_ROWS else 0
             j_usual = best_ms(run_j(jstd)) / n_layers
             j_wf = best_ms(run_j(jwf)) / n_layers
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "
-                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | {t_q4:>11.3f} {t_usual / t_q4:>5.2f}",
-                  flush=True)
+                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | {t_q4:>10.3f} {t_usual / t_q4:>5.2f} | "
+                  + (f"{t_avx:>7.3f} {t_usual / t_avx:>5.2f}" if t_avx else f"{'-':>7} {'-':>5}"), flush=True)
     return 0
 
 
