@@ -4,10 +4,10 @@
 multiplies Q4_0/Q4_1 weights with this kernel, their activations quantized to 8 bits per block of 32 like
 llama.cpp's, and a Q8_0 LM head with 16-bit activations (see the C file); elsewhere, or with
 `XLASERVE_Q4_KERNEL=torch`, with torch's own int4 kernel (bfloat16 activations; 2x slower at one row on a
-2-core AVX2 machine). The shared library is
-cached under `~/.cache/xlaserve/kernels/` by a hash of the source and the compiler, so it is built once a
-machine (~1 s). It runs on torch's OpenMP threads: the library links `libgomp.so.1`, which torch has
-already loaded into the process.
+2-core AVX2 machine). The shared library is cached under `$XLASERVE_CACHE/kernels/` (default
+`~/.cache/xlaserve`) by a hash of the source and the compiler, so it is built once a machine (~1 s). It
+runs on torch's OpenMP threads: the library links `libgomp.so.1`, which torch has already loaded into the
+process.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
     key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XLASERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                                "xlaserve"), "kernels")
+    cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
     path = os.path.join(cache, f"q4_cpu-{key}.so")
     if not os.path.isfile(path):
         os.makedirs(cache, exist_ok=True)
