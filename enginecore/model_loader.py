@@ -74,11 +74,6 @@ class ModelSource:
                     _check_weight_dtype(path, name, dtype)
                     yield name, shape
 
-    def iter_int4_weights(self) -> Iterator[tuple[str, "Int4Groups"]]:
-        """(hf_name, Int4Groups) of every 2-D GGUF tensor stored as Q4_0 or Q4_1, as stored (not
-        dequantized), rows in Hugging Face order; nothing for other files and types."""
-        yield from self.iter_quantized_weights(("Q4_0", "Q4_1"))
-
     def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[tuple[str, "Int4Groups | Int8Groups"]]:
         """(hf_name, Int4Groups for Q4_0/Q4_1 | Int8Groups for Q8_0) of every 2-D GGUF tensor stored as one of
         `types`, as stored, rows in Hugging Face order; nothing for other files."""
@@ -307,22 +302,12 @@ class Int4Groups:
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int4Groups":
-        K, N = t.shape  # innermost first
-        if K % cls.GROUP:
-            raise ModelLoadError(f"{path}: tensor {t.name}: rows of {K} are not whole blocks of {cls.GROUP}")
         with_min = t.tensor_type.name == "Q4_1"
-        block = 20 if with_min else 18
-        nblocks = N * K // cls.GROUP
-        if t.data.size != nblocks * block:
-            raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
-        raw = np.asarray(t.data).reshape(nblocks, block)
-        d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
-        qs = raw[:, block - 16 :]
+        raw, N, K = _gguf_blocks(path, t, 20 if with_min else 18)
+        d = _f16_column(raw, 0)
+        qs = raw[:, -16:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # element j: low nibble of byte j, j + 16: high
-        if with_min:
-            m = raw[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
-        else:
-            m = -8.0 * d
+        m = _f16_column(raw, 2) if with_min else -8.0 * d
         groups = (N, K // cls.GROUP)
         return cls(q.reshape(N, K), d.reshape(groups), m.reshape(groups))
 
@@ -344,20 +329,29 @@ class Int8Groups:
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int8Groups":
-        K, N = t.shape  # innermost first
-        if K % cls.GROUP or t.tensor_type.name != "Q8_0":
-            raise ModelLoadError(f"{path}: tensor {t.name}: not Q8_0 rows of whole blocks of {cls.GROUP}")
-        nblocks = N * K // cls.GROUP
-        if t.data.size != nblocks * 34:
-            raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
-        raw = np.asarray(t.data).reshape(nblocks, 34)
-        d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+        raw, N, K = _gguf_blocks(path, t, 34)
         q = raw[:, 2:].copy().view(np.int8)
-        return cls(q.reshape(N, K), d.reshape(N, K // cls.GROUP))
+        return cls(q.reshape(N, K), _f16_column(raw, 0).reshape(N, K // cls.GROUP))
 
     def dequantize(self) -> np.ndarray:
         N, K = self.q.shape
         return (self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None]).reshape(N, K)
+
+
+def _gguf_blocks(path: str, t, block_bytes: int) -> tuple[np.ndarray, int, int]:
+    """A 2-D GGUF tensor of 32-value blocks of `block_bytes` each -> (raw [blocks, block_bytes] uint8, N, K)."""
+    K, N = t.shape  # innermost first
+    if K % 32:
+        raise ModelLoadError(f"{path}: tensor {t.name}: rows of {K} are not whole blocks of 32")
+    nblocks = N * K // 32
+    if t.data.size != nblocks * block_bytes:
+        raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
+    return np.asarray(t.data).reshape(nblocks, block_bytes), N, K
+
+
+def _f16_column(raw: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block, as float32."""
+    return raw[:, at : at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
 
 
 def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:

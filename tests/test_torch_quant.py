@@ -29,7 +29,7 @@ def source():
 
 
 def test_int4_groups_equal_the_gguf_dequantizer(source):
-    groups = dict(source.iter_int4_weights())
+    groups = dict(source.iter_quantized_weights(("Q4_0", "Q4_1")))
     assert len(groups) == 7 * source.config.num_hidden_layers  # q k v o gate up down, all Q4_1
     wanted = {n for n in groups if ".0." in n or ".29." in n}
     dense = {n: a for n, a in source.iter_weights() if n in wanted}

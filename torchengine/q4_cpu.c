@@ -149,6 +149,17 @@ static inline __attribute__((always_inline)) void rows_pass(
     }
 }
 
+// All M activation rows over output rows [n0, n1): passes of 4 rows, then the remainder (constant R each).
+static inline __attribute__((always_inline)) void all_rows(
+    const int Q8, int M, int G, int N, const uint8_t *w, const void *xq, const float *dx, const float *xs,
+    float *y, int n0, int n1) {
+    int r = 0;
+    for (; r + 4 <= M; r += 4) rows_pass(Q8, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
+    if (M - r == 3) rows_pass(Q8, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
+    else if (M - r == 2) rows_pass(Q8, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
+    else if (M - r == 1) rows_pass(Q8, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
+}
+
 static int gemm(const int Q8, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
     if (M < 1 || M > MAX_ROWS || K % QK != 0 || K <= 0 || N <= 0) return -1;
     const int G = K / QK;
@@ -169,18 +180,8 @@ static int gemm(const int Q8, const float *x, int M, int K, const uint8_t *w, in
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int n0 = (int)((long)chunks * t / T) * 16, n1e = (int)((long)chunks * (t + 1) / T) * 16;
         const int n1 = n1e < N ? n1e : N;
-        int r = 0;
-        if (Q8) {
-            for (; r + 4 <= M; r += 4) rows_pass(1, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
-            if (M - r == 3) rows_pass(1, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
-            else if (M - r == 2) rows_pass(1, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
-            else if (M - r == 1) rows_pass(1, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
-        } else {
-            for (; r + 4 <= M; r += 4) rows_pass(0, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
-            if (M - r == 3) rows_pass(0, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
-            else if (M - r == 2) rows_pass(0, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
-            else if (M - r == 1) rows_pass(0, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
-        }
+        if (Q8) all_rows(1, M, G, N, w, xq, dx, xs, y, n0, n1);
+        else all_rows(0, M, G, N, w, xq, dx, xs, y, n0, n1);
     }
     free(xq), free(dx), free(xs);
     return 0;

@@ -126,7 +126,11 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tenso
     x = x.contiguous()
     M, K = x.shape
     N = blocks.shape[0]
-    fn = {K // 32 * Q8_BLOCK_BYTES: lib.q8_gemm, K // 32 * BLOCK_BYTES: lib.q4_gemm}.get(blocks.shape[1])
+    fn = None
+    if blocks.shape[1] == K // 32 * Q8_BLOCK_BYTES:
+        fn = lib.q8_gemm
+    elif blocks.shape[1] == K // 32 * BLOCK_BYTES:
+        fn = lib.q4_gemm
     rc = None
     if fn is not None and x.dtype == torch.float32 and blocks.dtype == torch.uint8 and blocks.is_contiguous():
         y = torch.empty((M, N), dtype=torch.float32)

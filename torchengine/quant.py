@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.arch import fused_slices, weight_spec
-from enginecore.model_loader import Int4Groups, ModelSource
+from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
 from torchengine import q4_cpu
 
 logger = logging.getLogger("xlaserve.torchengine")
@@ -64,20 +64,14 @@ class Int4Linear(nn.Module):
             self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
             self.max_rows = MAX_ROWS if max_rows is None else max_rows
 
-    @property
-    def kernel(self) -> str:
-        return "q4_cpu" if self.lib is not None else "torch"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
-        if self.lib is not None and x.dtype == torch.float32:
-            y = q4_cpu.gemm(self.lib, x, self.blocks)
-        elif self.lib is not None:
-            y = q4_cpu.gemm(self.lib, x.float(), self.blocks).to(x.dtype)
+        if self.lib is not None:
+            y = q4_cpu.gemm(self.lib, x if x.dtype == torch.float32 else x.float(), self.blocks)
         else:
             y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
-            y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -89,9 +83,15 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     arch = model.arch
+    lib, why = q4_cpu.load()
+    head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    head = None  # the LM head's Int8Groups, if the file stores it as Q8_0
     parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
     modules = dict(model.named_modules())
-    for hf_name, g in source.iter_int4_weights():
+    for hf_name, g in source.iter_quantized_weights():  # one pass over the file's quantized tensors
+        if isinstance(g, Int8Groups):
+            head = g if hf_name == head_name else head
+            continue
         found = weight_spec(hf_name)
         if found is None or found[0] is None:
             continue
@@ -116,21 +116,16 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         parent_path, _, attr = path.rpartition(".")
         setattr(modules[parent_path], attr, Int4Linear(lin, Int4Groups(p["q"], p["scale"], p["offset"])))
         done += 1
-    lib, why = q4_cpu.load()
     if done:
         logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/q4_cpu.c)" if lib is not None
                     else f"torch's int4 kernel ({why})")
-        _quantize_lm_head(model, source, lib)
+        _quantize_lm_head(model, head if lib is not None and model.tp_size == 1 else None, lib)
     return done
 
 
-def _quantize_lm_head(model, source: ModelSource, lib) -> None:
-    """The LM head for steps of few rows: the file's Q8_0 blocks with the AVX2 kernel (exactly the file's
-    weights, a quarter of float32's bytes), else a bfloat16 copy for one row (half the bytes)."""
-    head = "model.embed_tokens.weight" if model.arch.tie_word_embeddings else "lm_head.weight"
-    q8 = None
-    if lib is not None and model.tp_size == 1:
-        q8 = next((g for n, g in source.iter_quantized_weights(("Q8_0",)) if n == head), None)
+def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
+    """The LM head for steps of few rows: the file's Q8_0 blocks `q8` with the AVX2 kernel (exactly the
+    file's weights, a quarter of float32's bytes), else a bfloat16 copy for one row (half the bytes)."""
     if q8 is not None:
         blocks = q4_cpu.pack8(q8.q, q8.scale)
         model.lm_head_small = lambda h: q4_cpu.gemm(lib, h.float(), blocks)
