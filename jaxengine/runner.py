@@ -371,8 +371,7 @@ class JaxModelRunner:
         """Compile every program of the warmup level, `threads` at a time (XLA compiles in parallel).
 
         Returns {"level", "programs": [{"key", "seconds", "compiles", "cache_hits", "cache_misses", "status"}],
-        "seconds",
-        "compiles", "cache_hits", "cache_misses", "cache_dir", "recompilation_guard"}; then arms the
+        "seconds", "compiles", "cache_hits", "cache_misses", "cache_dir", "recompilation_guard"}; then arms the
         recompilation guard. `progress(done, total, key)` is called after each program.
         """
         level = level or self.warmup_level
