@@ -11,7 +11,7 @@ Prints ms per matmul and the speedup of weights first; the engines use it for
 2 to 32 rows on a CPU (`weights_first_rows`). The last columns are the 4-bit
 kernels of `--quantization gguf` (`torchengine.quant`) on the same weights
 quantized in groups of 32: torch's int4 kernel, and our AVX2 kernel
-(`torchengine/q4_cpu.c`, up to 32 rows; `-` where it cannot run), each as a
+(`torchengine/cpu_kernels.c`, up to 32 rows; `-` where it cannot run), each as a
 speedup over torch's usual float32 linear.
 """
 
@@ -50,7 +50,7 @@ def main() -> int:
 
     from enginecore.model_loader import Int4Groups
     from jaxengine.model import dense
-    from torchengine import q4_cpu
+    from torchengine import cpu_kernels
     from torchengine.quant import Int4Linear
 
     torch.set_num_threads(threads)
@@ -59,8 +59,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
-          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch int4':>10} {'x':>5} | {'q4_cpu':>7} {'x':>5}")
-    have_q4 = q4_cpu.load()[0] is not None
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch int4':>10} {'x':>5} | {'avx2 q4':>7} {'x':>5}")
+    have_q4 = cpu_kernels.load()[0] is not None
     for name, K, N in SHAPES:
         n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
@@ -87,7 +87,7 @@ def main() -> int:
                 t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
                 t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
-                t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= q4_cpu.MAX_ROWS else 0
+                t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= cpu_kernels.MAX_ROWS else 0
             j_usual = best_ms(run_j(jstd)) / n_layers
             j_wf = best_ms(run_j(jwf)) / n_layers
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "

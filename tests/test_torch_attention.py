@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torchengine.attention import AttentionMetadata, TorchAttention  # noqa: E402
+from torchengine.attention import AttentionMetadata, DecodeGroup, TorchAttention  # noqa: E402
 
 reference = pytest.importorskip("triton_kernels.reference")
 
@@ -68,18 +68,34 @@ CASES = {
 }
 
 
+def cpu_lib():
+    from torchengine import cpu_kernels
+
+    lib, why = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels do not run here: {why}")
+    return lib
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("pad_tokens", [0, 3])
-def test_torch_attention_matches_reference(case, heads, window, pad_tokens):
+@pytest.mark.parametrize("kernels", ["torch", "avx2"])
+def test_torch_attention_matches_reference(case, heads, window, pad_tokens, kernels):
+    """Both ways: torch's ops only, and the AVX2 kernels' (cache writes, decodes straight from the cache)."""
     Hq, Hkv = heads
     D, bs = 16, 8
     rng = np.random.default_rng(0)
     batch, meta, q, k, v, kc, vc = ragged_step(rng, *CASES[case], bs, 128, Hq, Hkv, D, pad_tokens=pad_tokens)
-    backend = TorchAttention(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, sliding_window=window)
+    backend = TorchAttention(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, sliding_window=window,
+                             cpu_lib=cpu_lib() if kernels == "avx2" else None)
     meta.groups = backend.plan(batch, torch.device("cpu"), bs)
-    if case in ("decode-alike", "one-prefill"):
+    decodes = int((np.diff(batch.cu_q_lens[: batch.num_reqs + 1]) == 1).sum())
+    if kernels == "avx2":  # all decodes in one group, attended by the kernel
+        assert sum(isinstance(g, DecodeGroup) for g in meta.groups) == (decodes > 0)
+        assert all(g.tokens.shape[0] == decodes for g in meta.groups if isinstance(g, DecodeGroup))
+    elif case in ("decode-alike", "one-prefill"):
         assert len(meta.groups) == 1 and meta.groups[0].whole_batch
     want, want_kc, want_vc = reference_out(meta, q, k, v, kc, vc, backend.sm_scale, window)
     got = backend.forward(q, k, v, kc, vc, meta)

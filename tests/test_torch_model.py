@@ -103,8 +103,14 @@ def test_smollm2_logprobs_match_transformers(smollm2_llm, smollm2_hf, prompts):
             assert len(entry) in (2, 3)  # the prompt token and the top 2 (it may be one of them)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tiny_arch_greedy_matches_transformers(arch, tiny_model_dir, prompts):
+@pytest.mark.parametrize("arch,kernels", [("llama", "avx2"), ("mistral", "avx2"), ("qwen2", "avx2"), ("qwen3", "avx2"),
+                                          ("qwen2", "torch"), ("qwen3", "torch")])
+def test_tiny_arch_greedy_matches_transformers(arch, kernels, tiny_model_dir, prompts, monkeypatch):
+    """With the AVX2 CPU kernels where they run (the default), and with torch's ops only."""
+    if kernels == "torch":
+        from torchengine import cpu_kernels
+
+        monkeypatch.setattr(cpu_kernels, "lib", lambda: None)
     d = tiny_model_dir(arch)
     llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -3,7 +3,7 @@
 - the 4-bit groups read from the file's blocks dequantize to exactly what the
   `gguf` package's dequantizer gives (so the f32 path and the 4-bit path hold the same weights);
 - Q4_0's form (offset -8 d) too, on a block written by hand;
-- the AVX2 kernel (`torchengine/q4_cpu.c`) computes exactly its numpy definition;
+- the AVX2 kernel (`torchengine/cpu_kernels.c`) computes exactly its numpy definition;
 - an Int4Linear equals the dense float32 linear of the dequantized weight up to the kernels' rounding
   (either kernel), on the 4-bit path (few rows) and the dense path (many rows);
 - the engine with the flag answers like the dequantized model: same first greedy tokens on chat
@@ -58,12 +58,12 @@ def test_q4_0_block_form():
     np.testing.assert_array_equal(g.dequantize(), (q.astype(np.float32) - 8) * d.astype(np.float32)[:, None])
 
 
-def test_q4_cpu_kernel_matches_its_reference():
+def test_q4_kernel_matches_its_reference():
     """The AVX2 kernel computes exactly its definition (8-bit activations per block of 32, integer block
-    dot products, float16 scales): against `q4_cpu.reference` in float64, at every row count it takes."""
-    from torchengine import q4_cpu
+    dot products, float16 scales): against `cpu_kernels.reference` in float64, at every row count it takes."""
+    from torchengine import cpu_kernels
 
-    lib, why = q4_cpu.load()
+    lib, why = cpu_kernels.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernel cannot run here: {why}")
     rng = np.random.default_rng(7)
@@ -72,12 +72,12 @@ def test_q4_cpu_kernel_matches_its_reference():
         q = rng.integers(0, 16, (N, K)).astype(np.uint8)
         scale = rng.uniform(0.002, 0.05, (N, G)).astype(np.float16).astype(np.float32)
         offset = rng.uniform(-0.4, 0.1, (N, G)).astype(np.float16).astype(np.float32)
-        blocks = q4_cpu.pack(q, scale, offset)
+        blocks = cpu_kernels.pack(q, scale, offset)
         for M in (1, 2, 3, 4, 5, 9, 32):
             x = rng.standard_normal((M, K)).astype(np.float32)
             x[0, :32] = 0  # an all-zero block (scale 0) is exact too
-            got = q4_cpu.gemm(lib, torch.from_numpy(x), blocks).numpy()
-            want = q4_cpu.reference(x, q, scale, offset)
+            got = cpu_kernels.gemm(lib, torch.from_numpy(x), blocks).numpy()
+            want = cpu_kernels.reference(x, q, scale, offset)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
             # and it is the dequantized linear up to the 8-bit activations
             dense = x @ (q.reshape(N, G, 32) * scale[..., None] + offset[..., None]).reshape(N, K).T
@@ -85,14 +85,14 @@ def test_q4_cpu_kernel_matches_its_reference():
     # Q8_0 blocks (the LM head): int8 weights, no offset
     q8 = rng.integers(-128, 128, (72, 96)).astype(np.int8)
     s8 = rng.uniform(0.001, 0.01, (72, 3)).astype(np.float16).astype(np.float32)
-    blocks8 = q4_cpu.pack8(q8, s8)
+    blocks8 = cpu_kernels.pack8(q8, s8)
     for M in (1, 4, 7):
         x = rng.standard_normal((M, 96)).astype(np.float32)
-        got = q4_cpu.gemm(lib, torch.from_numpy(x), blocks8).numpy()
-        want = q4_cpu.reference(x, q8, s8)
+        got = cpu_kernels.gemm(lib, torch.from_numpy(x), blocks8).numpy()
+        want = cpu_kernels.reference(x, q8, s8)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="bad arguments"):
-        q4_cpu.gemm(lib, torch.zeros(33, 128), q4_cpu.pack(np.zeros((4, 128), np.uint8), *np.ones((2, 4, 4), np.float32)))
+        cpu_kernels.gemm(lib, torch.zeros(33, 128), cpu_kernels.pack(np.zeros((4, 128), np.uint8), *np.ones((2, 4, 4), np.float32)))
 
 
 @pytest.mark.parametrize("kernel", ["auto", "torch"])
@@ -118,7 +118,7 @@ def test_int4_linear_matches_dense(rows, kernel):
     if rows > lin.max_rows:
         assert torch.equal(got, want)  # the dense path
     else:
-        # bf16 activations and scales (torch's kernel) or 8-bit activations (q4_cpu): ~2-3 significant digits
+        # bf16 activations and scales (torch's kernel) or 8-bit activations (cpu_kernels): ~2-3 significant digits
         torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
         assert not torch.equal(got, want), "the 4-bit path was expected to run"
 

@@ -8,9 +8,12 @@ writes this step's k/v into their slots and attends over the ragged batch:
   split into groups, decodes (one new token) by kv length and the rest by
   query length; each group is padded to [n requests, L queries] and attends
   with one masked SDPA over its requests' blocks, gathered only up to the
-  group's longest kv length (never max_model_len). The plan (index tensors and masks) is built once per step
-  on the host from the numpy batch and shared by every layer. Not capturable
-  in a CUDA graph (its shapes depend on the lengths).
+  group's longest kv length (never max_model_len). With the AVX2 kernels
+  (`torchengine.cpu_kernels`) and a float32 cache, all decodes are one
+  `DecodeGroup` attended in place over the paged cache (no gather, no mask),
+  and the cache writes are one call too. The plan (index tensors and masks)
+  is built once per step on the host from the numpy batch and shared by every
+  layer. Not capturable in a CUDA graph (its shapes depend on the lengths).
 - `TritonAttention` ("triton"): `triton_kernels.reshape_and_cache` +
   `unified_attention`; reads lengths on the device only, so decode steps can
   be captured in CUDA graphs. The default on CUDA.
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from enginecore.step_batch import StepBatch
 from enginecore.config import ConfigError
+from torchengine import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,15 @@ class RequestGroup:
     whole_batch: bool = False  # the [n, L] rows are exactly tokens 0..T-1 in order (no gather or scatter needed)
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Requests of one new token each, attended by `cpu_kernels.decode_attention` straight from the cache."""
+
+    tokens: torch.Tensor  # [n] i64 flat token (query row) of each request
+    kv_lens: torch.Tensor  # [n] i32
+    block_tables: torch.Tensor  # [n, P] i32, P blocks cover the longest
+
+
 @dataclass
 class AttentionMetadata:
     """One step's ragged batch on the device (shapes padded to the batch's buckets)."""
@@ -54,7 +67,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [Rp, Bp] i32
     num_reqs: int  # requests the kernels look at (real ones eagerly, Rp in a CUDA graph)
     num_tokens: int  # real tokens (the first num_tokens rows of the batch)
-    groups: tuple[RequestGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
+    groups: tuple[RequestGroup | DecodeGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
 
 
 class AttentionBackend(abc.ABC):
@@ -69,7 +82,7 @@ class AttentionBackend(abc.ABC):
         self.sm_scale = head_dim**-0.5
 
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
-             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup, ...]:
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup, ...]:
         """Host-side per-step precomputation shared by all layers (none by default); `dtype`: the queries'."""
         return ()
 
@@ -110,16 +123,29 @@ class TorchAttention(AttentionBackend):
     # 1/GROUP_SPREAD of the group's largest: bounded padding waste, few SDPA calls per layer
     GROUP_SPREAD = 4
 
+    def __init__(self, *args, cpu_lib=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lib = cpu_lib  # torchengine.cpu_kernels' library (float32 caches), or None: torch's ops only
+
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
-             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup, ...]:
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup, ...]:
         R = batch.num_reqs
         cu = batch.cu_q_lens[: R + 1].astype(np.int64)
         q_lens = np.diff(cu)
         kv = batch.kv_lens[:R].astype(np.int64)
         decode = q_lens == 1
-        groups = self._split(np.nonzero(decode)[0], kv) + self._split(np.nonzero(~decode)[0], q_lens)
-        return tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device, dtype)
-                     for idx in groups)
+        decodes = np.nonzero(decode)[0]
+        head: tuple = ()
+        if self.lib is not None and dtype == torch.float32 and len(decodes):
+            P = int(-(-kv[decodes].max() // block_size))
+            head = (DecodeGroup(tokens=torch.from_numpy(cu[decodes]).to(device),
+                                kv_lens=torch.from_numpy(batch.kv_lens[decodes].astype(np.int32)).to(device),
+                                block_tables=torch.from_numpy(np.ascontiguousarray(
+                                    batch.block_tables[decodes, :P], dtype=np.int32)).to(device)),)
+            decodes = decodes[:0]
+        groups = self._split(decodes, kv) + self._split(np.nonzero(~decode)[0], q_lens)
+        return head + tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device, dtype)
+                            for idx in groups)
 
     def _split(self, reqs: np.ndarray, size: np.ndarray) -> list[np.ndarray]:
         """`reqs` cut into groups of similar `size` (largest first)."""
@@ -170,11 +196,24 @@ class TorchAttention(AttentionBackend):
             k, v = k[:T], v[:T]
         if k.dtype != key_cache.dtype:  # (a no-op .to still costs a dispatch, 30 layers x every step)
             k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
-        key_cache.view(-1, Hkv, D).index_copy_(0, slots, k)
-        value_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
+        lib = self.lib if q.dtype == torch.float32 else None  # (self.lib: a float32 cache)
+        if lib is not None and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D:
+            cpu_kernels.kv_write(lib, k, v, slots, key_cache, value_cache)
+        else:
+            key_cache.view(-1, Hkv, D).index_copy_(0, slots, k)
+            value_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
         cast = key_cache.dtype != q.dtype
         out = None
         for g in meta.groups:
+            if isinstance(g, DecodeGroup):
+                if out is None:  # every row written when the decodes are the whole step
+                    out = (torch.empty if len(meta.groups) == 1 and g.tokens.shape[0] == q.shape[0]
+                           else torch.zeros)(q.shape, dtype=q.dtype)
+                if q.stride(2) != 1 or q.stride(1) != D:
+                    q = q.contiguous()
+                cpu_kernels.decode_attention(lib, q, g.tokens, g.kv_lens, g.block_tables, key_cache, value_cache,
+                                             self.sm_scale, self.sliding_window, out)
+                continue
             n, L = g.token_index.shape
             qg = q[:T] if g.whole_batch else q[g.token_index]
             qg = qg.view(n, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * L, D)
@@ -235,10 +274,14 @@ class ReferenceAttention(AttentionBackend):
 _BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "reference": ReferenceAttention}
 
 
-def make_attention_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
-    """`--attention-backend`: auto is triton on CUDA, torch elsewhere."""
+def make_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype = torch.float32,
+                           **kwargs) -> AttentionBackend:
+    """`--attention-backend`: auto is triton on CUDA, torch elsewhere (with the AVX2 kernels for a float32
+    cache on a CPU that runs them)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch" and device.type == "cpu" and kv_dtype == torch.float32:
+        kwargs["cpu_lib"] = cpu_kernels.lib()
     if name not in _BACKENDS:
         raise ConfigError(f"--attention-backend {name!r} is not available on the torch backend "
                          f"(choose from auto, {', '.join(_BACKENDS)})")

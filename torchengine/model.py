@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
+from torchengine import cpu_kernels
 
 # attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,9 +41,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos [T, 1, D] is cos(pos * freq) repeated for both halves and sin [T, 1, D] is -sin, +sin (the tables
     `Transformer.forward` looks up once a step): x * cos + swap_halves(x) * sin is transformers'
     `x * cos + rotate_half(x) * sin`, in three ops (on a CPU each op of a decode step costs more in dispatch
-    than in arithmetic, so q and k of a layer are rotated in one call).
+    than in arithmetic, so q and k of a layer are rotated in one call). On a CPU with `torchengine.cpu_kernels`,
+    a float32 x is rotated in place, in one call.
     """
     T, H, D = x.shape
+    if x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1 and x.stride(1) == D:
+        lib = cpu_kernels.lib()
+        if lib is not None:
+            return cpu_kernels.rope_(lib, x, cos, sin)
     xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(T, H, 2, D // 2).flip(2).view(T, H, D)
     out = torch.addcmul(xf * cos, swapped, sin)
@@ -53,6 +59,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # layers
 
 
+def small_cpu_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x . w^T by `cpu_kernels.f32_gemm` where it is the faster way (float32 on a CPU, 1 to F32_MAX_ROWS rows:
+    2-3x MKL at one row), else None."""
+    if 0 < x.shape[0] <= cpu_kernels.F32_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 \
+            and w.dtype == torch.float32 and w.is_contiguous():
+        lib = cpu_kernels.lib()
+        if lib is not None:
+            return cpu_kernels.f32_gemm(lib, x, w)
+    return None
+
+
+class Linear(nn.Linear):
+    """nn.Linear with `small_cpu_matmul` for the few rows of a decode step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = small_cpu_matmul(x, self.weight)
+        if y is None:
+            return F.linear(x, self.weight, self.bias)
+        return y if self.bias is None else y + self.bias
+
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -61,7 +89,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # the same arithmetic in one call (bit-equal; one op instead of six on a CPU decode step)
+            if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
+                lib = cpu_kernels.lib()
+                if lib is not None:  # one call (F.rms_norm is six ops on a CPU)
+                    return cpu_kernels.rms_norm(lib, x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -76,8 +107,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = D = arch.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * D
-        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * D, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = Linear(self.num_heads * D, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -97,11 +128,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # (a decode step's rows: the kernel's scalar exp is slower than torch's vectorised one for a prefill)
+        if gate_up.shape[0] <= cpu_kernels.MAX_ROWS and gate_up.dtype == torch.float32 and gate_up.is_cpu \
+                and gate_up.is_contiguous():
+            lib = cpu_kernels.lib()
+            if lib is not None:
+                return self.down_proj(cpu_kernels.silu_mul(lib, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -136,7 +174,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
         self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
@@ -163,6 +201,9 @@ class Transformer(nn.Module):
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
+        y = small_cpu_matmul(h, w)
+        if y is not None:
+            return y
         if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M
             # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py). One row

@@ -4,13 +4,13 @@ A Q4_0 / Q4_1 weight is groups of 32 values along the input dimension, each
 w = q * scale + offset with q in 0..15 (`enginecore.model_loader.Int4Groups`,
 read from the file's blocks, not dequantized). Two kernels compute with that form:
 
-- `torchengine.q4_cpu` (x86 with AVX2, FMA and F16C, and a C compiler): the
+- `torchengine.cpu_kernels` (x86 with AVX2, FMA and F16C, and a C compiler): the
   weights in llama.cpp's Q4_1 block layout, the activations quantized to 8 bits
   per block of 32 like llama.cpp's, integer dot products (2x torch's kernel at
   one row on a 2-core AVX2 machine). Results are the dequantized model's up to
   that activation rounding (~1/254 of a block's largest value), as llama.cpp's are.
 - torch's own (`_weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao use),
-  elsewhere or with `XLASERVE_Q4_KERNEL=torch`: w = (q - 8) * scale + zero with
+  elsewhere or with `XLASERVE_CPU_KERNELS=torch`: w = (q - 8) * scale + zero with
   zero = offset + 8 * scale, from bfloat16 activations, scales and zeros.
 
 Either reads ~5 bits a weight instead of 32. Both are slower than the dense
@@ -31,13 +31,13 @@ from torch import nn
 
 from enginecore.arch import fused_slices, weight_spec
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
-from torchengine import q4_cpu
+from torchengine import cpu_kernels
 
 logger = logging.getLogger("xlaserve.torchengine")
 
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 MAX_ROWS = 16  # steps of at most this many tokens use torch's 4-bit kernel (measured: bench_dense)
-Q4_MAX_ROWS = q4_cpu.MAX_ROWS  # and the AVX2 kernel's (its limit; still faster than dense f32 there)
+Q4_MAX_ROWS = cpu_kernels.MAX_ROWS  # and the AVX2 kernel's (its limit; still faster than dense f32 there)
 _MODULES = {"qkv_proj": "attn.qkv_proj", "o_proj": "attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
             "down_proj": "mlp.down_proj"}
 
@@ -51,9 +51,9 @@ class Int4Linear(nn.Module):
         # plain attributes, not buffers (this path is CPU-only, nothing moves them): a decode step reads them
         # 120 times, and a module's buffer lookup costs more than the attribute
         self.bias = None if dense.bias is None else dense.bias.detach()  # shares the parameter's storage
-        self.lib = q4_cpu.load()[0] if kernel == "auto" else None  # "torch": torch's kernel
+        self.lib = cpu_kernels.load()[0] if kernel == "auto" else None  # "torch": torch's kernel
         if self.lib is not None:
-            self.blocks = q4_cpu.pack(g.q, g.scale, g.offset)
+            self.blocks = cpu_kernels.pack(g.q, g.scale, g.offset)
             self.max_rows = Q4_MAX_ROWS if max_rows is None else min(max_rows, Q4_MAX_ROWS)
         else:
             q = torch.from_numpy(g.q.astype(np.int32))
@@ -68,7 +68,7 @@ class Int4Linear(nn.Module):
         if x.shape[0] > self.max_rows:
             return self.dense(x)
         if self.lib is not None:
-            y = q4_cpu.gemm(self.lib, x if x.dtype == torch.float32 else x.float(), self.blocks)
+            y = cpu_kernels.gemm(self.lib, x if x.dtype == torch.float32 else x.float(), self.blocks)
         else:
             y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
@@ -83,7 +83,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     arch = model.arch
-    lib, why = q4_cpu.load()
+    lib, why = cpu_kernels.load()
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = None  # the LM head's Int8Groups, if the file stores it as Q8_0
     parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
@@ -117,7 +117,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         setattr(modules[parent_path], attr, Int4Linear(lin, Int4Groups(p["q"], p["scale"], p["offset"])))
         done += 1
     if done:
-        logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/q4_cpu.c)" if lib is not None
+        logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/cpu_kernels.c)" if lib is not None
                     else f"torch's int4 kernel ({why})")
         _quantize_lm_head(model, head if lib is not None and model.tp_size == 1 else None, lib)
     return done
@@ -127,8 +127,8 @@ def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
     """The LM head for steps of few rows: the file's Q8_0 blocks `q8` with the AVX2 kernel (exactly the
     file's weights, a quarter of float32's bytes), else a bfloat16 copy for one row (half the bytes)."""
     if q8 is not None:
-        blocks = q4_cpu.pack8(q8.q, q8.scale)
-        model.lm_head_small = lambda h: q4_cpu.gemm(lib, h.float(), blocks)
+        blocks = cpu_kernels.pack8(q8.q, q8.scale)
+        model.lm_head_small = lambda h: cpu_kernels.gemm(lib, h.float(), blocks)
         model.lm_head_small_rows = Q4_MAX_ROWS
         logger.info("LM head: the file's Q8_0 blocks, the AVX2 kernel for steps of <= %d rows", Q4_MAX_ROWS)
         return

@@ -131,7 +131,7 @@ class TorchModelRunner:
         self.input_batch = self._new_input_batch()
         self.to_device = HostToDevice(self.device)
         self.attn_backend = make_attention_backend(
-            dc.attention_backend, self.device, num_heads=heads // self.tp_size,
+            dc.attention_backend, self.device, self.kv_dtype, num_heads=heads // self.tp_size,
             num_kv_heads=kv_heads // self.tp_size, head_dim=self.arch.head_dim,
             sliding_window=self.arch.sliding_window,
         )

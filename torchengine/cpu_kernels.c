@@ -1,6 +1,7 @@
-// 4- and 8-bit GGUF linears on an x86 CPU with AVX2: y[M, N] = x[M, K] . w[N, K]^T, w in Q4_1 or Q8_0 blocks.
+// The torch backend's CPU kernels, x86 with AVX2: 4- and 8-bit GGUF linears, y[M, N] = x[M, K] . w[N, K]^T
+// with w in Q4_1 or Q8_0 blocks, and (at the end) the float32 glue of a decode step.
 //
-// Built and loaded by torchengine/q4_cpu.py (gcc -O3 -mavx2 -mfma -mf16c -fopenmp); the OpenMP runtime is
+// Built and loaded by torchengine/cpu_kernels.py (gcc -O3 -mavx2 -mfma -mf16c -fopenmp); the OpenMP runtime is
 // the one torch already loaded (same soname), so the threads are torch's.
 //
 // A block is 32 weights of one output row: w[j] = q[j] * d + m with q in 0..15, stored as llama.cpp's
@@ -195,4 +196,189 @@ int q4_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
 
 int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nthreads) {
     return gemm(1, x, M, K, (const uint8_t *)w, N, y, nthreads);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The float32 glue of a decode step. In torch each of these is several ops of a few microseconds to tens of
+// microseconds of dispatch for a few hundred floats of work; a decode step of a 30-layer model runs them
+// 30-60 times. Row strides are in floats, so views into a fused qkv output need no copy.
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+    }
+    for (; j + 8 <= n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+// out[i] += p * x[i]
+static inline void axpy(float *out, float p, const float *x, int n) {
+    const __m256 vp = _mm256_set1_ps(p);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + j), _mm256_loadu_ps(out + j)));
+    for (; j < n; j++) out[j] += p * x[j];
+}
+
+// out[M, K] = x * rsqrt(mean(x^2) + eps) * w, x rows `x_stride` floats apart
+int rms_norm(const float *x, int M, int K, long x_stride, const float *w, float eps, float *out) {
+    if (M < 0 || K <= 0) return -1;
+#pragma omp parallel for if ((long)M * K >= 65536) schedule(static)
+    for (int i = 0; i < M; i++) {
+        const float *r = x + i * x_stride;
+        float *o = out + (size_t)i * K;
+        const float inv = 1.f / sqrtf(dot(r, r, K) / (float)K + eps);
+        const __m256 vi = _mm256_set1_ps(inv);
+        int j = 0;
+        for (; j + 8 <= K; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + j), vi), _mm256_loadu_ps(w + j)));
+        for (; j < K; j++) o[j] = r[j] * inv * w[j];
+    }
+    return 0;
+}
+
+// In place on x [T, H, D] (token rows `x_stride` floats apart, heads contiguous): rotate-half RoPE with the
+// model's tables in swap-halves form, cos [T, D] = (cos, cos) and sin [T, D] = (-sin, sin) of each token's
+// position: x = x * cos + swap_halves(x) * sin.
+int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin) {
+    if (T < 0 || H <= 0 || D <= 0 || D % 2 || D > 1024) return -1;
+    const int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        for (int h = 0; h < H; h++) {
+            float *p = x + t * x_stride + (size_t)h * D, tmp[1024];
+            memcpy(tmp, p, sizeof(float) * D);
+            for (int j = 0; j < half; j++) {
+                p[j] = tmp[j] * c[j] + tmp[j + half] * s[j];
+                p[j + half] = tmp[j + half] * c[j + half] + tmp[j] * s[j + half];
+            }
+        }
+    }
+    return 0;
+}
+
+// The cache writes of a step: token t's k and v rows (W floats each, k_stride / v_stride floats apart) to
+// slot slots[t] of the caches [slots, W]; slots < 0 (padding) are skipped.
+int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T, const int64_t *slots,
+             float *kcache, float *vcache, int W) {
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kcache + slots[t] * W, k + t * k_stride, sizeof(float) * W);
+        memcpy(vcache + slots[t] * W, v + t * v_stride, sizeof(float) * W);
+    }
+    return 0;
+}
+
+// Decode attention over the paged cache: request i's one query (token tokens[i] of q [T, Hq, D], rows
+// `q_stride` floats apart) attends its kv_lens[i] cached tokens (the last `window` only if window > 0),
+// whose blocks are block_tables[i, :], from caches [blocks, block_size, Hkv, D]; query head h reads kv head
+// h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
+int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens, const int32_t *kv_lens,
+                     const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads) {
+    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0) return -1;
+    const int G = Hq / Hkv;
+    const long W = (long)Hkv * D;  // floats per cached token
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    int rc = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n * Hq > 1 ? nthreads : 1)
+    for (int task = 0; task < n * Hq; task++) {
+        const int i = task / Hq, h = task % Hq, hk = h / G;
+        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0;
+        const float *qh = q + tokens[i] * q_stride + (size_t)h * D;
+        float *o = out + (size_t)tokens[i] * Hq * D + (size_t)h * D;
+        float *s = (float *)malloc(sizeof(float) * (size_t)(L - start + 1));
+        if (!s) {
+            rc = -2;
+            continue;
+        }
+        const int32_t *bt = block_tables + (size_t)i * bt_stride;
+        float m = -INFINITY;
+        for (int j = start; j < L; j++) {
+            const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
+            const float v = dot(qh, kcache + slot * W + (size_t)hk * D, D) * scale;
+            s[j - start] = v;
+            m = v > m ? v : m;
+        }
+        float sum = 0.f;
+        for (int j = 0; j < L - start; j++) sum += (s[j] = expf(s[j] - m));
+        memset(o, 0, sizeof(float) * D);
+        for (int j = start; j < L; j++) {
+            const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
+            axpy(o, s[j - start], vcache + slot * W + (size_t)hk * D, D);
+        }
+        const float inv = 1.f / sum;
+        for (int d = 0; d < D; d++) o[d] *= inv;
+        free(s);
+    }
+    return rc;
+}
+
+// out[M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (a fused gate/up projection's output)
+int silu_mul(const float *gu, int M, int I, float *out) {
+    if (M < 0 || I <= 0) return -1;
+#pragma omp parallel for if ((long)M * I >= 65536) schedule(static)
+    for (int i = 0; i < M; i++) {
+        const float *g = gu + (size_t)i * 2 * I, *u = g + I;
+        float *o = out + (size_t)i * I;
+        for (int j = 0; j < I; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    }
+    return 0;
+}
+
+// y [M, N] = x [M, K] . w [N, K]^T in float32 for a few rows (M <= MAX_ROWS): every weight row is read once
+// for up to 8 activation rows (R of them per pass, in registers), output rows split between threads. At 1-4
+// rows this runs at memory speed, where MKL's small-M sgemm reads [N, K] at half of it on a 2-core AVX2
+// machine (benchmarks/bench_dense.py).
+static inline __attribute__((always_inline)) void f32_rows_pass(
+    const int R, int r0, int K, int N, const float *x, const float *w, float *y, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        const float *wn = w + (size_t)n * K;
+        __m256 acc[8], acc2 = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        int k = 0;
+        if (R == 1) {
+            const float *a = x + (size_t)r0 * K;
+            for (; k + 16 <= K; k += 16) {
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(a + k), acc[0]);
+                acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 8), _mm256_loadu_ps(a + k + 8), acc2);
+            }
+        }
+        for (; k + 8 <= K; k += 8) {
+            const __m256 wv = _mm256_loadu_ps(wn + k);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)(r0 + r) * K + k), acc[r]);
+        }
+        if (R == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
+        for (int r = 0; r < R; r++) {
+            float s = hsum8(acc[r]);
+            for (int j = k; j < K; j++) s += wn[j] * x[(size_t)(r0 + r) * K + j];
+            y[(size_t)(r0 + r) * N + n] = s;
+        }
+    }
+}
+
+int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int nthreads) {
+    if (M < 1 || M > MAX_ROWS || K <= 0 || N <= 0) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    const int chunks = (N + 15) / 16;
+    const int nt = (long)N * K >= 16384 ? (nthreads < chunks ? nthreads : chunks) : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int n0 = (int)((long)chunks * t / T) * 16, n1e = (int)((long)chunks * (t + 1) / T) * 16;
+        const int n1 = n1e < N ? n1e : N;
+        int r = 0;
+        for (; r + 8 <= M; r += 8) f32_rows_pass(8, r, K, N, x, w, y, n0, n1);
+        if (M - r >= 4) f32_rows_pass(4, r, K, N, x, w, y, n0, n1), r += 4;
+        if (M - r == 3) f32_rows_pass(3, r, K, N, x, w, y, n0, n1);
+        else if (M - r == 2) f32_rows_pass(2, r, K, N, x, w, y, n0, n1);
+        else if (M - r == 1) f32_rows_pass(1, r, K, N, x, w, y, n0, n1);
+    }
+    return 0;
 }

@@ -1,0 +1,91 @@
+"""The float32 CPU kernels of `torchengine.cpu_kernels` against torch's ops and transformers' RoPE.
+
+(The 4-/8-bit GGUF kernels are in test_torch_quant.py; the cache writes and decode attention in
+test_torch_attention.py, against the attention reference.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from torchengine import cpu_kernels  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib, why = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels do not run here: {why}")
+    return lib
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 576), (5, 70), (40, 8)])
+def test_rms_norm(lib, M, K):
+    base = randn(M, K + 9) * 3
+    x = base[:, 4 : 4 + K]  # rows K + 9 floats apart
+    w = randn(K, seed=1)
+    got = cpu_kernels.rms_norm(lib, x, w, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (K,), w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("D", [16, 64, 6])
+def test_rope_matches_transformers(lib, D):
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    T, H = 5, 3
+    pos = torch.tensor([0, 7, 1, 300, 2])
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos[:, None].float() * inv[None]  # [T, D/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)  # transformers' form
+    qkv = randn(T, H + 2, D)  # rotate the first H heads of each row in place, as a view of a wider tensor
+    want = qkv[:, :H] * cos[:, None] + rotate_half(qkv[:, :H]) * sin[:, None]
+    tail = qkv[:, H:].clone()
+    ours_sin = torch.cat([-ang.sin(), ang.sin()], -1)  # torchengine.model's tables: (cos, cos), (-sin, sin)
+    out = cpu_kernels.rope_(lib, qkv[:, :H], cos[:, None].contiguous(), ours_sin[:, None].contiguous())
+    assert out.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :H], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkv[:, H:], tail)
+
+
+@pytest.mark.parametrize("M,I", [(1, 1536), (4, 37)])
+def test_silu_mul(lib, M, I):
+    gu = randn(M, 2 * I) * 4
+    torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gu[:, :I]) * gu[:, I:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 13])
+@pytest.mark.parametrize("N,K", [(49, 64), (300, 70), (1000, 576)])
+def test_f32_gemm(lib, M, N, K):
+    """Every pass width (8, 4, 3, 2, 1 rows), K with and without tails of 16 and 8, N across threads."""
+    x, w = randn(M, K), randn(N, K, seed=1)
+    want = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(cpu_kernels.f32_gemm(lib, x, w), want, rtol=1e-5, atol=1e-6 * K)  # float32 sums
+
+
+def test_bad_arguments_raise(lib):
+    with pytest.raises(ValueError):
+        cpu_kernels.f32_gemm(lib, torch.zeros(33, 8), torch.zeros(4, 8))  # more rows than MAX_ROWS
+    with pytest.raises(ValueError):
+        cpu_kernels.rope_(lib, torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))  # odd D
+
+
+def test_small_linear_uses_the_kernel(lib, monkeypatch):
+    """torchengine.model.Linear: the kernel for 1..F32_MAX_ROWS float32 rows on a CPU, F.linear otherwise."""
+    from torchengine.model import Linear
+
+    lin = Linear(70, 30).requires_grad_(False)
+    calls = []
+    real = cpu_kernels.f32_gemm
+    monkeypatch.setattr(cpu_kernels, "f32_gemm", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    for M in (1, cpu_kernels.F32_MAX_ROWS, cpu_kernels.F32_MAX_ROWS + 1):
+        x = randn(M, 70)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, cpu_kernels.F32_MAX_ROWS]

@@ -1,0 +1,252 @@
+"""The torch backend's AVX2 CPU kernels (`cpu_kernels.c`): built on first use, loaded with ctypes.
+
+On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
+
+- `gemm`: `--quantization gguf` multiplies Q4_0/Q4_1 weights with it, their activations quantized to 8
+  bits per block of 32 like llama.cpp's, and a Q8_0 LM head with 16-bit activations (see the C file);
+  elsewhere torch's own int4 kernel runs (bfloat16 activations; 2x slower at one row on a 2-core AVX2
+  machine);
+- the float32 glue of every CPU step (`rms_norm`, `rope_`, `silu_mul`, `kv_write`, `decode_attention`):
+  one call each instead of several torch ops, whose dispatch costs more than their arithmetic at a decode
+  step's sizes (`torchengine.model` and `torchengine.attention` use them when `lib()` is not None).
+
+`XLASERVE_CPU_KERNELS=torch` turns them all off (torch's ops everywhere). The shared library is cached
+under `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) by a hash of the source and the compiler,
+so it is built once a machine (~1 s). It runs on torch's OpenMP threads: the library links
+`libgomp.so.1`, which torch has already loaded into the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("xlaserve.torchengine")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+MAX_ROWS = 32  # the C file's MAX_ROWS
+F32_MAX_ROWS = 8  # f32_gemm beats MKL up to here (bench_dense: even with weights-first MKL at 16 rows)
+BLOCK_BYTES = 20  # Q4: {f16 d, f16 m, 16 bytes of nibbles}
+Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    if os.environ.get("XLASERVE_CPU_KERNELS", "auto") == "torch":
+        return None, "XLASERVE_CPU_KERNELS=torch"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC)"
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
+    path = os.path.join(cache, f"cpu_kernels-{key}.so")
+    if not os.path.isfile(path):
+        os.makedirs(cache, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                return None, f"building {os.path.basename(SOURCE)} failed: {r.stderr.strip()[-500:]}"
+            os.replace(tmp, path)  # atomic: concurrent builders (test workers, TP ranks) each write their own
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"building {os.path.basename(SOURCE)} failed: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
+    lib = ctypes.CDLL(path)
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [_CTYPES[a] for a in args.split()]
+        fn.restype = ctypes.c_int
+    if lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES:
+        return None, "cpu_kernels.c's block layout does not match cpu_kernels.py"
+    return lib, ""
+
+
+def lib() -> ctypes.CDLL | None:
+    """The library, or None where it cannot run (then torch's ops do the work)."""
+    return load()[0]
+
+
+# argument types of the C functions: p pointer, i int, l long, f float
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float}
+_SIGNATURES = {
+    "q4_gemm": "p i i p i p i",
+    "q8_gemm": "p i i p i p i",
+    "rms_norm": "p i i l p f p",
+    "rope": "p i i i l p p",
+    "kv_write": "p p l l i p p p i",
+    "decode_attention": "p l i p p p i p p i i i i f i p i",
+    "silu_mul": "p i i p",
+    "f32_gemm": "p i i p i p i",
+}
+
+
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
+    """Int4Groups arrays (q [N, K] in 0..15, scale/offset [N, K/32], float16-exact) -> [N, K/32 * 20] uint8."""
+    N, K = q.shape
+    G = K // 32
+    qg = q.reshape(N, G, 32).astype(np.uint8)
+    out = np.empty((N, G, BLOCK_BYTES), np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 2:4] = offset.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 4:] = qg[:, :, :16] | (qg[:, :, 16:] << 4)
+    return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
+
+
+def pack8(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """Int8Groups arrays (q [N, K] int8, scale [N, K/32], float16-exact) -> [N, K/32 * 34] uint8 (Q8_0's blocks)."""
+    N, K = q.shape
+    G = K // 32
+    out = np.empty((N, G, Q8_BLOCK_BYTES), np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).reshape(N, G, 1).view(np.uint8)
+    out[:, :, 2:] = q.reshape(N, G, 32).view(np.uint8)
+    return torch.from_numpy(out.reshape(N, G * Q8_BLOCK_BYTES))
+
+
+def f32_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (M <= MAX_ROWS) . w^T, w [N, K] float32 contiguous -> [M, N] float32."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty((M, w.shape[0]), dtype=torch.float32)
+    rc = lib.f32_gemm(x.data_ptr(), M, K, w.data_ptr(), w.shape[0], y.data_ptr(), torch.get_num_threads())
+    if rc != 0 or w.shape[1] != K:
+        raise ValueError(f"cpu_kernels.f32_gemm: bad arguments (x {tuple(x.shape)}, w {tuple(w.shape)}; rc {rc})")
+    return y
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (M <= MAX_ROWS) . W^T -> [M, N] float32, W packed by `pack` or `pack8`."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = blocks.shape[0]
+    fn = None
+    if blocks.shape[1] == K // 32 * Q8_BLOCK_BYTES:
+        fn = lib.q8_gemm
+    elif blocks.shape[1] == K // 32 * BLOCK_BYTES:
+        fn = lib.q4_gemm
+    rc = None
+    if fn is not None and x.dtype == torch.float32 and blocks.dtype == torch.uint8 and blocks.is_contiguous():
+        y = torch.empty((M, N), dtype=torch.float32)
+        rc = fn(x.data_ptr(), M, K, blocks.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
+        if rc == 0:
+            return y
+    raise ValueError(f"cpu_kernels.gemm: bad arguments (x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)}; "
+                     f"rc {rc})")
+
+
+def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> np.ndarray:
+    """What the kernel computes, in numpy (float64 sums): q in 0..15 with `offset` (Q4) and 8-bit activations
+    per block, or int8 q without (Q8) and 16-bit activations; exact integer block sums."""
+    M, K = x.shape
+    G = K // 32
+    xb = x.reshape(M, G, 32).astype(np.float32)
+    d = np.abs(xb).max(-1) / np.float32(127 if offset is not None else 32767)  # Q8 weights: 16-bit activations
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)  # [M, G, 32]
+    isum = np.einsum("ngj,mgj->mng", q.reshape(-1, G, 32).astype(np.int64), xq)  # exact
+    s = scale.astype(np.float16).astype(np.float64)
+    y = (isum * s[None] * d[:, None, :].astype(np.float64)).sum(-1)
+    if offset is not None:
+        o = offset.astype(np.float16).astype(np.float64)
+        y += (o[None] * xb.sum(-1, dtype=np.float32)[:, None, :]).sum(-1)
+    return y
+
+
+# ---------------------------------------------------------------------------------
+# the float32 glue of a step (callers check: CPU float32 tensors, the layouts each states)
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise ValueError(f"cpu_kernels.{name}: bad arguments (rc {rc})")
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, K] (x.stride(1) == 1) -> x * rsqrt(mean(x^2) + eps) * weight, a new contiguous tensor."""
+    M, K = x.shape
+    out = torch.empty((M, K), dtype=torch.float32)
+    _check(lib.rms_norm(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), eps, out.data_ptr()), "rms_norm")
+    return out
+
+
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (heads contiguous, token rows any stride) rotated in place by cos/sin [T, 1, D]
+    (contiguous, `torchengine.model.apply_rope`'s form); returns x."""
+    T, H, D = x.shape
+    _check(lib.rope(x.data_ptr(), T, H, D, x.stride(0), cos.data_ptr(), sin.data_ptr()), "rope")
+    return x
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]."""
+    M, I2 = gate_up.shape
+    out = torch.empty((M, I2 // 2), dtype=torch.float32)
+    _check(lib.silu_mul(gate_up.data_ptr(), M, I2 // 2, out.data_ptr()), "silu_mul")
+    return out
+
+
+def kv_write(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (heads contiguous) into cache slots `slots` [T] int64 (< 0: skipped) of the
+    contiguous caches [blocks, block_size, Hkv, D]."""
+    T, Hkv, D = k.shape
+    _check(lib.kv_write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, slots.data_ptr(),
+                        key_cache.data_ptr(), value_cache.data_ptr(), Hkv * D), "kv_write")
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv_lens: torch.Tensor,
+                     block_tables: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                     window: int | None, out: torch.Tensor) -> None:
+    """One query token per request attends its cached tokens: q [T, Hq, D] (heads contiguous), tokens [n]
+    int64 (the query rows), kv_lens [n] int32, block_tables [n, P] int32 contiguous, caches [blocks,
+    block_size, Hkv, D] contiguous; writes rows `tokens` of out [T, Hq, D] (contiguous)."""
+    n = tokens.shape[0]
+    _, block_size, Hkv, D = key_cache.shape
+    _check(lib.decode_attention(q.data_ptr(), q.stride(0), n, tokens.data_ptr(), kv_lens.data_ptr(),
+                                block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(),
+                                value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale, window or 0,
+                                out.data_ptr(), torch.get_num_threads()), "decode_attention")
