@@ -130,3 +130,18 @@ def test_triton_attention_wrapper():
     got = backend.forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(kc.cpu(), want_kc, rtol=0, atol=0)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_lens", [[1500], [1500, 900, 1200]])
+@pytest.mark.parametrize("window", [None, 700])
+def test_cpu_decode_attention_long_contexts(kv_lens, window):
+    """Contexts long enough for the AVX2 decode attention to use its threads: one request (a task per query
+    head) and three (a task per kv head) against the reference."""
+    Hq, Hkv, D, bs = 8, 2, 32, 16
+    rng = np.random.default_rng(2)
+    batch, meta, q, k, v, kc, vc = ragged_step(rng, [1] * len(kv_lens), kv_lens, bs, 400, Hq, Hkv, D, pad_tokens=0)
+    backend = TorchAttention(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, sliding_window=window, cpu_lib=cpu_lib())
+    meta.groups = backend.plan(batch, torch.device("cpu"), bs)
+    assert len(meta.groups) == 1 and isinstance(meta.groups[0], DecodeGroup)
+    want, _, _ = reference_out(meta, q, k, v, kc, vc, backend.sm_scale, window)
+    torch.testing.assert_close(backend.forward(q, k, v, kc, vc, meta), want, rtol=1e-5, atol=1e-5)

@@ -198,6 +198,11 @@ int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
     return gemm(1, x, M, K, (const uint8_t *)w, N, y, nthreads);
 }
 
+// Below this many multiply-adds a call runs on the calling thread: between two steps OpenMP's threads go
+// to sleep, and waking one costs tens of microseconds on a VM (a tiny model's decode attention took 80 us
+// in a step on two threads, 7 us in a tight loop).
+#define PARALLEL_WORK (1L << 17)
+
 // ---------------------------------------------------------------------------------------------------------
 // The float32 glue of a decode step. In torch each of these is several ops of a few microseconds to tens of
 // microseconds of dispatch for a few hundred floats of work; a decode step of a 30-layer model runs them
@@ -278,6 +283,8 @@ int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T
 // `q_stride` floats apart) attends its kv_lens[i] cached tokens (the last `window` only if window > 0),
 // whose blocks are block_tables[i, :], from caches [blocks, block_size, Hkv, D]; query head h reads kv head
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
+// A task is one request's query heads of one kv head (each cached row read once for all of them), or a
+// single query head when there are too few of those tasks to keep the threads busy.
 int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens, const int32_t *kv_lens,
                      const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                      int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads) {
@@ -285,35 +292,45 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
     const int G = Hq / Hkv;
     const long W = (long)Hkv * D;  // floats per cached token
     if (nthreads <= 0) nthreads = omp_get_max_threads();
+    long work = 0;  // multiply-adds of the scores
+    for (int i = 0; i < n; i++) work += (long)kv_lens[i] * Hq * D;
+    if (work < PARALLEL_WORK) nthreads = 1;  // less than waking a sleeping thread costs
+    const int hs = n * Hkv >= 2 * nthreads ? G : 1;  // query heads per task
+    const int per_req = Hq / hs;
     int rc = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n * Hq > 1 ? nthreads : 1)
-    for (int task = 0; task < n * Hq; task++) {
-        const int i = task / Hq, h = task % Hq, hk = h / G;
-        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0;
-        const float *qh = q + tokens[i] * q_stride + (size_t)h * D;
-        float *o = out + (size_t)tokens[i] * Hq * D + (size_t)h * D;
-        float *s = (float *)malloc(sizeof(float) * (size_t)(L - start + 1));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int task = 0; task < n * per_req; task++) {
+        const int i = task / per_req, h0 = task % per_req * hs, hk = h0 / G;
+        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
+        const float *qh = q + tokens[i] * q_stride + (size_t)h0 * D;  // hs query heads, D floats apart
+        float *o = out + (size_t)tokens[i] * Hq * D + (size_t)h0 * D;
+        float *s = (float *)malloc(sizeof(float) * (size_t)hs * (len + 2));  // scores [hs, len], max, sum
         if (!s) {
             rc = -2;
             continue;
         }
+        float *mx = s + (size_t)hs * len, *sum = mx + hs;
         const int32_t *bt = block_tables + (size_t)i * bt_stride;
-        float m = -INFINITY;
+        for (int g = 0; g < hs; g++) mx[g] = -INFINITY, sum[g] = 0.f;
         for (int j = start; j < L; j++) {
-            const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
-            const float v = dot(qh, kcache + slot * W + (size_t)hk * D, D) * scale;
-            s[j - start] = v;
-            m = v > m ? v : m;
+            const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
+            for (int g = 0; g < hs; g++) {
+                const float v = dot(qh + (size_t)g * D, k, D) * scale;
+                s[(size_t)g * len + j - start] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
         }
-        float sum = 0.f;
-        for (int j = 0; j < L - start; j++) sum += (s[j] = expf(s[j] - m));
-        memset(o, 0, sizeof(float) * D);
+        for (int g = 0; g < hs; g++)
+            for (int j = 0; j < len; j++) sum[g] += (s[(size_t)g * len + j] = expf(s[(size_t)g * len + j] - mx[g]));
+        memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
-            const size_t slot = (size_t)bt[j / block_size] * block_size + j % block_size;
-            axpy(o, s[j - start], vcache + slot * W + (size_t)hk * D, D);
+            const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
+            for (int g = 0; g < hs; g++) axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], v, D);
         }
-        const float inv = 1.f / sum;
-        for (int d = 0; d < D; d++) o[d] *= inv;
+        for (int g = 0; g < hs; g++) {
+            const float inv = 1.f / sum[g];
+            for (int d = 0; d < D; d++) o[(size_t)g * D + d] *= inv;
+        }
         free(s);
     }
     return rc;
@@ -367,7 +384,7 @@ int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int 
     if (M < 1 || M > MAX_ROWS || K <= 0 || N <= 0) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int chunks = (N + 15) / 16;
-    const int nt = (long)N * K >= 16384 ? (nthreads < chunks ? nthreads : chunks) : 1;
+    const int nt = (long)N * K >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();

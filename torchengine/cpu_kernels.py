@@ -208,7 +208,7 @@ def _check(rc: int, name: str) -> None:
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, K] (x.stride(1) == 1) -> x * rsqrt(mean(x^2) + eps) * weight, a new contiguous tensor."""
     M, K = x.shape
-    out = torch.empty((M, K), dtype=torch.float32)
+    out = torch.empty_like(x)  # float32, contiguous (x's rows are K floats apart or further); half torch.empty's cost
     _check(lib.rms_norm(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), eps, out.data_ptr()), "rms_norm")
     return out
 
