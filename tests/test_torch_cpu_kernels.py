@@ -34,6 +34,12 @@ def test_rms_norm(lib, M, K):
     w = randn(K, seed=1)
     got = cpu_kernels.rms_norm(lib, x, w, 1e-5)
     torch.testing.assert_close(got, F.rms_norm(x, (K,), w, 1e-5), rtol=1e-6, atol=1e-6)
+    # with the residual stream: residual += x in place, then the norm of it
+    residual = randn(M, K, seed=2)
+    want_res = residual + x
+    got = cpu_kernels.rms_norm(lib, x, w, 1e-5, residual)
+    assert torch.equal(residual, want_res)
+    torch.testing.assert_close(got, F.rms_norm(want_res, (K,), w, 1e-5), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("D", [16, 64, 6])
@@ -58,7 +64,16 @@ def test_rope_matches_transformers(lib, D):
 @pytest.mark.parametrize("M,I", [(1, 1536), (4, 37)])
 def test_silu_mul(lib, M, I):
     gu = randn(M, 2 * I) * 4
-    torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gu[:, :I]) * gu[:, I:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gu[:, :I]) * gu[:, I:], rtol=2e-6, atol=1e-7)
+
+
+def test_silu_mul_exp_over_the_whole_range(lib):
+    """The kernel's vectorised exp: within a few float32 ulps of float64 from -100 to 100 (clamped ends)."""
+    g = torch.linspace(-100, 100, 20001)
+    gu = torch.cat([g, torch.ones_like(g)])[None]
+    got = cpu_kernels.silu_mul(lib, gu)[0].double()
+    want = g.double() * torch.sigmoid(g.double())
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 13])

@@ -201,7 +201,7 @@ int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
 // Below this many multiply-adds a call runs on the calling thread: between two steps OpenMP's threads go
 // to sleep, and waking one costs tens of microseconds on a VM (a tiny model's decode attention took 80 us
 // in a step on two threads, 7 us in a tight loop).
-#define PARALLEL_WORK (1L << 17)
+#define PARALLEL_WORK (1L << 15)
 
 // ---------------------------------------------------------------------------------------------------------
 // The float32 glue of a decode step. In torch each of these is several ops of a few microseconds to tens of
@@ -221,6 +221,41 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+// exp of 8 floats: x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor-like polynomial (Cephes'
+// expf coefficients; ~1 ulp on [-87, 88]), times 2^k built in the exponent bits. Inputs are clamped to
+// [-87.3, 88.7]; below that the result is 0 or a tiny normal number, not a denormal.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact k * hi
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// x[i] = exp(x[i] - m) for n floats; returns their sum
+static inline float exp_shift_sum(float *x, int n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+        _mm256_storeu_ps(x + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; j < n; j++) sum += (x[j] = expf(x[j] - m));
+    return sum;
+}
+
 // out[i] += p * x[i]
 static inline void axpy(float *out, float p, const float *x, int n) {
     const __m256 vp = _mm256_set1_ps(p);
@@ -230,12 +265,19 @@ static inline void axpy(float *out, float p, const float *x, int n) {
     for (; j < n; j++) out[j] += p * x[j];
 }
 
-// out[M, K] = x * rsqrt(mean(x^2) + eps) * w, x rows `x_stride` floats apart
-int rms_norm(const float *x, int M, int K, long x_stride, const float *w, float eps, float *out) {
+// out[M, K] = h * rsqrt(mean(h^2) + eps) * w with h = x (rows `x_stride` floats apart), or, given a
+// residual [M, K] (contiguous), residual += x first and h = residual (the residual stream's add fused in)
+int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps,
+             float *out) {
     if (M < 0 || K <= 0) return -1;
 #pragma omp parallel for if ((long)M * K >= 65536) schedule(static)
     for (int i = 0; i < M; i++) {
         const float *r = x + i * x_stride;
+        if (residual) {
+            float *res = residual + (size_t)i * K;
+            for (int j = 0; j < K; j++) res[j] += r[j];
+            r = res;
+        }
         float *o = out + (size_t)i * K;
         const float inv = 1.f / sqrtf(dot(r, r, K) / (float)K + eps);
         const __m256 vi = _mm256_set1_ps(inv);
@@ -311,7 +353,7 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
         }
         float *mx = s + (size_t)hs * len, *sum = mx + hs;
         const int32_t *bt = block_tables + (size_t)i * bt_stride;
-        for (int g = 0; g < hs; g++) mx[g] = -INFINITY, sum[g] = 0.f;
+        for (int g = 0; g < hs; g++) mx[g] = -INFINITY;
         for (int j = start; j < L; j++) {
             const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
             for (int g = 0; g < hs; g++) {
@@ -320,8 +362,7 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
                 mx[g] = v > mx[g] ? v : mx[g];
             }
         }
-        for (int g = 0; g < hs; g++)
-            for (int j = 0; j < len; j++) sum[g] += (s[(size_t)g * len + j] = expf(s[(size_t)g * len + j] - mx[g]));
+        for (int g = 0; g < hs; g++) sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
         memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
             const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
@@ -336,14 +377,20 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
     return rc;
 }
 
-// out[M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (a fused gate/up projection's output)
+// out[M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (a fused gate/up projection's output); silu(x) = x / (1 + e^-x)
 int silu_mul(const float *gu, int M, int I, float *out) {
     if (M < 0 || I <= 0) return -1;
 #pragma omp parallel for if ((long)M * I >= 65536) schedule(static)
     for (int i = 0; i < M; i++) {
         const float *g = gu + (size_t)i * 2 * I, *u = g + I;
         float *o = out + (size_t)i * I;
-        for (int j = 0; j < I; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+        int j = 0;
+        for (; j + 8 <= I; j += 8) {
+            const __m256 x = _mm256_loadu_ps(g + j);
+            const __m256 sig = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(sig, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < I; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
     }
     return 0;
 }

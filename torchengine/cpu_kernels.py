@@ -116,7 +116,7 @@ _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_long, "f": cty
 _SIGNATURES = {
     "q4_gemm": "p i i p i p i",
     "q8_gemm": "p i i p i p i",
-    "rms_norm": "p i i l p f p",
+    "rms_norm": "p i i l p p f p",
     "rope": "p i i i l p p",
     "kv_write": "p p l l i p p p i",
     "decode_attention": "p l i p p p i p p i i i i f i p i",
@@ -205,11 +205,14 @@ def _check(rc: int, name: str) -> None:
         raise ValueError(f"cpu_kernels.{name}: bad arguments (rc {rc})")
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, K] (x.stride(1) == 1) -> x * rsqrt(mean(x^2) + eps) * weight, a new contiguous tensor."""
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (x.stride(1) == 1) -> x * rsqrt(mean(x^2) + eps) * weight, a new contiguous tensor. With a
+    contiguous `residual` [M, K]: residual += x in place first, and residual is normalised instead."""
     M, K = x.shape
     out = torch.empty_like(x)  # float32, contiguous (x's rows are K floats apart or further); half torch.empty's cost
-    _check(lib.rms_norm(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), eps, out.data_ptr()), "rms_norm")
+    _check(lib.rms_norm(x.data_ptr(), M, K, x.stride(0), None if residual is None else residual.data_ptr(),
+                        weight.data_ptr(), eps, out.data_ptr()), "rms_norm")
     return out
 
 

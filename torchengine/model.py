@@ -87,13 +87,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x) (on a CPU with the
+        kernels, float32: the add in place on `residual`, in the same call)."""
+        if x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and (
+                residual is None or residual.is_contiguous()):
+            lib = cpu_kernels.lib()
+            if lib is not None:  # one call (F.rms_norm is six ops on a CPU)
+                out = cpu_kernels.rms_norm(lib, x, self.weight, self.eps, residual)
+                return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
-                lib = cpu_kernels.lib()
-                if lib is not None:  # one call (F.rms_norm is six ops on a CPU)
-                    return cpu_kernels.rms_norm(lib, x, self.weight, self.eps)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op for the same arithmetic
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -151,9 +161,16 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, attn)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it): the stream's adds are
+        done by the next norm (vLLM's fused add + RMSNorm). The first layer gets residual None."""
+        if residual is None:
+            residual, h = x, self.attn_norm(x)
+        else:
+            h, residual = self.attn_norm(x, residual)
+        h, residual = self.mlp_norm(self.attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -189,10 +206,10 @@ class Transformer(nn.Module):
         # input_ids [T], positions [T] -> hidden [T, H] (before the final norm)
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D] f32, shared by every layer
         sin = self.rope_sin[positions][:, None, :]
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x
+            x, residual = layer(x, residual, cos, sin, attn)
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, H] -> logits [N, V] float32

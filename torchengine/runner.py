@@ -39,6 +39,7 @@ from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, Samp
     finish_step
 from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, begin_step, prepare_step
+from torchengine import cpu_kernels
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks
@@ -165,6 +166,9 @@ class TorchModelRunner:
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
             model.weights_first_rows = CPU_WEIGHTS_FIRST_ROWS
+            lib, why = cpu_kernels.load()
+            logger.info("rank %d: CPU kernels: %s", self.rank, "AVX2 (torchengine/cpu_kernels.c)" if lib is not None
+                        else f"torch's ops only ({why})")
         if self.config.model_config.quantization == "gguf":
             from torchengine.quant import quantize_gguf_linears
 
