@@ -111,6 +111,15 @@ def lib() -> ctypes.CDLL | None:
     return load()[0]
 
 
+def lib_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library if every tensor is a float32 CPU tensor (and it runs here), else None. Callers check the
+    layouts their kernel needs."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return None
+    return lib()
+
+
 # argument types of the C functions: p pointer, i int, l long, f float
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float}
 _SIGNATURES = {

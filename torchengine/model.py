@@ -45,10 +45,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     a float32 x is rotated in place, in one call.
     """
     T, H, D = x.shape
-    if x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1 and x.stride(1) == D:
-        lib = cpu_kernels.lib()
-        if lib is not None:
-            return cpu_kernels.rope_(lib, x, cos, sin)
+    lib = cpu_kernels.lib_for(x)
+    if lib is not None and x.stride(2) == 1 and x.stride(1) == D:
+        return cpu_kernels.rope_(lib, x, cos, sin)
     xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(T, H, 2, D // 2).flip(2).view(T, H, D)
     out = torch.addcmul(xf * cos, swapped, sin)
@@ -62,9 +61,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def small_cpu_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x . w^T by `cpu_kernels.f32_gemm` where it is the faster way (float32 on a CPU, 1 to F32_MAX_ROWS rows:
     2-3x MKL at one row), else None."""
-    if 0 < x.shape[0] <= cpu_kernels.F32_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 \
-            and w.dtype == torch.float32 and w.is_contiguous():
-        lib = cpu_kernels.lib()
+    if 0 < x.shape[0] <= cpu_kernels.F32_MAX_ROWS and x.dim() == 2 and w.is_contiguous():
+        lib = cpu_kernels.lib_for(x, w)
         if lib is not None:
             return cpu_kernels.f32_gemm(lib, x, w)
     return None
@@ -80,7 +78,6 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -90,12 +87,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x) (on a CPU with the
         kernels, float32: the add in place on `residual`, in the same call)."""
-        if x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and (
-                residual is None or residual.is_contiguous()):
-            lib = cpu_kernels.lib()
-            if lib is not None:  # one call (F.rms_norm is six ops on a CPU)
-                out = cpu_kernels.rms_norm(lib, x, self.weight, self.eps, residual)
-                return out if residual is None else (out, residual)
+        lib = cpu_kernels.lib_for(x) if residual is None else cpu_kernels.lib_for(x, residual)
+        if lib is not None and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.is_contiguous()):
+            out = cpu_kernels.rms_norm(lib, x, self.weight, self.eps, residual)  # one call: F.rms_norm is six ops
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -143,12 +138,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # (a decode step's rows: the kernel's scalar exp is slower than torch's vectorised one for a prefill)
-        if gate_up.shape[0] <= cpu_kernels.MAX_ROWS and gate_up.dtype == torch.float32 and gate_up.is_cpu \
-                and gate_up.is_contiguous():
-            lib = cpu_kernels.lib()
-            if lib is not None:
-                return self.down_proj(cpu_kernels.silu_mul(lib, gate_up))
+        lib = cpu_kernels.lib_for(gate_up)
+        if lib is not None and gate_up.is_contiguous():
+            return self.down_proj(cpu_kernels.silu_mul(lib, gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
