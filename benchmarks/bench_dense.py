@@ -8,7 +8,9 @@ usual orientation and weights first (`w . h^T`, then transposed:
 embedded model's shapes. Each timing cycles through --layers distinct weight
 matrices, so the weights come from memory as in a real step, not from cache.
 Prints ms per matmul and the speedup of weights first; the engines use it for
-2 to 32 rows on a CPU (`weights_first_rows`). The last columns are the 4-bit
+2 to 32 rows on a CPU (`weights_first_rows`). `avx2 f32` is the torch backend's
+float32 kernel for 1 to 8 rows (`cpu_kernels.f32_gemm`, what `torchengine.model.Linear`
+and the LM head use there), as a speedup over torch's usual linear. The last columns are the 4-bit
 kernels of `--quantization gguf` (`torchengine.quant`) on the same weights
 quantized in groups of 32: torch's int4 kernel, and our AVX2 kernel
 (`torchengine/cpu_kernels.c`, up to 32 rows; `-` where it cannot run), each as a
@@ -59,8 +61,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
-          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'torch int4':>10} {'x':>5} | {'avx2 q4':>7} {'x':>5}")
-    have_q4 = cpu_kernels.load()[0] is not None
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'avx2 f32':>8} {'x':>5} | {'torch int4':>10} {'x':>5} | "
+          f"{'avx2 q4':>7} {'x':>5}")
+    lib = cpu_kernels.lib()
+    have_q4 = lib is not None
     for name, K, N in SHAPES:
         n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
@@ -86,12 +90,16 @@ def main() -> int:
             with torch.inference_mode():
                 t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
+                t_f32 = best_ms(lambda: [cpu_kernels.f32_gemm(lib, th, w) for w in tws]) / n_layers \
+                    if lib is not None and M <= cpu_kernels.F32_MAX_ROWS else 0
                 t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
                 t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= cpu_kernels.MAX_ROWS else 0
             j_usual = best_ms(run_j(jstd)) / n_layers
             j_wf = best_ms(run_j(jwf)) / n_layers
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "
-                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | {t_q4:>10.3f} {t_usual / t_q4:>5.2f} | "
+                  f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | "
+                  + (f"{t_f32:>8.3f} {t_usual / t_f32:>5.2f}" if t_f32 else f"{'-':>8} {'-':>5}")
+                  + f" | {t_q4:>10.3f} {t_usual / t_q4:>5.2f} | "
                   + (f"{t_avx:>7.3f} {t_usual / t_avx:>5.2f}" if t_avx else f"{'-':>7} {'-':>5}"), flush=True)
     return 0
 
