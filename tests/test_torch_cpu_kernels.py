@@ -92,15 +92,25 @@ def test_bad_arguments_raise(lib):
         cpu_kernels.rope_(lib, torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))  # odd D
 
 
-def test_small_linear_uses_the_kernel(lib, monkeypatch):
-    """torchengine.model.Linear: the kernel for 1..F32_MAX_ROWS float32 rows on a CPU, F.linear otherwise."""
-    from torchengine.model import Linear
+def test_rows_do_not_depend_on_their_neighbours(lib):
+    """Each row of a call comes out bit-identical to the same row computed alone (any row count, any place
+    in the batch): the float32 and the 4-/8-bit matmuls. Outputs must not change with the batch a request
+    shares (preemption, chunked prefill, the prefix cache: tests/test_structured_outputs.py)."""
+    import numpy as np
 
-    lin = Linear(70, 30).requires_grad_(False)
-    calls = []
-    real = cpu_kernels.f32_gemm
-    monkeypatch.setattr(cpu_kernels, "f32_gemm", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    for M in (1, cpu_kernels.F32_MAX_ROWS, cpu_kernels.F32_MAX_ROWS + 1):
-        x = randn(M, 70)
-        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, cpu_kernels.F32_MAX_ROWS]
+    K, N = 96, 70
+    x, w = randn(11, K), randn(N, K, seed=1)
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (N, K)).astype(np.uint8)
+    scale = rng.random((N, K // 32)).astype(np.float16).astype(np.float32)
+    offset = (rng.random((N, K // 32)) - 0.5).astype(np.float16).astype(np.float32)
+    q8 = rng.integers(-127, 128, (N, K)).astype(np.int8)
+    kernels = {
+        "f32": lambda h: cpu_kernels.f32_gemm(lib, h, w),
+        "q4": lambda h, b=cpu_kernels.pack(q, scale, offset): cpu_kernels.gemm(lib, h, b),
+        "q8": lambda h, b=cpu_kernels.pack8(q8, scale): cpu_kernels.gemm(lib, h, b),
+    }
+    for name, f in kernels.items():
+        alone = torch.cat([f(x[i : i + 1]) for i in range(len(x))])
+        for M in range(2, len(x) + 1):
+            assert torch.equal(f(x[:M]), alone[:M]), (name, M)

@@ -112,31 +112,31 @@ static inline __attribute__((always_inline)) __m256i load_block(const int Q8, co
 }
 
 // Output rows [n0, n1) for R activation rows starting at r0. Q8 and R are compile-time constants at every
-// call, so the accumulators stay in registers; one row goes two blocks at a time on two chains (an FMA's
-// latency, not its throughput, bounds a single chain).
+// call, so the accumulators stay in registers. Every row is summed in the same order whatever R is (even
+// blocks on one chain, odd blocks on another: an FMA's latency, not its throughput, bounds a single chain),
+// so a row's result does not depend on how many rows share its step: batch-invariant outputs.
 static inline __attribute__((always_inline)) void rows_pass(
     const int Q8, const int R, int r0, int G, int N, const uint8_t *w, const void *xq, const float *dx,
     const float *xs, float *y, int n0, int n1) {
     const size_t bb = BLOCK_BYTES(Q8);
     for (int n = n0; n < n1; n++) {
         const uint8_t *b = w + (size_t)n * G * bb;
-        __m256 acc[4], acc2 = _mm256_setzero_ps();
-        float off[4] = {0.f, 0.f, 0.f, 0.f}, off2 = 0.f;
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        __m256 acc[4], acc2[4];
+        float off[4], off2[4];
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps(), off[r] = off2[r] = 0.f;
         int g = 0;
-        if (R == 1) {
-            const size_t a = (size_t)r0 * G;  // block index of the row's first block
-            const float *d1 = dx + (size_t)r0 * G, *s1 = xs + (size_t)r0 * G;
-            for (; g + 1 < G; g += 2) {
-                float d0, m0, d2, m2;
-                const __m256i q0 = load_block(Q8, b + g * bb, &d0, &m0);
-                const __m256i q2 = load_block(Q8, b + (g + 1) * bb, &d2, &m2);
-                acc[0] = _mm256_fmadd_ps(dot_block(Q8, q0, xq, a + g), _mm256_set1_ps(d0 * d1[g]), acc[0]);
-                acc2 = _mm256_fmadd_ps(dot_block(Q8, q2, xq, a + g + 1), _mm256_set1_ps(d2 * d1[g + 1]), acc2);
-                if (!Q8) off[0] += m0 * s1[g], off2 += m2 * s1[g + 1];
+        for (; g + 1 < G; g += 2) {
+            float d0, m0, d2, m2;
+            const __m256i q0 = load_block(Q8, b + g * bb, &d0, &m0);
+            const __m256i q2 = load_block(Q8, b + (g + 1) * bb, &d2, &m2);
+            for (int r = 0; r < R; r++) {
+                const size_t i = (size_t)(r0 + r) * G + g;
+                acc[r] = _mm256_fmadd_ps(dot_block(Q8, q0, xq, i), _mm256_set1_ps(d0 * dx[i]), acc[r]);
+                acc2[r] = _mm256_fmadd_ps(dot_block(Q8, q2, xq, i + 1), _mm256_set1_ps(d2 * dx[i + 1]), acc2[r]);
+                if (!Q8) off[r] += m0 * xs[i], off2[r] += m2 * xs[i + 1];
             }
         }
-        for (; g < G; g++) {
+        if (g < G) {
             float d, m;
             const __m256i q = load_block(Q8, b + g * bb, &d, &m);
             for (int r = 0; r < R; r++) {
@@ -145,20 +145,22 @@ static inline __attribute__((always_inline)) void rows_pass(
                 if (!Q8) off[r] += m * xs[i];
             }
         }
-        if (R == 1) acc[0] = _mm256_add_ps(acc[0], acc2), off[0] += off2;
-        for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]) + off[r];
+        for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * N + n] = hsum8(_mm256_add_ps(acc[r], acc2[r])) + (off[r] + off2[r]);
     }
 }
 
-// All M activation rows over output rows [n0, n1): passes of 4 rows, then the remainder (constant R each).
+// All M activation rows over output rows [n0, n1): for each output row, passes of 4 activation rows, then the
+// remainder (constant R each); a weight row comes from memory once and from L1 for the other passes.
 static inline __attribute__((always_inline)) void all_rows(
     const int Q8, int M, int G, int N, const uint8_t *w, const void *xq, const float *dx, const float *xs,
     float *y, int n0, int n1) {
-    int r = 0;
-    for (; r + 4 <= M; r += 4) rows_pass(Q8, 4, r, G, N, w, xq, dx, xs, y, n0, n1);
-    if (M - r == 3) rows_pass(Q8, 3, r, G, N, w, xq, dx, xs, y, n0, n1);
-    else if (M - r == 2) rows_pass(Q8, 2, r, G, N, w, xq, dx, xs, y, n0, n1);
-    else if (M - r == 1) rows_pass(Q8, 1, r, G, N, w, xq, dx, xs, y, n0, n1);
+    for (int n = n0; n < n1; n++) {
+        int r = 0;
+        for (; r + 4 <= M; r += 4) rows_pass(Q8, 4, r, G, N, w, xq, dx, xs, y, n, n + 1);
+        if (M - r == 3) rows_pass(Q8, 3, r, G, N, w, xq, dx, xs, y, n, n + 1);
+        else if (M - r == 2) rows_pass(Q8, 2, r, G, N, w, xq, dx, xs, y, n, n + 1);
+        else if (M - r == 1) rows_pass(Q8, 1, r, G, N, w, xq, dx, xs, y, n, n + 1);
+    }
 }
 
 static int gemm(const int Q8, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
@@ -395,32 +397,33 @@ int silu_mul(const float *gu, int M, int I, float *out) {
     return 0;
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T in float32 for a few rows (M <= MAX_ROWS): every weight row is read once
-// for up to 8 activation rows (R of them per pass, in registers), output rows split between threads. At 1-4
+// y [M, N] = x [M, K] . w [N, K]^T in float32 for a few rows (M <= MAX_ROWS): every weight row is read from
+// memory once, for passes of up to 4 activation rows (R of them per pass, in registers); output rows split
+// between threads. At 1-4
 // rows this runs at memory speed, where MKL's small-M sgemm reads [N, K] at half of it on a 2-core AVX2
-// machine (benchmarks/bench_dense.py).
+// machine (benchmarks/bench_dense.py). As in rows_pass, every row is summed in the same order whatever R is.
 static inline __attribute__((always_inline)) void f32_rows_pass(
     const int R, int r0, int K, int N, const float *x, const float *w, float *y, int n0, int n1) {
     for (int n = n0; n < n1; n++) {
         const float *wn = w + (size_t)n * K;
-        __m256 acc[8], acc2 = _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        __m256 a0[4], a1[4];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
         int k = 0;
-        if (R == 1) {
-            const float *a = x + (size_t)r0 * K;
-            for (; k + 16 <= K; k += 16) {
-                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(a + k), acc[0]);
-                acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k + 8), _mm256_loadu_ps(a + k + 8), acc2);
+        for (; k + 16 <= K; k += 16) {
+            const __m256 w0 = _mm256_loadu_ps(wn + k), w1 = _mm256_loadu_ps(wn + k + 8);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + (size_t)(r0 + r) * K + k;
+                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
             }
         }
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = _mm256_loadu_ps(wn + k);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)(r0 + r) * K + k), acc[r]);
+        if (k + 8 <= K) {
+            const __m256 w0 = _mm256_loadu_ps(wn + k);
+            for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)(r0 + r) * K + k), a0[r]);
+            k += 8;
         }
-        if (R == 1) acc[0] = _mm256_add_ps(acc[0], acc2);
         for (int r = 0; r < R; r++) {
-            float s = hsum8(acc[r]);
+            float s = hsum8(_mm256_add_ps(a0[r], a1[r]));
             for (int j = k; j < K; j++) s += wn[j] * x[(size_t)(r0 + r) * K + j];
             y[(size_t)(r0 + r) * N + n] = s;
         }
@@ -437,12 +440,13 @@ int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int 
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int n0 = (int)((long)chunks * t / T) * 16, n1e = (int)((long)chunks * (t + 1) / T) * 16;
         const int n1 = n1e < N ? n1e : N;
-        int r = 0;
-        for (; r + 8 <= M; r += 8) f32_rows_pass(8, r, K, N, x, w, y, n0, n1);
-        if (M - r >= 4) f32_rows_pass(4, r, K, N, x, w, y, n0, n1), r += 4;
-        if (M - r == 3) f32_rows_pass(3, r, K, N, x, w, y, n0, n1);
-        else if (M - r == 2) f32_rows_pass(2, r, K, N, x, w, y, n0, n1);
-        else if (M - r == 1) f32_rows_pass(1, r, K, N, x, w, y, n0, n1);
+        for (int n = n0; n < n1; n++) {  // as all_rows: each weight row from memory once
+            int r = 0;
+            for (; r + 4 <= M; r += 4) f32_rows_pass(4, r, K, N, x, w, y, n, n + 1);
+            if (M - r == 3) f32_rows_pass(3, r, K, N, x, w, y, n, n + 1);
+            else if (M - r == 2) f32_rows_pass(2, r, K, N, x, w, y, n, n + 1);
+            else if (M - r == 1) f32_rows_pass(1, r, K, N, x, w, y, n, n + 1);
+        }
     }
     return 0;
 }

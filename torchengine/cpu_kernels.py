@@ -8,7 +8,12 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   machine);
 - the float32 glue of every CPU step (`rms_norm`, `rope_`, `silu_mul`, `kv_write`, `decode_attention`):
   one call each instead of several torch ops, whose dispatch costs more than their arithmetic at a decode
-  step's sizes (`torchengine.model` and `torchengine.attention` use them when `lib()` is not None).
+  step's sizes (`torchengine.model` and `torchengine.attention` use them when `lib()` is not None), and
+  `f32_gemm` for the LM head of steps of up to MAX_ROWS rows.
+
+Each kernel computes a row the same way whatever the number of rows in the call, so a request's outputs do
+not depend on its neighbours in the batch (preemption, chunked prefill and the prefix cache give the same
+tokens: tests/test_structured_outputs.py).
 
 `XLASERVE_CPU_KERNELS=torch` turns them all off (torch's ops everywhere). The shared library is cached
 under `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) by a hash of the source and the compiler,
@@ -35,7 +40,6 @@ logger = logging.getLogger("xlaserve.torchengine")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 MAX_ROWS = 32  # the C file's MAX_ROWS
-F32_MAX_ROWS = 8  # f32_gemm beats MKL up to here (bench_dense: even with weights-first MKL at 16 rows)
 BLOCK_BYTES = 20  # Q4: {f16 d, f16 m, 16 bytes of nibbles}
 Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]

@@ -58,26 +58,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # layers
 
 
-def small_cpu_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x . w^T by `cpu_kernels.f32_gemm` where it is the faster way (float32 on a CPU, 1 to F32_MAX_ROWS rows:
-    2-3x MKL at one row), else None."""
-    if 0 < x.shape[0] <= cpu_kernels.F32_MAX_ROWS and x.dim() == 2 and w.is_contiguous():
-        lib = cpu_kernels.lib_for(x, w)
-        if lib is not None:
-            return cpu_kernels.f32_gemm(lib, x, w)
-    return None
-
-
-class Linear(nn.Linear):
-    """nn.Linear with `small_cpu_matmul` for the few rows of a decode step."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = small_cpu_matmul(x, self.weight)
-        if y is None:
-            return F.linear(x, self.weight, self.bias)
-        return y if self.bias is None else y + self.bias
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -112,8 +92,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = D = arch.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * D
-        self.qkv_proj = Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
-        self.o_proj = Linear(self.num_heads * D, arch.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -133,8 +113,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -183,7 +163,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
         self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
@@ -210,9 +190,13 @@ class Transformer(nn.Module):
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
-        y = small_cpu_matmul(h, w)
-        if y is not None:
-            return y
+        if 0 < n <= cpu_kernels.MAX_ROWS and w.is_contiguous():
+            lib = cpu_kernels.lib_for(h, w)
+            if lib is not None:
+                # the few rows of a step in one read of [V, H] (2-3x MKL at one row, bandwidth-bound), each row's
+                # logits the same whatever the row count (the decoder's linears stay MKL's for every step: a
+                # token's hidden state must not depend on which kernel its step took)
+                return cpu_kernels.f32_gemm(lib, h, w)
         if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M
             # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py). One row
