@@ -76,10 +76,11 @@ def test_silu_mul_exp_over_the_whole_range(lib):
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 13])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 9, 13, 33, 63])
 @pytest.mark.parametrize("N,K", [(49, 64), (300, 70), (1000, 576)])
 def test_f32_gemm(lib, M, N, K):
-    """Every pass width (8, 4, 3, 2, 1 rows), K with and without tails of 16 and 8, N across threads."""
+    """Every tile (4, 3, 2, 1 rows; 3, 2, 1 weight rows), K with and without a tail of 8, N across threads
+    and weight panels, M across row blocks (12 rows at K 576)."""
     x, w = randn(M, K), randn(N, K, seed=1)
     want = (x.double() @ w.double().t()).float()
     torch.testing.assert_close(cpu_kernels.f32_gemm(lib, x, w), want, rtol=1e-5, atol=1e-6 * K)  # float32 sums
@@ -87,7 +88,9 @@ def test_f32_gemm(lib, M, N, K):
 
 def test_bad_arguments_raise(lib):
     with pytest.raises(ValueError):
-        cpu_kernels.f32_gemm(lib, torch.zeros(33, 8), torch.zeros(4, 8))  # more rows than MAX_ROWS
+        cpu_kernels.f32_gemm(lib, torch.zeros(3, 8), torch.zeros(4, 9))  # K differs
+    with pytest.raises(ValueError):
+        cpu_kernels.f32_gemm(lib, torch.zeros(0, 8), torch.zeros(4, 8))  # no rows
     with pytest.raises(ValueError):
         cpu_kernels.rope_(lib, torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))  # odd D
 
@@ -114,3 +117,9 @@ def test_rows_do_not_depend_on_their_neighbours(lib):
         alone = torch.cat([f(x[i : i + 1]) for i in range(len(x))])
         for M in range(2, len(x) + 1):
             assert torch.equal(f(x[:M]), alone[:M]), (name, M)
+    # float32 at a real model's width, rows across the kernel's row blocks (12 rows at K 576)
+    x, w = randn(70, 576), randn(200, 576, seed=2)
+    alone = torch.cat([cpu_kernels.f32_gemm(lib, x[i : i + 1], w) for i in range(len(x))])
+    for M in (5, 28, 29, 57, 70):
+        assert torch.equal(cpu_kernels.f32_gemm(lib, x[:M], w), alone[:M]), M
+        assert torch.equal(cpu_kernels.f32_gemm(lib, x[70 - M :], w), alone[70 - M :]), M

@@ -397,55 +397,76 @@ int silu_mul(const float *gu, int M, int I, float *out) {
     return 0;
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T in float32 for a few rows (M <= MAX_ROWS): every weight row is read from
-// memory once, for passes of up to 4 activation rows (R of them per pass, in registers); output rows split
-// between threads. At 1-4
-// rows this runs at memory speed, where MKL's small-M sgemm reads [N, K] at half of it on a 2-core AVX2
-// machine (benchmarks/bench_dense.py). As in rows_pass, every row is summed in the same order whatever R is.
-static inline __attribute__((always_inline)) void f32_rows_pass(
-    const int R, int r0, int K, int N, const float *x, const float *w, float *y, int n0, int n1) {
-    for (int n = n0; n < n1; n++) {
-        const float *wn = w + (size_t)n * K;
-        __m256 a0[4], a1[4];
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-        int k = 0;
-        for (; k + 16 <= K; k += 16) {
-            const __m256 w0 = _mm256_loadu_ps(wn + k), w1 = _mm256_loadu_ps(wn + k + 8);
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + (size_t)(r0 + r) * K + k;
-                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
-                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-            }
-        }
-        if (k + 8 <= K) {
-            const __m256 w0 = _mm256_loadu_ps(wn + k);
-            for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (size_t)(r0 + r) * K + k), a0[r]);
-            k += 8;
-        }
+// y [M, N] = x [M, K] . w [N, K]^T in float32, any M: the decoder's linears and the LM head of every CPU step.
+//
+// Every output is one 8-lane FMA chain over k in ascending order, then hsum8, then the scalar tail: the
+// same arithmetic whatever tile computes it, so a row's result does not depend on how many rows share the
+// call (a token's hidden state is the same in a decode step, a mixed step or a recompute after
+// preemption). Tiles are R rows x C weight rows (4 x 3 for throughput: 12 chains in registers; 1 x 1
+// for a single row, which is memory-bound and reads one weight row at a time, the access the hardware
+// prefetcher follows best). Threads split the weight rows; each walks its share in panels that stay in
+// L2 while all activation rows pass over them, in blocks that stay in L2 too.
+// On a 2-core AVX2 machine: 1.6-2.5x MKL's sgemm (on [N, K] weights) at 1-32 rows, about even at 64,
+// 0.8-0.95x from 128 rows on (prefill) (benchmarks/bench_dense.py).
+static inline __attribute__((always_inline)) void f32_tile(
+    const int R, const int C, const float *x, int K, const float *w, float *y, int N) {
+    __m256 acc[4][3];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[3];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
         for (int r = 0; r < R; r++) {
-            float s = hsum8(_mm256_add_ps(a0[r], a1[r]));
-            for (int j = k; j < K; j++) s += wn[j] * x[(size_t)(r0 + r) * K + j];
-            y[(size_t)(r0 + r) * N + n] = s;
+            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * K + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum8(acc[r][c]);
+            for (int j = k; j < K; j++) s += w[(size_t)c * K + j] * x[(size_t)r * K + j];
+            y[(size_t)r * N + c] = s;
+        }
+}
+
+// rows m0..m1 (R = m1 - m0 <= 4) times weight rows n0..n1, C columns at a time
+static inline __attribute__((always_inline)) void f32_rows(
+    const int R, const int C, const float *x, int m0, int K, const float *w, int N, float *y, int n0, int n1) {
+    const float *xm = x + (size_t)m0 * K;
+    float *ym = y + (size_t)m0 * N;
+    int n = n0;
+    for (; n + C <= n1; n += C) f32_tile(R, C, xm, K, w + (size_t)n * K, ym + n, N);
+    for (; n < n1; n++) f32_tile(R, 1, xm, K, w + (size_t)n * K, ym + n, N);
 }
 
 int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int nthreads) {
-    if (M < 1 || M > MAX_ROWS || K <= 0 || N <= 0) return -1;
+    if (M < 1 || K <= 0 || N <= 0) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    const int chunks = (N + 15) / 16;
-    const int nt = (long)N * K >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
+    // a panel of 256 KiB of weights in L2, activation blocks of 32 KiB (L1): measured best of 16-128 KiB
+    // blocks and 64-256 KiB panels at prefill sizes
+    int NB = (int)(65536 / K), MB = (int)(8192 / K) & ~3;
+    if (NB < 3) NB = 3;
+    if (MB < 4) MB = 4;
+    const int chunks = (N + 23) / 24;
+    const int nt = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int n0 = (int)((long)chunks * t / T) * 16, n1e = (int)((long)chunks * (t + 1) / T) * 16;
-        const int n1 = n1e < N ? n1e : N;
-        for (int n = n0; n < n1; n++) {  // as all_rows: each weight row from memory once
-            int r = 0;
-            for (; r + 4 <= M; r += 4) f32_rows_pass(4, r, K, N, x, w, y, n, n + 1);
-            if (M - r == 3) f32_rows_pass(3, r, K, N, x, w, y, n, n + 1);
-            else if (M - r == 2) f32_rows_pass(2, r, K, N, x, w, y, n, n + 1);
-            else if (M - r == 1) f32_rows_pass(1, r, K, N, x, w, y, n, n + 1);
+        const int a = (int)((long)chunks * t / T) * 24, be = (int)((long)chunks * (t + 1) / T) * 24;
+        const int b = be < N ? be : N;
+        for (int n0 = a; n0 < b; n0 += NB) {
+            const int n1 = n0 + NB < b ? n0 + NB : b;
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int m1 = m0 + MB < M ? m0 + MB : M;
+                int m = m0;
+                for (; m + 4 <= m1; m += 4) f32_rows(4, 3, x, m, K, w, N, y, n0, n1);
+                switch (m1 - m) {
+                    case 3: f32_rows(3, 3, x, m, K, w, N, y, n0, n1); break;
+                    case 2: f32_rows(2, 2, x, m, K, w, N, y, n0, n1); break;
+                    case 1: f32_rows(1, 1, x, m, K, w, N, y, n0, n1); break;
+                }
+            }
         }
     }
     return 0;

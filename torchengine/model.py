@@ -84,6 +84,23 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear; on a CPU with `torchengine.cpu_kernels`, float32, `cpu_kernels.f32_gemm` for every step.
+
+    One kernel for every row count: a token's hidden state must not depend on whether its step was a decode,
+    a mixed step or a recompute after preemption (MKL's sgemm for some steps and the kernel for others
+    gave different bits), and at a decode step's few rows the kernel reads the weights at up to twice
+    MKL's speed.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = cpu_kernels.lib_for(x, self.weight)
+        if lib is not None and x.dim() == 2 and x.shape[0] > 0 and self.weight.is_contiguous():
+            y = cpu_kernels.f32_gemm(lib, x, self.weight)
+            return y if self.bias is None else y.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int):
         super().__init__()
@@ -92,8 +109,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = D = arch.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * D
-        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * D, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = Linear(self.num_heads * D, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -113,8 +130,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ArchConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -190,12 +207,9 @@ class Transformer(nn.Module):
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
-        if 0 < n <= cpu_kernels.MAX_ROWS and w.is_contiguous():
+        if n > 0 and w.is_contiguous():
             lib = cpu_kernels.lib_for(h, w)
-            if lib is not None:
-                # the few rows of a step in one read of [V, H] (2-3x MKL at one row, bandwidth-bound), each row's
-                # logits the same whatever the row count (the decoder's linears stay MKL's for every step: a
-                # token's hidden state must not depend on which kernel its step took)
+            if lib is not None:  # as Linear: each row's logits the same whatever the row count; 2-3x MKL at 1-4
                 return cpu_kernels.f32_gemm(lib, h, w)
         if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from enginecore.arch import FUSED, param_rows
-from torchengine.model import Transformer
+from torchengine.model import Linear, Transformer
 
 
 def _shard_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -52,9 +52,9 @@ def _row_parallel(linear: nn.Linear, rank: int, world_size: int, group) -> nn.Li
     return out
 
 
-def _linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
+def _linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
     with torch.device("meta"):
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, dtype=w.dtype)
+        lin = Linear(w.shape[1], w.shape[0], bias=b is not None, dtype=w.dtype)
     lin.weight = nn.Parameter(w.clone(), requires_grad=False)  # clone: drop the full tensor
     if b is not None:
         lin.bias = nn.Parameter(b.clone(), requires_grad=False)
