@@ -306,9 +306,12 @@ class EngineArgs:
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
-        from enginecore.platform import resolve_platform_and_backend
+        from enginecore.platform import cpu_auto_backend, resolve_platform_and_backend
 
         platform, backend = resolve_platform_and_backend(self.platform, self.backend)
+        if self.backend == "auto" and platform == "cpu":
+            backend = cpu_auto_backend(self.dtype, self.data_parallel_size, self.attention_backend,
+                                       self.kv_cache_dtype)
         if self.quantization == "gguf":
             # the 4-bit matmul is torch's CPU kernel (torchengine.quant)
             if self.backend == "auto" and platform == "cpu":

@@ -2,13 +2,17 @@
 
 auto platform: a TPU if the machine exposes TPU chips (/dev/accel* or
 /dev/vfio with a TPU environment), else CUDA if an NVIDIA device node exists,
-else the CPU. auto backend: tpu -> jax, cuda -> torch, cpu -> jax.
+else the CPU. auto backend: tpu -> jax, cuda -> torch; on the CPU torch where
+its AVX2 kernels run (`torchengine/cpu_kernels.c`) and the settings are theirs
+(float32, one replica, torch attention), else jax (`cpu_auto_backend`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import platform as _platform
+import shutil
 
 from enginecore.config import DTYPE_ALIASES, ConfigError
 
@@ -35,6 +39,59 @@ def resolve_platform_and_backend(platform: str = "auto", backend: str = "auto") 
     if plat == "tpu" and backend == "torch":
         raise ConfigError("--backend torch does not run on --platform tpu; use --backend jax (or auto) on TPUs.")
     return plat, backend
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def c_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def cpu_kernels_unavailable() -> str:
+    """Why the torch backend's AVX2 CPU kernels cannot run on this machine ("" if they can; building them
+    can still fail, which `torchengine.cpu_kernels.load` reports)."""
+    if os.environ.get("XLASERVE_CPU_KERNELS", "auto") == "torch":
+        return "XLASERVE_CPU_KERNELS=torch"
+    if _platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({_platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if c_compiler() is None:
+        return "no C compiler (set CC)"
+    return ""
+
+
+def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention_backend: str = "auto",
+                     kv_cache_dtype: str = "auto") -> str:
+    """`--backend auto` on a CPU: torch where its AVX2 kernels run and the settings are the ones they serve
+    (float32 weights and KV cache, one replica, torch's attention), else jax.
+
+    Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
+    kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
+    4 and 16; without them (torch's own ops, or bfloat16, which torch computes slowly on a CPU) jax is the
+    faster one.
+    """
+    if cpu_kernels_unavailable():
+        return "jax"
+    if resolve_dtype(dtype, "cpu") != "float32" or DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) not in (
+            "auto", "float32"):
+        return "jax"
+    if data_parallel_size != 1 or attention_backend not in ("auto", "torch"):
+        return "jax"
+    return "torch"
 
 
 # CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where

@@ -213,3 +213,20 @@ def test_warmup_subcommand_hands_serve_flags_to_jaxengine(monkeypatch, capsys):
 def test_bench_subcommand_is_mounted():
     r = run_cli("bench", "--help")
     assert r.returncode == 0 and "bench" in r.stdout
+
+
+def test_auto_backend_on_a_cpu(monkeypatch):
+    """--backend auto on a CPU: torch where its AVX2 kernels run and the settings are theirs, else jax."""
+    from enginecore.platform import cpu_kernels_unavailable
+
+    def backend(**kw):
+        return EngineArgs(platform="cpu", **kw).create_engine_config(model_max_len=2048).device_config.backend
+
+    assert backend() == ("jax" if cpu_kernels_unavailable() else "torch")
+    for kw in (dict(dtype="bfloat16"), dict(kv_cache_dtype="bfloat16"), dict(attention_backend="reference"),
+               dict(data_parallel_size=2), dict(backend="jax")):
+        assert backend(**kw) == "jax", kw
+    assert backend(backend="torch", dtype="bfloat16") == "torch"
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
+    assert cpu_kernels_unavailable() == "XLASERVE_CPU_KERNELS=torch"
+    assert backend() == "jax"

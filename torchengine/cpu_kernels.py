@@ -29,13 +29,13 @@ import functools
 import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
 import tempfile
 
 import numpy as np
 import torch
+
+from enginecore.platform import c_compiler, cpu_kernels_unavailable
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -46,37 +46,13 @@ Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    if os.environ.get("XLASERVE_CPU_KERNELS", "auto") == "torch":
-        return None, "XLASERVE_CPU_KERNELS=torch"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})"
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
-    if missing:
-        return None, f"the CPU lacks {', '.join(sorted(missing))}"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (set CC)"
+    why = cpu_kernels_unavailable()
+    if why:
+        return None, why
+    cc = c_compiler()
     with open(SOURCE, "rb") as f:
         src = f.read()
     try:
