@@ -311,7 +311,7 @@ class EngineArgs:
         platform, backend = resolve_platform_and_backend(self.platform, self.backend)
         if self.backend == "auto" and platform == "cpu":
             backend = cpu_auto_backend(self.dtype, self.data_parallel_size, self.attention_backend,
-                                       self.kv_cache_dtype)
+                                       self.kv_cache_dtype, self.tensor_parallel_size)
         if self.quantization == "gguf":
             # the 4-bit matmul is torch's CPU kernel (torchengine.quant)
             if self.backend == "auto" and platform == "cpu":

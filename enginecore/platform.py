@@ -4,7 +4,8 @@ auto platform: a TPU if the machine exposes TPU chips (/dev/accel* or
 /dev/vfio with a TPU environment), else CUDA if an NVIDIA device node exists,
 else the CPU. auto backend: tpu -> jax, cuda -> torch; on the CPU torch where
 its AVX2 kernels run (`torchengine/cpu_kernels.c`) and the settings are theirs
-(float32, one replica, torch attention), else jax (`cpu_auto_backend`).
+(float32, one replica, no tensor parallelism, torch attention), else jax
+(`cpu_auto_backend`).
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def cpu_kernels_unavailable() -> str:
 
 
 def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention_backend: str = "auto",
-                     kv_cache_dtype: str = "auto") -> str:
+                     kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> str:
     """`--backend auto` on a CPU: torch where its AVX2 kernels run and the settings are the ones they serve
-    (float32 weights and KV cache, one replica, torch's attention), else jax.
+    (float32 weights and KV cache, one replica on one process, torch's attention), else jax (which also
+    repeats KV heads for tensor parallelism wider than the model's KV heads; torch refuses that).
 
     Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
     kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
@@ -89,7 +91,7 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
     if resolve_dtype(dtype, "cpu") != "float32" or DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) not in (
             "auto", "float32"):
         return "jax"
-    if data_parallel_size != 1 or attention_backend not in ("auto", "torch"):
+    if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"
     return "torch"
 

@@ -224,9 +224,26 @@ def test_auto_backend_on_a_cpu(monkeypatch):
 
     assert backend() == ("jax" if cpu_kernels_unavailable() else "torch")
     for kw in (dict(dtype="bfloat16"), dict(kv_cache_dtype="bfloat16"), dict(attention_backend="reference"),
-               dict(data_parallel_size=2), dict(backend="jax")):
+               dict(data_parallel_size=2), dict(tensor_parallel_size=2), dict(backend="jax")):
         assert backend(**kw) == "jax", kw
     assert backend(backend="torch", dtype="bfloat16") == "torch"
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
     assert cpu_kernels_unavailable() == "XLASERVE_CPU_KERNELS=torch"
     assert backend() == "jax"
+
+
+def test_cpu_kernels_fall_back_when_their_cache_is_unwritable(tmp_path, monkeypatch):
+    """An unwritable kernel cache is a reason to run torch's ops, not a crash at start-up."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels.cpu_kernels_unavailable())
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XLASERVE_CACHE", str(blocker))  # a file: its kernels/ folder cannot be made
+    cpu_kernels.load.cache_clear()
+    try:
+        lib, why = cpu_kernels.load()
+        assert lib is None and "cannot write the kernel cache" in why
+    finally:
+        cpu_kernels.load.cache_clear()

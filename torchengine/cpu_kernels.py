@@ -63,9 +63,12 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
     path = os.path.join(cache, f"cpu_kernels-{key}.so")
     if not os.path.isfile(path):
-        os.makedirs(cache, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
+        try:  # an unwritable cache: torch's ops run, as without a compiler
+            os.makedirs(cache, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+        except OSError as e:
+            return None, f"cannot write the kernel cache {cache}: {e}"
         try:
             r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
@@ -77,7 +80,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
-    lib = ctypes.CDLL(path)
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:  # e.g. a noexec mount
+        return None, f"cannot load {path}: {e}"
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args.split()]
