@@ -123,3 +123,65 @@ def test_rows_do_not_depend_on_their_neighbours(lib):
     for M in (5, 12, 13, 29, 57, 70):
         assert torch.equal(cpu_kernels.f32_gemm(lib, x[:M], w), alone[:M]), M
         assert torch.equal(cpu_kernels.f32_gemm(lib, x[70 - M :], w), alone[70 - M :]), M
+
+
+def test_pack_panels_round_trip():
+    w = randn(37, 10)
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (3, 10, 16) and panels.is_contiguous()
+    assert torch.equal(panels[2, :, 5:], torch.zeros(10, 11))  # the padding rows
+    ids = torch.tensor([0, 36, 15, 16, 3, 36])
+    assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 70])
+@pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
+def test_lm_head(lib, M, V, K):
+    """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
+    or 8, two threads, row blocks (64 rows at K 64, 6 at K 576); greedy is torch.argmax of the same logits."""
+    x, w = randn(M, K), randn(V, K, seed=1)
+    panels = cpu_kernels.pack_panels(w)
+    logits = cpu_kernels.lm_head(lib, x, panels, V)
+    torch.testing.assert_close(logits, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-6 * K)
+    assert torch.equal(cpu_kernels.lm_head(lib, x, panels, V, greedy=True), logits.argmax(-1))
+    # each row the same alone as among the others, logits and tokens
+    alone = torch.cat([cpu_kernels.lm_head(lib, x[i : i + 1], panels, V) for i in range(M)])
+    assert torch.equal(alone, logits)
+
+
+def test_lm_head_greedy_ties_nan_and_padding(lib):
+    """torch.argmax's answer in the corner cases: the first of tied maxima (within a lane, across lanes and
+    across the two threads' halves of the vocabulary), a NaN logit (the first NaN wins), a row of equal logits
+    (index 0), and the padding columns of the last panel never win."""
+    V, K = 1003, 64
+    w = randn(V, K, seed=3) * 0.1
+    w[[7, 900, 455, 456, 1002]] = w[500].clone()  # ties with 500 in other lanes, panels and thread halves
+    w[[305, 300]] = w[40].clone() * 2  # a tie whose first index sits in the higher lane (300 = 18 * 16 + 12:
+    # lane 4 of its panel's second half; 305 = 19 * 16 + 1: lane 1 of the first half)
+    x = randn(8, K, seed=4)
+    x[1] = 0  # every logit 0
+    panels = cpu_kernels.pack_panels(w)
+    logits = cpu_kernels.lm_head(lib, x, panels, V)
+    got = cpu_kernels.lm_head(lib, x, panels, V, greedy=True)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[1] == 0
+    # rows whose best is a tied group: the first of it
+    xs = torch.stack([w[500], w[40]])
+    t = cpu_kernels.lm_head(lib, xs, panels, V, greedy=True)
+    assert t.tolist() == [7, 300]
+    assert torch.equal(t, cpu_kernels.lm_head(lib, xs, panels, V).argmax(-1))
+    # NaN: torch.argmax returns the first NaN
+    w2 = w.clone()
+    w2[321, 0] = float("nan")
+    w2[999, 0] = float("nan")
+    p2 = cpu_kernels.pack_panels(w2)
+    assert torch.equal(cpu_kernels.lm_head(lib, x, p2, V, greedy=True), cpu_kernels.lm_head(lib, x, p2, V).argmax(-1))
+    # a padded vocabulary whose real logits are all below the padding's 0
+    wn = -w.abs() - 1
+    xp = torch.ones(3, K)
+    pn = cpu_kernels.pack_panels(wn)
+    assert torch.equal(cpu_kernels.lm_head(lib, xp, pn, V, greedy=True), (xp @ wn.t()).argmax(-1))
+    with pytest.raises(ValueError):
+        cpu_kernels.lm_head(lib, torch.zeros(2, 63), panels, V)  # K differs
+    with pytest.raises(ValueError):
+        cpu_kernels.lm_head(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels

@@ -130,3 +130,28 @@ def test_bfloat16_checkpoint_weights_load_exactly():
     t = to_tensor(x.astype(ml_dtypes.bfloat16))
     assert t.dtype == torch.bfloat16
     assert torch.equal(t, torch.from_numpy(x).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied LM head, a tied one (the embedding in the panels)
+def test_lm_head_in_panels(arch, tiny_model_dir):
+    """On a CPU with the kernels the LM head is packed in panels at load: the embedding and the logits are
+    transformers', and greedy_tokens is the argmax of compute_logits at every row count (one arithmetic)."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    d = tiny_model_dir(arch)
+    model = torch_llm(d).llm_engine.core.runner.model
+    hf = hf_model(d)
+    assert model.head_panels is not None and model.lm_head is None
+    ids = torch.tensor([0, 5, 49151, 1234, 16, 15])
+    assert torch.equal(model.embed(ids), hf.model.embed_tokens.weight[ids])
+    h = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model.compute_logits(h)
+        want = hf.lm_head(hf.model.norm(h))
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        for n in (1, 2, 6, 7, 64, 70):
+            assert torch.equal(model.greedy_tokens(h[:n]), logits[:n].argmax(-1)), n
+            assert torch.equal(model.compute_logits(h[:n]), logits[:n]), n
+

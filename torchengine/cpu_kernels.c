@@ -471,3 +471,154 @@ int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int 
     }
     return 0;
 }
+
+// The LM head, y[M, V] = x[M, K] . w[V, K]^T, from weights packed in panels of 16 vocabulary rows, k-major:
+// wp[(p * K + k) * 16 + j] = w[16 p + j][k] (zero rows pad V to a multiple of 16; cpu_kernels.pack_panels).
+// A tile is R activation rows x P panels: per k, 2P weight loads, R broadcasts, 2RP FMAs, and no horizontal
+// sum, which costs as much as the FMAs themselves at the small hidden sizes of an LM head (K = 64: f32_gemm's
+// 8-lane chains are 8 FMAs long). Every logit is one scalar FMA chain over k in ascending order (its lane of
+// an accumulator), whatever the tile, the panel block or the thread: a row's logits do not depend on the row
+// count. With `best` (not NULL) the tile's logits are not stored but folded into each row's running maximum
+// (the first index of the maximum, NaN counting as the largest as in torch.argmax): greedy sampling without
+// writing and re-reading [M, V] logits (12.6 MB at 64 rows of SmolLM2's vocabulary).
+#define HEAD_ROWS 6
+typedef struct {
+    float v[8];
+    int32_t i[8];
+    int32_t nan;  // first NaN column seen, INT32_MAX if none
+} head_best;
+
+static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, int V, head_best *b) {
+    const __m256 nanm = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+    if (__builtin_expect(col0 + 8 > V || _mm256_movemask_ps(nanm), 0)) {  // the padded tail, or a NaN
+        float t[8];
+        _mm256_storeu_ps(t, a);
+        for (int j = 0; j < 8 && col0 + j < V; j++) {
+            if (t[j] != t[j]) {
+                if (col0 + j < b->nan) b->nan = col0 + j;
+            } else if (t[j] > b->v[j]) {
+                b->v[j] = t[j];
+                b->i[j] = col0 + j;
+            }
+        }
+        return;
+    }
+    const __m256 bv = _mm256_loadu_ps(b->v);
+    const __m256 gt = _mm256_cmp_ps(a, bv, _CMP_GT_OQ);
+    _mm256_storeu_ps(b->v, _mm256_blendv_ps(bv, a, gt));
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(col0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i bi = _mm256_loadu_si256((const __m256i *)b->i);
+    _mm256_storeu_si256((__m256i *)b->i, _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), gt)));
+}
+
+static inline __attribute__((always_inline)) void head_tile(
+    const int R, const int P, const float *x, int K, const float *wp, int p0, int V, float *y, head_best *best) {
+    __m256 a[HEAD_ROWS * 2];  // R * 2P <= 12 accumulators
+#pragma GCC unroll 12
+    for (int i = 0; i < R * 2 * P; i++) a[i] = _mm256_setzero_ps();
+    const float *w = wp + (size_t)p0 * K * 16;
+    for (int k = 0; k < K; k++) {
+        __m256 wv[8];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            wv[2 * p] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16);
+            wv[2 * p + 1] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16 + 8);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < 2 * P; j++) a[r * 2 * P + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 2 * P + j]);
+        }
+    }
+    float o[HEAD_ROWS * 2 * 8];  // the tile's logits, row r's at o[r * 16 P ...]
+#pragma GCC unroll 12
+    for (int i = 0; i < R * 2 * P; i++) _mm256_storeu_ps(o + 8 * i, a[i]);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2 * P; j++) {
+            const int col0 = p0 * 16 + j * 8;
+            const float *t = o + 8 * (r * 2 * P + j);
+            if (best != NULL) {
+                head_fold(_mm256_loadu_ps(t), col0, V, best + r);
+            } else {
+                for (int c = 0; c < 8 && col0 + c < V; c++) y[(size_t)r * V + col0 + c] = t[c];
+            }
+        }
+}
+
+// rows m0..m0+R-1 over panels p0..p1, P panels a tile (single panels at the end)
+static inline __attribute__((always_inline)) void head_rows(
+    const int R, const int P, const float *x, int m0, int K, const float *wp, int p0, int p1, int V, float *y,
+    head_best *best) {
+    const float *xm = x + (size_t)m0 * K;
+    float *ym = y == NULL ? NULL : y + (size_t)m0 * V;
+    head_best *bm = best == NULL ? NULL : best + m0;
+    int p = p0;
+    for (; p + P <= p1; p += P) head_tile(R, P, xm, K, wp, p, V, ym, bm);
+    for (; p < p1; p++) head_tile(R, 1, xm, K, wp, p, V, ym, bm);
+}
+
+int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
+    if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    const int NP = (V + 15) / 16;
+    // a block of panels of 256 KiB in L2, activation blocks of 16 KiB (L1), whole tiles of rows
+    int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
+    if (NB < 4) NB = 4;
+    if (MB < HEAD_ROWS) MB = HEAD_ROWS;
+    const int chunks = (NP + 3) / 4;
+    const int nt = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
+    head_best *best = NULL;
+    if (argmax != NULL) {
+        best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
+        if (best == NULL) return -2;
+        for (size_t i = 0; i < (size_t)M * nt; i++) {
+            for (int j = 0; j < 8; j++) {
+                best[i].v[j] = -INFINITY;
+                best[i].i[j] = 0;
+            }
+            best[i].nan = INT32_MAX;
+        }
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int a = (int)((long)chunks * t / T) * 4, be = (int)((long)chunks * (t + 1) / T) * 4;
+        const int b = be < NP ? be : NP;
+        head_best *bt = best == NULL ? NULL : best + (size_t)M * t;
+        for (int p0 = a; p0 < b; p0 += NB) {
+            const int p1 = p0 + NB < b ? p0 + NB : b;
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int m1 = m0 + MB < M ? m0 + MB : M;
+                int m = m0;
+                for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, bt);
+                switch (m1 - m) {
+                    case 5: head_rows(5, 1, x, m, K, wp, p0, p1, V, y, bt); break;
+                    case 4: head_rows(4, 1, x, m, K, wp, p0, p1, V, y, bt); break;
+                    case 3: head_rows(3, 2, x, m, K, wp, p0, p1, V, y, bt); break;
+                    case 2: head_rows(2, 3, x, m, K, wp, p0, p1, V, y, bt); break;
+                    case 1: head_rows(1, 4, x, m, K, wp, p0, p1, V, y, bt); break;
+                }
+            }
+        }
+    }
+    if (argmax != NULL) {
+        for (int m = 0; m < M; m++) {  // lanes, then threads in vocabulary order: ties go to the lower index
+            float bv = -INFINITY;
+            int32_t bi = 0, nan = INT32_MAX;
+            for (int t = 0; t < nt; t++) {
+                const head_best *h = best + (size_t)M * t + m;
+                if (h->nan < nan) nan = h->nan;
+                for (int j = 0; j < 8; j++)
+                    if (h->v[j] > bv || (h->v[j] == bv && h->i[j] < bi)) {
+                        bv = h->v[j];
+                        bi = h->i[j];
+                    }
+            }
+            argmax[m] = nan != INT32_MAX ? nan : bi;
+        }
+        free(best);
+    }
+    return 0;
+}

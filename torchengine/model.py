@@ -181,6 +181,9 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # on a CPU with the kernels, float32: the LM head in `cpu_kernels.lm_head`'s panels (pack_lm_head), which
+        # then replace the [V, H] matrix (a tied model's embedding lookup reads them too)
+        self.head_panels: torch.Tensor | None = None
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
         self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
@@ -200,13 +203,29 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, cos, sin, attn)
         return residual + x
 
+    def pack_lm_head(self) -> bool:
+        """On a CPU with `torchengine.cpu_kernels` and float32 weights: the LM head into `cpu_kernels.lm_head`'s
+        panels, for every step's logits and greedy tokens (`greedy_tokens`); the [V, H] matrix is freed (a tied
+        embedding is then looked up in the panels). True if it was packed. Call once, after loading (and after
+        `torchengine.quant`, which reads the matrix)."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.head_panels is not None or cpu_kernels.lib_for(w) is None:
+            return False
+        self.head_panels = cpu_kernels.pack_panels(w)
+        if self.lm_head is None:
+            self.embed = PanelEmbedding(self.head_panels)
+        self.lm_head = None
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, H] -> logits [N, V] float32
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         h = self.final_norm(hidden)
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
+        if self.head_panels is not None and n > 0:  # each row's logits the same whatever the row count
+            return cpu_kernels.lm_head(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
             lib = cpu_kernels.lib_for(h, w)
             if lib is not None:  # as Linear: each row's logits the same whatever the row count; 2-3x MKL at 1-4
@@ -218,6 +237,27 @@ class Transformer(nn.Module):
             hh = h.expand(2, h.shape[1]).contiguous() if n == 1 else h
             return torch.mm(w, hh.t())[:, :n].t().contiguous().float()
         return F.linear(h, w).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
+        head in panels, folding each tile into a running maximum); None where that path does not run (then
+        compute the logits)."""
+        n = hidden.shape[0]
+        if self.head_panels is None or n == 0 or (self.lm_head_small is not None and n <= self.lm_head_small_rows):
+            return None
+        return cpu_kernels.lm_head(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels, self.arch.vocab_size,
+                                   greedy=True)
+
+
+class PanelEmbedding(nn.Module):
+    """A tied embedding looked up in the LM head's panels (`Transformer.pack_lm_head`): ids [T] -> [T, H]."""
+
+    def __init__(self, panels: torch.Tensor):
+        super().__init__()
+        self.panels = panels
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.panel_rows(self.panels, ids)
 
 
 # ---------------------------------------------------------------------------------

@@ -177,6 +177,8 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
+        if self.device.type == "cpu" and model.pack_lm_head():
+            logger.info("rank %d: LM head in panels (cpu_kernels.lm_head; greedy steps take its argmax)", self.rank)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
@@ -346,7 +348,8 @@ class TorchModelRunner:
             meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
             attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
             hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
-            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows)
+            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
+                                   self.model.greedy_tokens)
         rows = batch.sample_rows[:R]
         if (rows >= 0).any():  # the tokens the next step may read before this one's results reach the host
             r = put("sample_rows", np.where(rows >= 0, rows, self.last_tokens.shape[0] - 1), torch.int64)

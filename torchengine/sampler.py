@@ -90,6 +90,12 @@ class SamplingTensors:
         )
 
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: no token masks, penalties or logprobs."""
+        return (self.all_greedy and self.num_logprobs < 0 and self.token_bitmask is None and self.bias is None
+                and self.output_counts is None)
+
     def rows(self, start: int, end: int) -> "SamplingTensors":
         """Rows [start, end) (the batch-wide flags kept: they only enable work)."""
         return dataclasses.replace(self, **{f.name: t[start:end] for f in dataclasses.fields(self)
@@ -188,12 +194,20 @@ def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return start + x.gather(1, cols).argmax(dim=-1)
 
 
-def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, chunk: int | None) -> SamplerOutput:
+def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, chunk: int | None,
+                     greedy_tokens=None) -> SamplerOutput:
     """LM head + `sample` over `chunk` rows of `hidden` [R, H] at a time (all at once when chunk is None).
+
+    `greedy_tokens(hidden) -> [R] int64 | None`, where given, is the LM head's argmax without the logits
+    (`Transformer.greedy_tokens`): it serves steps whose rows are all plain greedy (`st.plain_greedy`).
 
     On a CPU a [rows, V] logits tensor past glibc's mmap threshold is a fresh mapping every step whose
     first touch page-faults, which made 256 x 49152 float32 logits much slower in one piece than in 64-row pieces.
     """
+    if greedy_tokens is not None and st.plain_greedy:
+        tokens = greedy_tokens(hidden)
+        if tokens is not None:
+            return SamplerOutput(sampled=tokens)
     R = hidden.shape[0]
     if chunk is None or R <= chunk:
         return sample(compute_logits(hidden), st)
