@@ -13,7 +13,9 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   rows of decode steps, where MKL's sgemm reads [out, in] weights at half the memory's speed;
 - `lm_head`: the LM head from weights packed in panels of 16 vocabulary rows (`pack_panels`), no horizontal
   sums, and for greedy steps the argmax folded into the tiles, so the [rows, vocab] logits are never written
-  (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took 5.5).
+  (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took 5.5);
+- `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
+  order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 
 Each kernel computes a row the same way whatever the number of rows in the call, so a request's outputs do
 not depend on its neighbours in the batch (preemption, chunked prefill and the prefix cache give the same
@@ -91,6 +93,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args.split()]
         fn.restype = ctypes.c_int
+    lib.decode_workspace.argtypes = [ctypes.c_int] * 6
+    lib.decode_workspace.restype = ctypes.c_long
     if lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES:
         return None, "cpu_kernels.c's block layout does not match cpu_kernels.py"
     return lib, ""
@@ -122,6 +126,7 @@ _SIGNATURES = {
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
     "lm_head": "p i i p i p p i",
+    "decode_layers": "p i p i p p p p p p i i i i i i i f f i p p i",
 }
 
 
@@ -291,3 +296,73 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv
                                 value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale, window or 0,
                                 out.data_ptr(), torch.get_num_threads()), "decode_attention")
 
+
+# ---------------------------------------------------------------------------------
+# a decode step's layers in one call
+
+
+class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w", "down_w", "key_cache", "value_cache")]
+
+
+class DecodeLayers:
+    """Every layer of a decode step (each token its request's only query token) in one C call, `decode_layers`:
+    the kernels the Python layers call, in their order, so the hidden states are bit-identical to
+    `Transformer.forward`'s with these kernels; ~15 Python-level calls a layer fewer.
+
+    `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
+    4-bit linears, tensor parallelism, q/k norms, another attention backend); then the model runs as usual.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model, backend, kv_caches):
+        self.lib, self.model = lib, model
+        arch = model.arch
+        a0 = model.layers[0].attn
+        self.dims = (arch.hidden_size, a0.num_heads, a0.num_kv_heads, a0.head_dim, arch.intermediate_size)
+        self.eps, self.scale, self.window = arch.rms_norm_eps, backend.sm_scale, backend.sliding_window or 0
+        self.kv_caches = kv_caches  # the list bound (the runner allocates a new one when it resizes the cache)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.layers = (_DecodeLayer * len(model.layers))(*[
+            _DecodeLayer(ptr(ly.attn_norm.weight), ptr(ly.attn.qkv_proj.weight), ptr(ly.attn.qkv_proj.bias),
+                         ptr(ly.attn.o_proj.weight), ptr(ly.mlp_norm.weight), ptr(ly.mlp.gate_up_proj.weight),
+                         ptr(ly.mlp.down_proj.weight), ptr(kc), ptr(vc))
+            for ly, (kc, vc) in zip(model.layers, kv_caches)])
+
+    @classmethod
+    def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":
+        from torchengine.attention import TorchAttention
+        from torchengine.model import Linear
+
+        lib_ = lib()
+        if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or not isinstance(backend, TorchAttention)
+                or backend.lib is None or len(kv_caches) != len(model.layers)):
+            return None
+        f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
+        for ly, (kc, vc) in zip(model.layers, kv_caches):
+            linears = (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
+            if not all(type(m) is Linear and f32(m.weight) and f32(m.bias) for m in linears):
+                return None
+            if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight, kc, vc)):
+                return None
+        if not (f32(model.rope_cos) and f32(model.rope_sin)):
+            return None
+        return cls(lib_, model, backend, kv_caches)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_lens: np.ndarray,
+                 block_tables: np.ndarray) -> torch.Tensor:
+        """x [T, H] the embeddings (float32, contiguous), positions / slots [T] int64, kv_lens [>= T] int32 and
+        block_tables [>= T, P] int32 (C-contiguous numpy, the step's) -> hidden [T, H], before the final norm."""
+        T = x.shape[0]
+        H, Hq, Hkv, D, I = self.dims
+        assert x.is_contiguous() and positions.dtype == slots.dtype == torch.int64
+        assert kv_lens.dtype == block_tables.dtype == np.int32 and block_tables.flags.c_contiguous
+        assert len(kv_lens) >= T and block_tables.shape[0] >= T
+        ws = torch.empty(self.lib.decode_workspace(T, H, Hq, Hkv, D, I), dtype=torch.float32)
+        out = torch.empty((T, H), dtype=torch.float32)
+        _check(self.lib.decode_layers(
+            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(), self.model.rope_cos.data_ptr(),
+            self.model.rope_sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, block_tables.ctypes.data,
+            block_tables.shape[1], self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
+            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads()), "decode_layers")
+        return out

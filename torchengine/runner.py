@@ -144,6 +144,8 @@ class TorchModelRunner:
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
         self.tp = None  # torchengine.distributed.TPGroup when tp_size > 1
         self._pending: PendingStep | None = None
+        # (caches, model, cpu_kernels.DecodeLayers or None): the one-call decode layers bound to them
+        self._decode_layers_bound: tuple | None = None
         # CPU: LM head + sampler 64 rows at a time (see sampler.sample_in_chunks)
         self.logits_chunk_rows = 64 if self.device.type == "cpu" else None
 
@@ -190,6 +192,7 @@ class TorchModelRunner:
         using a communicator to be destroyed before it destroys the communicator.
         """
         self.cuda_graphs, self.kv_caches, self.model, self._pending = None, [], None, None
+        self._decode_layers_bound = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -342,6 +345,12 @@ class TorchModelRunner:
         st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
         if self.cuda_graphs is not None and not batch.prompt_logprobs and self.cuda_graphs.can_replay(batch):
             out = sample(self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R], st)
+        elif T == R and not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
+            # every token its request's only query: all layers in one C call (the same kernels as the model's)
+            hidden = layers(self.model.embed(input_ids[:T]), positions[:T], meta.slot_mapping[:T], batch.kv_lens,
+                            batch.block_tables)
+            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
+                                   self.model.greedy_tokens)
         else:
             # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
             meta.slot_mapping = meta.slot_mapping[:T]
@@ -367,6 +376,16 @@ class TorchModelRunner:
             host = results
         return PendingStep(self._finish, batch, host=host, event=event,
                            hidden=hidden if batch.prompt_logprobs else None)
+
+    def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
+        """The one-call decode layers for these caches (None off the float32 CPU kernels' path)."""
+        if self.device.type != "cpu":
+            return None
+        bound = self._decode_layers_bound
+        if bound is None or bound[0] is not self.kv_caches or bound[1] is not self.model:
+            bound = self._decode_layers_bound = (self.kv_caches, self.model, cpu_kernels.DecodeLayers.bind(
+                self.model, self.attn_backend, self.kv_caches))
+        return bound[2]
 
     def _slot_mapping(self, batch: StepBatch) -> np.ndarray:
         """[Tp] cache slot of every token (block * block_size + offset); -1 for padding (writes nothing)."""
