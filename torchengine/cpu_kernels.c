@@ -626,7 +626,8 @@ int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int6
 // A decode step of a float32 Llama-family decoder, every layer in one call: each of the T tokens is its own
 // request's only query token (kv_lens[i] cached tokens after this step, block table row i). The same kernels
 // in the same order, on the same shapes, as torchengine.model's layers run them through Python with these
-// kernels (rms_norm with the residual add, f32_gemm, the bias add, rope, kv_write, decode_attention, silu_mul),
+// kernels (rms_norm with the residual add, f32_gemm or q4_gemm, the bias add, rope, kv_write, decode_attention,
+// silu_mul),
 // so the hidden states are bit-identical to that path: a token's outputs do not depend on whether its step
 // went through here. What this saves is the Python between the kernels (~15 calls a layer, ~150 us a layer
 // at one token on a 2-core VM). x [T, H] (the embeddings) -> out [T, H] (residual + the last MLP's output,
@@ -634,7 +635,16 @@ int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int6
 typedef struct {
     const float *attn_norm, *qkv_w, *qkv_b, *o_w, *mlp_norm, *gate_up_w, *down_w;
     float *key_cache, *value_cache;
+    // --quantization gguf: a linear's 4-bit blocks (NULL: none) for steps of at most *_rows tokens (<= MAX_ROWS),
+    // as torchengine.quant.Int4Linear chooses between them and the float32 weight
+    const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
+    int qkv_rows, o_rows, gate_up_rows, down_rows;
 } decode_layer;
+
+static int linear(const float *x, int T, int K, const float *w, const void *q4, int q4_rows, int N, float *y,
+                  int nthreads) {
+    return q4 != NULL && T <= q4_rows ? q4_gemm(x, T, K, q4, N, y, nthreads) : f32_gemm(x, T, K, w, N, y, nthreads);
+}
 
 long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I) {
     return (long)T * (3L * H + (long)(Hq + 2 * Hkv) * D + (long)Hq * D + 3L * I + 2L * D) + T * 2L;
@@ -661,7 +671,7 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
         const decode_layer *ly = layers + l;
         // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
         rc |= rms_norm(l == 0 ? residual : y, T, H, H, l == 0 ? NULL : residual, ly->attn_norm, eps, h);
-        rc |= f32_gemm(h, T, H, ly->qkv_w, QKV, qkv, nthreads);
+        rc |= linear(h, T, H, ly->qkv_w, ly->qkv_q4, ly->qkv_rows, QKV, qkv, nthreads);
         if (ly->qkv_b != NULL)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < QKV; j++) qkv[(size_t)t * QKV + j] += ly->qkv_b[j];
@@ -670,11 +680,11 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
                        ly->value_cache, Hkv * D);
         rc |= decode_attention(qkv, QKV, T, tokens, kv_lens, block_tables, bt_stride, ly->key_cache,
                                ly->value_cache, block_size, Hq, Hkv, D, scale, window, att, nthreads);
-        rc |= f32_gemm(att, T, Hq * D, ly->o_w, H, y, nthreads);
+        rc |= linear(att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, H, y, nthreads);
         rc |= rms_norm(y, T, H, H, residual, ly->mlp_norm, eps, h);
-        rc |= f32_gemm(h, T, H, ly->gate_up_w, 2 * I, gu, nthreads);
+        rc |= linear(h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, 2 * I, gu, nthreads);
         rc |= silu_mul(gu, T, I, act);
-        rc |= f32_gemm(act, T, I, ly->down_w, H, y, nthreads);
+        rc |= linear(act, T, I, ly->down_w, ly->down_q4, ly->down_rows, H, y, nthreads);
     }
     for (size_t i = 0; i < (size_t)T * H; i++) out[i] = residual[i] + y[i];
     return rc;

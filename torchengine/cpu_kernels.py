@@ -301,9 +301,28 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv
 # a decode step's layers in one call
 
 
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
 class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w", "down_w", "key_cache", "value_cache")]
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w",
+                                                     "down_w", "key_cache", "value_cache")]
+                + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS])
+
+
+def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
+    """(float32 weight, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can run:
+    `torchengine.model.Linear`, or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
+    from torchengine.model import Linear
+    from torchengine.quant import Int4Linear
+
+    if type(m) is Linear:
+        return m.weight, m.bias, None, 0
+    if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear
+            and m.blocks.shape[1] == m.dense.weight.shape[1] // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
+            and m.max_rows <= MAX_ROWS):
+        return m.dense.weight, m.bias, m.blocks, m.max_rows
+    return None
 
 
 class DecodeLayers:
@@ -312,7 +331,8 @@ class DecodeLayers:
     `Transformer.forward`'s with these kernels; ~15 Python-level calls a layer fewer.
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
-    4-bit linears, tensor parallelism, q/k norms, another attention backend); then the model runs as usual.
+    torch's own 4-bit kernel, tensor parallelism, q/k norms, another attention backend); then the model runs
+    as usual. `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them.
     """
 
     def __init__(self, lib: ctypes.CDLL, model, backend, kv_caches):
@@ -323,16 +343,20 @@ class DecodeLayers:
         self.eps, self.scale, self.window = arch.rms_norm_eps, backend.sm_scale, backend.sliding_window or 0
         self.kv_caches = kv_caches  # the list bound (the runner allocates a new one when it resizes the cache)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.layers = (_DecodeLayer * len(model.layers))(*[
-            _DecodeLayer(ptr(ly.attn_norm.weight), ptr(ly.attn.qkv_proj.weight), ptr(ly.attn.qkv_proj.bias),
-                         ptr(ly.attn.o_proj.weight), ptr(ly.mlp_norm.weight), ptr(ly.mlp.gate_up_proj.weight),
-                         ptr(ly.mlp.down_proj.weight), ptr(kc), ptr(vc))
-            for ly, (kc, vc) in zip(model.layers, kv_caches)])
+        self.layers = (_DecodeLayer * len(model.layers))()
+        for c, ly, (kc, vc) in zip(self.layers, model.layers, kv_caches):
+            parts = dict(zip(_LINEARS, map(_linear_parts, (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
+                                                           ly.mlp.down_proj))))
+            c.attn_norm, c.mlp_norm = ptr(ly.attn_norm.weight), ptr(ly.mlp_norm.weight)
+            c.key_cache, c.value_cache, c.qkv_b = ptr(kc), ptr(vc), ptr(parts["qkv"][1])
+            for name, (w, _, q4, rows) in parts.items():
+                setattr(c, f"{name}_w", ptr(w))
+                setattr(c, f"{name}_q4", ptr(q4))
+                setattr(c, f"{name}_rows", rows)
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":
         from torchengine.attention import TorchAttention
-        from torchengine.model import Linear
 
         lib_ = lib()
         if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or not isinstance(backend, TorchAttention)
@@ -340,8 +364,9 @@ class DecodeLayers:
             return None
         f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
         for ly, (kc, vc) in zip(model.layers, kv_caches):
-            linears = (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
-            if not all(type(m) is Linear and f32(m.weight) and f32(m.bias) for m in linears):
+            parts = [_linear_parts(m) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)]
+            if not all(p is not None and f32(p[0]) and f32(p[1]) for p in parts) or any(p[1] is not None
+                                                                                      for p in parts[1:]):
                 return None
             if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight, kc, vc)):
                 return None
