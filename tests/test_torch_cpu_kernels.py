@@ -185,3 +185,32 @@ def test_lm_head_greedy_ties_nan_and_padding(lib):
         cpu_kernels.lm_head(lib, torch.zeros(2, 63), panels, V)  # K differs
     with pytest.raises(ValueError):
         cpu_kernels.lm_head(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels
+
+
+def test_exp_edges_nan_and_overflow(lib):
+    """NaN stays NaN in the vectorised exp as in the scalar tail (silu(NaN) is NaN in both), and exp near
+    its float32 limit is finite (88.4-88.7 gave inf once: 2^128)."""
+    I = 19  # 16 in the vector body, 3 in the scalar tail
+    g = torch.full((I,), 2.0)
+    g[[3, 17]] = float("nan")
+    gu = torch.cat([g, torch.ones(I)])[None]
+    got = cpu_kernels.silu_mul(lib, gu)[0]
+    assert torch.isnan(got[[3, 17]]).all() and not torch.isnan(got[[0, 16, 18]]).any()
+    # silu(-x) = -x / (1 + e^x): e^x for x in (88.38, 88.72] must not be inf (the result: a tiny negative, not -0)
+    g = -torch.linspace(88.4, 88.7, 16)
+    out = cpu_kernels.silu_mul(lib, torch.cat([g, torch.ones(16)])[None])[0]
+    assert torch.isfinite(out).all() and (out < 0).all()
+
+
+@pytest.mark.parametrize("kv_len", [5, 16, 13])  # scores in the scalar tail only, the vector body only, both
+def test_decode_attention_propagates_a_nan_score(lib, kv_len):
+    """A NaN query gives a NaN output row, as torch's attention does, wherever its scores fall."""
+    Hq, Hkv, D, bs = 2, 1, 8, 4
+    nb = -(-kv_len // bs)
+    k_cache, v_cache = randn(nb + 1, bs, Hkv, D), randn(nb + 1, bs, Hkv, D, seed=1)
+    q = randn(1, Hq, D, seed=2)
+    q[0, 1, 3] = float("nan")
+    out = torch.empty(1, Hq, D)
+    cpu_kernels.decode_attention(lib, q, torch.zeros(1, dtype=torch.int64), torch.tensor([kv_len], dtype=torch.int32),
+                                 torch.arange(1, nb + 1, dtype=torch.int32)[None], k_cache, v_cache, D**-0.5, None, out)
+    assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()

@@ -225,9 +225,13 @@ static inline float dot(const float *a, const float *b, int n) {
 
 // exp of 8 floats: x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor-like polynomial (Cephes'
 // expf coefficients; ~1 ulp on [-87, 88]), times 2^k built in the exponent bits. Inputs are clamped to
-// [-87.3, 88.7]; below that the result is 0 or a tiny normal number, not a denormal.
+// [-87.3, 88.376] (k <= 127: 2^k a finite float; above that the result stays 2.4e38, not inf); below, the
+// result is 0 or a tiny normal number, not a denormal. NaN stays NaN, as in expf (a NaN attention score
+// gives a NaN row whether it falls in the vector body or the scalar tail).
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 x0 = x;
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3762626647949f));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact k * hi
@@ -240,7 +244,7 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), x0, nan);
 }
 
 // x[i] = exp(x[i] - m) for n floats; returns their sum
