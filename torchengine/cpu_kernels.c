@@ -43,6 +43,7 @@ _Static_assert(sizeof(block_q4) == 20 && sizeof(block_q8) == 34, "block layouts"
 
 int q4_block_bytes(void) { return (int)sizeof(block_q4); }
 int q8_block_bytes(void) { return (int)sizeof(block_q8); }
+int max_rows(void) { return MAX_ROWS; }
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -95,8 +95,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         fn.restype = ctypes.c_int
     lib.decode_workspace.argtypes = [ctypes.c_int] * 6
     lib.decode_workspace.restype = ctypes.c_long
-    if lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES:
-        return None, "cpu_kernels.c's block layout does not match cpu_kernels.py"
+    if (lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES
+            or lib.max_rows() != MAX_ROWS):
+        return None, "cpu_kernels.c's block layout or row limit does not match cpu_kernels.py"
     return lib, ""
 
 
