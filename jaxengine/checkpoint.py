@@ -19,19 +19,15 @@ import time
 
 import jax
 
-from enginecore.model_loader import ModelLoadError, ModelSource, save_hf_folder
+from enginecore.model_loader import (ORBAX_MARKER, ORBAX_SUBDIR, ModelLoadError, ModelSource,  # noqa: F401
+                                     is_orbax_checkpoint, save_hf_folder)
 from enginecore.arch import ArchConfig
 from jaxengine.model import LayerParams, ModelParams, abstract_params, is_spec, jnp_dtype
 
 logger = logging.getLogger("xlaserve.jax")
 
-MARKER = "xlaserve_orbax.json"
-ORBAX_SUBDIR = "orbax"
+MARKER = ORBAX_MARKER
 FORMAT_VERSION = 1
-
-
-def is_orbax_checkpoint(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, MARKER)) and os.path.isdir(os.path.join(folder, ORBAX_SUBDIR))
 
 
 def _to_dict(params: ModelParams) -> dict:

@@ -215,16 +215,21 @@ def test_bench_subcommand_is_mounted():
     assert r.returncode == 0 and "bench" in r.stdout
 
 
-def test_auto_backend_on_a_cpu(monkeypatch):
-    """--backend auto on a CPU: torch where its AVX2 kernels run and the settings are theirs, else jax."""
+def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
+    """--backend auto on a CPU: torch where its AVX2 kernels run and the settings are theirs, else jax (also
+    for jax's own features: orbax weights, an XLA compilation cache)."""
     from enginecore.platform import cpu_kernels_unavailable
 
     def backend(**kw):
         return EngineArgs(platform="cpu", **kw).create_engine_config(model_max_len=2048).device_config.backend
 
     assert backend() == ("jax" if cpu_kernels_unavailable() else "torch")
+    orbax = tmp_path / "orbax-model"
+    (orbax / "orbax").mkdir(parents=True)
+    (orbax / "xlaserve_orbax.json").write_text("{}")
     for kw in (dict(dtype="bfloat16"), dict(kv_cache_dtype="bfloat16"), dict(attention_backend="reference"),
-               dict(data_parallel_size=2), dict(tensor_parallel_size=2), dict(backend="jax")):
+               dict(data_parallel_size=2), dict(tensor_parallel_size=2), dict(backend="jax"),
+               dict(load_format="orbax"), dict(model=str(orbax)), dict(compilation_cache_dir=str(tmp_path))):
         assert backend(**kw) == "jax", kw
     assert backend(backend="torch", dtype="bfloat16") == "torch"
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
