@@ -136,20 +136,20 @@ def test_pack_panels_round_trip():
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 70])
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
-def test_lm_head(lib, M, V, K):
+def test_panel_gemm(lib, M, V, K):
     """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
     or 8, two threads, row blocks (64 rows at K 64, 6 at K 576); greedy is torch.argmax of the same logits."""
     x, w = randn(M, K), randn(V, K, seed=1)
     panels = cpu_kernels.pack_panels(w)
-    logits = cpu_kernels.lm_head(lib, x, panels, V)
+    logits = cpu_kernels.panel_gemm(lib, x, panels, V)
     torch.testing.assert_close(logits, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-6 * K)
-    assert torch.equal(cpu_kernels.lm_head(lib, x, panels, V, greedy=True), logits.argmax(-1))
+    assert torch.equal(cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True), logits.argmax(-1))
     # each row the same alone as among the others, logits and tokens
-    alone = torch.cat([cpu_kernels.lm_head(lib, x[i : i + 1], panels, V) for i in range(M)])
+    alone = torch.cat([cpu_kernels.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
     assert torch.equal(alone, logits)
 
 
-def test_lm_head_greedy_ties_nan_and_padding(lib):
+def test_panel_gemm_greedy_ties_nan_and_padding(lib):
     """torch.argmax's answer in the corner cases: the first of tied maxima (within a lane, across lanes and
     across the two threads' halves of the vocabulary), a NaN logit (the first NaN wins), a row of equal logits
     (index 0), and the padding columns of the last panel never win."""
@@ -161,30 +161,30 @@ def test_lm_head_greedy_ties_nan_and_padding(lib):
     x = randn(8, K, seed=4)
     x[1] = 0  # every logit 0
     panels = cpu_kernels.pack_panels(w)
-    logits = cpu_kernels.lm_head(lib, x, panels, V)
-    got = cpu_kernels.lm_head(lib, x, panels, V, greedy=True)
+    logits = cpu_kernels.panel_gemm(lib, x, panels, V)
+    got = cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True)
     assert torch.equal(got, logits.argmax(-1))
     assert got[1] == 0
     # rows whose best is a tied group: the first of it
     xs = torch.stack([w[500], w[40]])
-    t = cpu_kernels.lm_head(lib, xs, panels, V, greedy=True)
+    t = cpu_kernels.panel_gemm(lib, xs, panels, V, greedy=True)
     assert t.tolist() == [7, 300]
-    assert torch.equal(t, cpu_kernels.lm_head(lib, xs, panels, V).argmax(-1))
+    assert torch.equal(t, cpu_kernels.panel_gemm(lib, xs, panels, V).argmax(-1))
     # NaN: torch.argmax returns the first NaN
     w2 = w.clone()
     w2[321, 0] = float("nan")
     w2[999, 0] = float("nan")
     p2 = cpu_kernels.pack_panels(w2)
-    assert torch.equal(cpu_kernels.lm_head(lib, x, p2, V, greedy=True), cpu_kernels.lm_head(lib, x, p2, V).argmax(-1))
+    assert torch.equal(cpu_kernels.panel_gemm(lib, x, p2, V, greedy=True), cpu_kernels.panel_gemm(lib, x, p2, V).argmax(-1))
     # a padded vocabulary whose real logits are all below the padding's 0
     wn = -w.abs() - 1
     xp = torch.ones(3, K)
     pn = cpu_kernels.pack_panels(wn)
-    assert torch.equal(cpu_kernels.lm_head(lib, xp, pn, V, greedy=True), (xp @ wn.t()).argmax(-1))
+    assert torch.equal(cpu_kernels.panel_gemm(lib, xp, pn, V, greedy=True), (xp @ wn.t()).argmax(-1))
     with pytest.raises(ValueError):
-        cpu_kernels.lm_head(lib, torch.zeros(2, 63), panels, V)  # K differs
+        cpu_kernels.panel_gemm(lib, torch.zeros(2, 63), panels, V)  # K differs
     with pytest.raises(ValueError):
-        cpu_kernels.lm_head(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels
+        cpu_kernels.panel_gemm(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels
 
 
 def test_exp_edges_nan_and_overflow(lib):

@@ -194,3 +194,27 @@ def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, promp
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
     assert runner is llm.llm_engine.core.runner
+
+
+def test_linear_packed_in_panels():
+    """A packed Linear (every float32 linear on a CPU with the kernels): its matrix unpacks exactly, its
+    outputs are the float64 product's (+ bias) at any row count, rows the same alone as together; no rows."""
+    from torchengine import cpu_kernels
+    from torchengine.model import Linear
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(70, 37, bias=True).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(37, 70, generator=g))
+        lin.bias.copy_(torch.randn(37, generator=g))
+    w = lin.weight.clone()
+    assert lin.pack() and lin.weight is None and not lin.pack()
+    assert torch.equal(lin.matrix(), w)
+    x = torch.randn(13, 70, generator=g)
+    with torch.inference_mode():
+        y = lin(x)
+        torch.testing.assert_close(y, (x.double() @ w.double().t() + lin.bias.double()).float(), rtol=1e-5, atol=1e-4)
+        assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(13)]), y)
+        assert lin(x[:0]).shape == (0, 37)

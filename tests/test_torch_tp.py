@@ -116,10 +116,10 @@ def test_tp2_engine_matches_tp1(tiny_model_dir):
         full = tp1.llm_engine.core.runner.model.layers[0]
         mine = runner.model.layers[0]
         q, kv = 4 * 16, 2 * 16
-        w = full.attn.qkv_proj.weight
+        w = full.attn.qkv_proj.matrix()  # (packed in panels on a CPU with the kernels)
         want_qkv = torch.cat([w[: q // 2], w[q : q + kv // 2], w[q + kv : q + kv + kv // 2]])
-        assert torch.equal(mine.attn.qkv_proj.weight, want_qkv)
-        assert torch.equal(mine.mlp.down_proj.weight, full.mlp.down_proj.weight[:, :64])
+        assert torch.equal(mine.attn.qkv_proj.matrix(), want_qkv)
+        assert torch.equal(mine.mlp.down_proj.matrix(), full.mlp.down_proj.matrix()[:, :64])
         got = [o.outputs[0].token_ids for o in tp2.generate(prompts, greedy, use_tqdm=False)]
         got += [o.outputs[0].token_ids for o in tp2.generate(prompts, seeded, use_tqdm=False)]
     finally:

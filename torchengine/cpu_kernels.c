@@ -402,7 +402,8 @@ int silu_mul(const float *gu, int M, int I, float *out) {
     return 0;
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T in float32, any M: the decoder's linears and the LM head of every CPU step.
+// y [M, N] = x [M, K] . w [N, K]^T in float32, any M, on [out, in] weights (the model packs its weights for
+// panel_gemm below at load; this one serves weights that are not packed, and bench_dense).
 //
 // Every output is one 8-lane FMA chain over k in ascending order, then hsum8, then the scalar tail: the
 // same arithmetic whatever tile computes it, so a row's result does not depend on how many rows share the
@@ -477,15 +478,16 @@ int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int 
     return 0;
 }
 
-// The LM head, y[M, V] = x[M, K] . w[V, K]^T, from weights packed in panels of 16 vocabulary rows, k-major:
-// wp[(p * K + k) * 16 + j] = w[16 p + j][k] (zero rows pad V to a multiple of 16; cpu_kernels.pack_panels).
-// A tile is R activation rows x P panels: per k, 2P weight loads, R broadcasts, 2RP FMAs, and no horizontal
-// sum, which costs as much as the FMAs themselves at the small hidden sizes of an LM head (K = 64: f32_gemm's
-// 8-lane chains are 8 FMAs long). Every logit is one scalar FMA chain over k in ascending order (its lane of
-// an accumulator), whatever the tile, the panel block or the thread: a row's logits do not depend on the row
-// count. With `best` (not NULL) the tile's logits are not stored but folded into each row's running maximum
-// (the first index of the maximum, NaN counting as the largest as in torch.argmax): greedy sampling without
-// writing and re-reading [M, V] logits (12.6 MB at 64 rows of SmolLM2's vocabulary).
+// Every float32 linear of a CPU step and the LM head, y[M, V] = x[M, K] . w[V, K]^T, from weights packed in
+// panels of 16 output rows, k-major: wp[(p * K + k) * 16 + j] = w[16 p + j][k] (zero rows pad V to a multiple
+// of 16; cpu_kernels.pack_panels). A tile is R activation rows x P panels: per k, 2P weight loads, R
+// broadcasts, 2RP FMAs, and no horizontal sum, which costs as much as the FMAs themselves at small hidden
+// sizes (K = 64: f32_gemm's 8-lane chains are 8 FMAs long). Every output is one scalar FMA chain over k in
+// ascending order (its lane of an accumulator), whatever the tile, the panel block or the thread: a row's
+// outputs do not depend on the row count. With `argmax` (not NULL) the tile's outputs are not stored but
+// folded into each row's running maximum (the first index of the maximum, NaN counting as the largest as in
+// torch.argmax): greedy sampling without writing and re-reading [M, V] logits (12.6 MB at 64 rows of
+// SmolLM2's vocabulary).
 #define HEAD_ROWS 6
 typedef struct {
     float v[8];
@@ -564,7 +566,7 @@ static inline __attribute__((always_inline)) void head_rows(
     for (; p < p1; p++) head_tile(R, 1, xm, K, wp, p, V, ym, bm);
 }
 
-int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
+int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (V + 15) / 16;
@@ -572,8 +574,15 @@ int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int6
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
     if (NB < 4) NB = 4;
     if (MB < HEAD_ROWS) MB = HEAD_ROWS;
-    const int chunks = (NP + 3) / 4;
-    const int nt = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
+    // threads split the panels (4 at a time), or, from 256 rows (compute-bound: each thread then reads every
+    // weight), the rows in whole tiles where that balances better: a prefill's narrow linears (576 outputs:
+    // 9 chunks of panels for 2 threads, 5 / 4) have rows to spare
+    const int chunks = (NP + 3) / 4, tiles = (M + HEAD_ROWS - 1) / HEAD_ROWS;
+    int nt = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? nthreads : 1;
+    const int split_rows = nt > 1 && M >= 256 &&
+                           (long)((tiles + nt - 1) / nt) * chunks < (long)((chunks + nt - 1) / nt) * tiles;
+    const int parts = split_rows ? tiles : chunks;
+    if (nt > parts) nt = parts;
     head_best *best = NULL;
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
@@ -589,13 +598,14 @@ int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int6
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int a = (int)((long)chunks * t / T) * 4, be = (int)((long)chunks * (t + 1) / T) * 4;
-        const int b = be < NP ? be : NP;
+        const int lo = (int)((long)parts * t / T), hi = (int)((long)parts * (t + 1) / T);
+        const int a = split_rows ? 0 : lo * 4, b = split_rows ? NP : (hi * 4 < NP ? hi * 4 : NP);
+        const int ma = split_rows ? lo * HEAD_ROWS : 0, mb = split_rows ? (hi * HEAD_ROWS < M ? hi * HEAD_ROWS : M) : M;
         head_best *bt = best == NULL ? NULL : best + (size_t)M * t;
         for (int p0 = a; p0 < b; p0 += NB) {
             const int p1 = p0 + NB < b ? p0 + NB : b;
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int m1 = m0 + MB < M ? m0 + MB : M;
+            for (int m0 = ma; m0 < mb; m0 += MB) {
+                const int m1 = m0 + MB < mb ? m0 + MB : mb;
                 int m = m0;
                 for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, bt);
                 switch (m1 - m) {
@@ -631,13 +641,13 @@ int lm_head(const float *x, int M, int K, const float *wp, int V, float *y, int6
 // A decode step of a float32 Llama-family decoder, every layer in one call: each of the T tokens is its own
 // request's only query token (kv_lens[i] cached tokens after this step, block table row i). The same kernels
 // in the same order, on the same shapes, as torchengine.model's layers run them through Python with these
-// kernels (rms_norm with the residual add, f32_gemm or q4_gemm, the bias add, rope, kv_write, decode_attention,
+// kernels (rms_norm with the residual add, panel_gemm or q4_gemm, the bias add, rope, kv_write, decode_attention,
 // silu_mul),
 // so the hidden states are bit-identical to that path: a token's outputs do not depend on whether its step
 // went through here. What this saves is the Python between the kernels (~15 calls a layer, ~150 us a layer
 // at one token on a 2-core VM). x [T, H] (the embeddings) -> out [T, H] (residual + the last MLP's output,
 // before the final norm). cos / sin are the model's tables [positions, D]; ws: decode_workspace(T) floats.
-typedef struct {
+typedef struct {  // *_w: panel_gemm's panels
     const float *attn_norm, *qkv_w, *qkv_b, *o_w, *mlp_norm, *gate_up_w, *down_w;
     float *key_cache, *value_cache;
     // --quantization gguf: a linear's 4-bit blocks (NULL: none) for steps of at most *_rows tokens (<= MAX_ROWS),
@@ -646,9 +656,11 @@ typedef struct {
     int qkv_rows, o_rows, gate_up_rows, down_rows;
 } decode_layer;
 
+// w: the float32 weight in panel_gemm's panels
 static int linear(const float *x, int T, int K, const float *w, const void *q4, int q4_rows, int N, float *y,
                   int nthreads) {
-    return q4 != NULL && T <= q4_rows ? q4_gemm(x, T, K, q4, N, y, nthreads) : f32_gemm(x, T, K, w, N, y, nthreads);
+    return q4 != NULL && T <= q4_rows ? q4_gemm(x, T, K, q4, N, y, nthreads)
+                                      : panel_gemm(x, T, K, w, N, y, NULL, nthreads);
 }
 
 long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I) {

@@ -9,11 +9,12 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - the float32 glue of every CPU step (`rms_norm`, `rope_`, `silu_mul`, `kv_write`, `decode_attention`):
   one call each instead of several torch ops, whose dispatch costs more than their arithmetic at a decode
   step's sizes (`torchengine.model` and `torchengine.attention` use them when `lib()` is not None);
-- `f32_gemm`: every float32 linear of a CPU step's decoder (any number of rows): 1.6-2.5x MKL at the 1-32
-  rows of decode steps, where MKL's sgemm reads [out, in] weights at half the memory's speed;
-- `lm_head`: the LM head from weights packed in panels of 16 vocabulary rows (`pack_panels`), no horizontal
-  sums, and for greedy steps the argmax folded into the tiles, so the [rows, vocab] logits are never written
-  (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took 5.5);
+- `panel_gemm`: every float32 linear of a CPU step (decoder linears and LM head, any number of rows), from
+  weights packed once at load in panels of 16 output rows (`pack_panels`, `Transformer.pack_cpu_weights`):
+  no horizontal sums, and for greedy steps the LM head's argmax folded into the tiles, so the [rows, vocab]
+  logits are never written (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took
+  5.5); 1.05-1.4x f32_gemm from 16 rows on, 1.5-2.7x at one row, on hot weights (bench_dense's shapes);
+- `f32_gemm`: the same product on [out, in] weights (8-lane chains; a weight not packed, bench_dense);
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 
@@ -126,7 +127,7 @@ _SIGNATURES = {
     "decode_attention": "p l i p p p i p p i i i i f i p i",
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
-    "lm_head": "p i i p i p p i",
+    "panel_gemm": "p i i p i p p i",
     "decode_layers": "p i p i p p p p p p i i i i i i i f f i p p i",
 }
 
@@ -171,7 +172,7 @@ PANEL = 16  # vocabulary rows a panel of `pack_panels`
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """w [V, K] float32 -> [ceil(V / 16), K, 16]: panels of 16 rows, k-major (zero rows pad the last one),
-    the LM head's layout for `lm_head`. Row v of w is panels[v // 16, :, v % 16] (`panel_rows`)."""
+    the layout of `panel_gemm`. Row v of w is panels[v // 16, :, v % 16] (`panel_rows`)."""
     V, K = w.shape
     P = -(-V // PANEL)
     padded = torch.zeros((P * PANEL, K), dtype=torch.float32)
@@ -184,7 +185,7 @@ def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return panels[ids // PANEL, :, ids % PANEL]
 
 
-def lm_head(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, vocab: int, greedy: bool = False) -> torch.Tensor:
+def panel_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, vocab: int, greedy: bool = False) -> torch.Tensor:
     """x [M, K] float32 . W^T with W [vocab, K] packed by `pack_panels`: logits [M, vocab] float32, or with
     `greedy` only each row's argmax [M] int64 (torch.argmax's, of the same logits), never writing the logits."""
     x = x.contiguous()
@@ -193,10 +194,10 @@ def lm_head(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, vocab: int,
     out = torch.empty((M,) if greedy else (M, vocab), dtype=torch.int64 if greedy else torch.float32)
     if (panels.dim() == 3 and panels.shape[1:] == (K, PANEL) and panels.shape[0] * PANEL >= vocab > 0
             and panels.dtype == torch.float32 and panels.is_contiguous() and x.dtype == torch.float32):
-        rc = lib.lm_head(x.data_ptr(), M, K, panels.data_ptr(), vocab, None if greedy else out.data_ptr(),
+        rc = lib.panel_gemm(x.data_ptr(), M, K, panels.data_ptr(), vocab, None if greedy else out.data_ptr(),
                          out.data_ptr() if greedy else None, torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"cpu_kernels.lm_head: bad arguments (x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
+        raise ValueError(f"cpu_kernels.panel_gemm: bad arguments (x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
                          f"vocab {vocab}; rc {rc})")
     return out
 
@@ -312,17 +313,17 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
-    """(float32 weight, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can run:
-    `torchengine.model.Linear`, or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
+    """(float32 weight panels, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can
+    run: a packed `torchengine.model.Linear`, or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
     from torchengine.model import Linear
     from torchengine.quant import Int4Linear
 
-    if type(m) is Linear:
-        return m.weight, m.bias, None, 0
-    if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear
-            and m.blocks.shape[1] == m.dense.weight.shape[1] // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
+    if type(m) is Linear and m.panels is not None:
+        return m.panels, m.bias, None, 0
+    if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear and m.dense.panels is not None
+            and m.blocks.shape[1] == m.dense.in_features // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
             and m.max_rows <= MAX_ROWS):
-        return m.dense.weight, m.bias, m.blocks, m.max_rows
+        return m.dense.panels, m.bias, m.blocks, m.max_rows
     return None
 
 

@@ -85,7 +85,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear; on a CPU with `torchengine.cpu_kernels`, float32, `cpu_kernels.f32_gemm` for every step.
+    """nn.Linear; on a CPU with `torchengine.cpu_kernels`, float32, once packed (`pack`, at load): the weight
+    in `cpu_kernels.panel_gemm`'s panels, for every step (before that, `cpu_kernels.f32_gemm`).
 
     One kernel for every row count: a token's hidden state must not depend on whether its step was a decode,
     a mixed step or a recompute after preemption (MKL's sgemm for some steps and the kernel for others
@@ -93,7 +94,29 @@ class Linear(nn.Linear):
     MKL's speed.
     """
 
+    panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
+
+    def pack(self) -> bool:
+        """The weight into panels (`cpu_kernels.pack_panels`), where the kernels run on it; the [out, in]
+        matrix is freed. True if packed."""
+        if self.panels is not None or self.weight is None or cpu_kernels.lib_for(self.weight) is None:
+            return False
+        self.panels = cpu_kernels.pack_panels(self.weight.detach())
+        self.weight = None
+        return True
+
+    def matrix(self) -> torch.Tensor:
+        """The [out, in] weight, packed or not (a copy when packed: for checks, not for steps)."""
+        if self.panels is None:
+            return self.weight
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            if x.shape[0] == 0:
+                return x.new_empty((0, self.out_features))
+            y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
         lib = cpu_kernels.lib_for(x, self.weight)
         if lib is not None and x.dim() == 2 and x.shape[0] > 0 and self.weight.is_contiguous():
             y = cpu_kernels.f32_gemm(lib, x, self.weight)
@@ -181,7 +204,7 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # tied models read the embedding matrix in compute_logits (no shared Parameter to keep tied)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        # on a CPU with the kernels, float32: the LM head in `cpu_kernels.lm_head`'s panels (pack_lm_head), which
+        # on a CPU with the kernels, float32: the LM head in `cpu_kernels.panel_gemm`'s panels (pack_lm_head), which
         # then replace the [V, H] matrix (a tied model's embedding lookup reads them too)
         self.head_panels: torch.Tensor | None = None
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
@@ -203,19 +226,21 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, cos, sin, attn)
         return residual + x
 
-    def pack_lm_head(self) -> bool:
-        """On a CPU with `torchengine.cpu_kernels` and float32 weights: the LM head into `cpu_kernels.lm_head`'s
-        panels, for every step's logits and greedy tokens (`greedy_tokens`); the [V, H] matrix is freed (a tied
-        embedding is then looked up in the panels). True if it was packed. Call once, after loading (and after
-        `torchengine.quant`, which reads the matrix)."""
+    def pack_cpu_weights(self) -> int:
+        """On a CPU with `torchengine.cpu_kernels` and float32 weights: every `Linear` (the 4-bit linears'
+        float32 copies too) and the LM head into `cpu_kernels.panel_gemm`'s panels, for every step (the LM head
+        also gives greedy tokens without logits: `greedy_tokens`); the [out, in] matrices are freed (a tied
+        embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
+        loading (and after `torchengine.quant`, which reads the matrices)."""
+        n = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_panels is not None or cpu_kernels.lib_for(w) is None:
-            return False
-        self.head_panels = cpu_kernels.pack_panels(w)
-        if self.lm_head is None:
-            self.embed = PanelEmbedding(self.head_panels)
-        self.lm_head = None
-        return True
+        if self.head_panels is None and cpu_kernels.lib_for(w) is not None:
+            self.head_panels = cpu_kernels.pack_panels(w)
+            if self.lm_head is None:
+                self.embed = PanelEmbedding(self.head_panels)
+            self.lm_head = None
+            n += 1
+        return n
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, H] -> logits [N, V] float32
@@ -224,7 +249,7 @@ class Transformer(nn.Module):
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
         if self.head_panels is not None and n > 0:  # each row's logits the same whatever the row count
-            return cpu_kernels.lm_head(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
+            return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
             lib = cpu_kernels.lib_for(h, w)
@@ -245,12 +270,12 @@ class Transformer(nn.Module):
         n = hidden.shape[0]
         if self.head_panels is None or n == 0 or (self.lm_head_small is not None and n <= self.lm_head_small_rows):
             return None
-        return cpu_kernels.lm_head(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels, self.arch.vocab_size,
-                                   greedy=True)
+        return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,
+                                      self.arch.vocab_size, greedy=True)
 
 
 class PanelEmbedding(nn.Module):
-    """A tied embedding looked up in the LM head's panels (`Transformer.pack_lm_head`): ids [T] -> [T, H]."""
+    """A tied embedding looked up in the LM head's panels (`Transformer.pack_cpu_weights`): ids [T] -> [T, H]."""
 
     def __init__(self, panels: torch.Tensor):
         super().__init__()

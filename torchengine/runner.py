@@ -179,8 +179,9 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
-        if self.device.type == "cpu" and model.pack_lm_head():
-            logger.info("rank %d: LM head in panels (cpu_kernels.lm_head; greedy steps take its argmax)", self.rank)
+        if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
+            logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
+                        "head's argmax)", self.rank, n)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
