@@ -9,8 +9,10 @@ embedded model's shapes. Each timing cycles through --layers distinct weight
 matrices, so the weights come from memory as in a real step, not from cache.
 Prints ms per matmul and the speedup of weights first; the engines use it for
 2 to 32 rows on a CPU (`weights_first_rows`). `avx2 f32` is the torch backend's
-float32 kernel (`cpu_kernels.f32_gemm`, what all its float32 linears use on a
-CPU, any row count), as a speedup over torch's usual linear. The last columns are the 4-bit
+float32 kernel on [out, in] weights (`cpu_kernels.f32_gemm`) and `panels` the one
+on weights packed in panels of 16 rows (`cpu_kernels.panel_gemm`, what all its
+float32 linears and its LM head use on a CPU, any row count), each as a speedup
+over torch's usual linear. The last columns are the 4-bit
 kernels of `--quantization gguf` (`torchengine.quant`) on the same weights
 quantized in groups of 32: torch's int4 kernel, and our AVX2 kernel
 (`torchengine/cpu_kernels.c`, up to 32 rows; `-` where it cannot run), each as a
@@ -61,7 +63,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ms per matmul, {threads} threads; weights first / usual = speedup (>1: weights first is faster)")
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
-          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'avx2 f32':>8} {'x':>5} | {'torch int4':>10} {'x':>5} | "
+          f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'avx2 f32':>8} {'x':>5} | {'panels':>8} {'x':>5} | {'torch int4':>10} {'x':>5} | "
           f"{'avx2 q4':>7} {'x':>5}")
     lib = cpu_kernels.lib()
     have_q4 = lib is not None
@@ -70,6 +72,7 @@ def main() -> int:
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
         jws = [jnp.asarray(w) for w in ws]
         tws = [torch.from_numpy(w) for w in ws]
+        pws = [cpu_kernels.pack_panels(w) for w in tws] if lib is not None else []
         q4s, avx = [], []
         for w in ws:
             g = w.reshape(N, K // 32, 32)
@@ -92,6 +95,8 @@ def main() -> int:
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
                 t_f32 = best_ms(lambda: [cpu_kernels.f32_gemm(lib, th, w) for w in tws]) / n_layers \
                     if lib is not None else 0
+                t_pan = best_ms(lambda: [cpu_kernels.panel_gemm(lib, th, p, N) for p in pws]) / n_layers \
+                    if lib is not None else 0
                 t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
                 t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= cpu_kernels.MAX_ROWS else 0
             j_usual = best_ms(run_j(jstd)) / n_layers
@@ -99,6 +104,7 @@ def main() -> int:
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "
                   f"{t_usual:>11.3f} {t_wf:>12.3f} {t_usual / t_wf:>5.2f} | "
                   + (f"{t_f32:>8.3f} {t_usual / t_f32:>5.2f}" if t_f32 else f"{'-':>8} {'-':>5}")
+                  + " | " + (f"{t_pan:>8.3f} {t_usual / t_pan:>5.2f}" if t_pan else f"{'-':>8} {'-':>5}")
                   + f" | {t_q4:>10.3f} {t_usual / t_q4:>5.2f} | "
                   + (f"{t_avx:>7.3f} {t_usual / t_avx:>5.2f}" if t_avx else f"{'-':>7} {'-':>5}"), flush=True)
     return 0

@@ -78,7 +78,7 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "data_parallel_size": ("ParallelConfig", "Data-parallel replicas.", None),
     "pipeline_parallel_size": ("ParallelConfig", "Pipeline stages (only 1 is supported).", None),
     "platform": ("DeviceConfig", "Hardware (auto: TPU, else CUDA, else CPU).", ("auto", "tpu", "cuda", "cpu")),
-    "backend": ("DeviceConfig", "Engine backend (auto: jax on TPU, torch on CUDA; on CPU torch where its AVX2 kernels run with float32 and one process, else jax).",
+    "backend": ("DeviceConfig", "Engine backend (auto: jax on TPU, torch on CUDA; on CPU torch where its AVX2 kernels run with float32 and one process, else jax, also for orbax weights or a compilation cache).",
                 ("auto", "jax", "torch")),
     "enforce_eager": ("DeviceConfig", "No CUDA graphs / no jit of the step (debugging).", None),
     "attention_backend": ("DeviceConfig", "Attention implementation.",
