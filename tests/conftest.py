@@ -110,3 +110,33 @@ def tiny_model_dir(tmp_path_factory, smollm2_hf_dir):
         return d
 
     return make
+
+
+@pytest.fixture
+def one_call_vs_python_layers(monkeypatch):
+    """Factory: generate with the torch runner's one-call decode layers (cpu_kernels.DecodeLayers), then with
+    the Python layers, and assert the same tokens and logprobs to the bit. Returns whether the one-call path
+    ran at all."""
+
+    def check(llm, prompts, sp) -> bool:
+        from torchengine.runner import TorchModelRunner
+
+        real, used = TorchModelRunner._decode_layers, []
+
+        def spy(self):
+            layers = real(self)
+            used.append(layers is not None)
+            return layers
+
+        monkeypatch.setattr(TorchModelRunner, "_decode_layers", spy)
+        one_call = llm.generate(prompts, sp, use_tqdm=False)
+        monkeypatch.setattr(TorchModelRunner, "_decode_layers", lambda self: None)
+        python = llm.generate(prompts, sp, use_tqdm=False)
+        monkeypatch.setattr(TorchModelRunner, "_decode_layers", real)
+        for a, b in zip(one_call, python):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+        return any(used)
+
+    return check

@@ -157,43 +157,23 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, prompts, monkeypatch):
+def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, prompts, one_call_vs_python_layers):
     """Decode steps run every layer in one C call (cpu_kernels.DecodeLayers) where the model is on the float32
     kernels' path: the same tokens and the same logprobs, to the bit, as the Python layers (a bias on q/k/v:
     qwen2; q/k norms are not in the C path: qwen3 runs the Python layers both times)."""
     from torchengine import cpu_kernels
-    from torchengine.runner import TorchModelRunner
 
     if cpu_kernels.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
-    d = tiny_model_dir(arch)
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
-    runner = llm.llm_engine.core.runner
+    llm = torch_llm(tiny_model_dir(arch), max_num_batched_tokens=32, block_size=8)
     if arch == "qwen2":  # the checkpoint's biases are zeros: give them values (in place, both paths read them)
         with torch.inference_mode():
-            for i, layer in enumerate(runner.model.layers):
+            for i, layer in enumerate(llm.llm_engine.core.runner.model.layers):
                 b = layer.attn.qkv_proj.bias
                 b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i)))
-    used = []
-    real = TorchModelRunner._decode_layers
-
-    def spy(self):
-        layers = real(self)
-        used.append(layers is not None)
-        return layers
-
-    monkeypatch.setattr(TorchModelRunner, "_decode_layers", spy)
-    one_call = llm.generate(reqs, sp, use_tqdm=False)
-    assert any(used) == (arch != "qwen3")
-    monkeypatch.setattr(TorchModelRunner, "_decode_layers", lambda self: None)
-    python = llm.generate(reqs, sp, use_tqdm=False)
-    for a, b in zip(one_call, python):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
-    assert runner is llm.llm_engine.core.runner
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ran = one_call_vs_python_layers(llm, [{"prompt_token_ids": p} for p in prompts], sp)
+    assert ran == (arch != "qwen3")
 
 
 def test_linear_packed_in_panels():

@@ -149,12 +149,11 @@ def test_engine_answers_like_the_dequantized_model(engines):
             assert abs(la[t].logprob - lb[t].logprob) < 0.15
 
 
-def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines, monkeypatch):
+def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines, one_call_vs_python_layers):
     """A gguf decode step's layers in one C call (cpu_kernels.DecodeLayers): the Q4 kernel for steps of up to
     its row limit, the float32 weights beyond, as Int4Linear chooses; the same tokens and logprobs, to the bit,
     as the Python layers."""
     from torchengine import cpu_kernels
-    from torchengine.runner import TorchModelRunner
 
     q, _ = engines
     if cpu_kernels.lib() is None:
@@ -163,13 +162,7 @@ def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines
     assert layers is not None and layers.layers[0].down_q4 is not None and layers.layers[0].down_rows > 0
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 3 * i))} for i in range(3)]
-    one_call = q.generate(prompts, sp, use_tqdm=False)
-    monkeypatch.setattr(TorchModelRunner, "_decode_layers", lambda self: None)
-    python = q.generate(prompts, sp, use_tqdm=False)
-    for a, b in zip(one_call, python):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+    assert one_call_vs_python_layers(q, prompts, sp)
 
 
 def test_flag_refused_where_it_cannot_run(tiny_model_dir):
