@@ -313,9 +313,10 @@ class EngineArgs:
         if self.backend == "auto" and platform == "cpu":
             backend = cpu_auto_backend(self.dtype, self.data_parallel_size, self.attention_backend,
                                        self.kv_cache_dtype, self.tensor_parallel_size)
-            # jax's own features: orbax weights, an XLA compilation cache
-            if (self.load_format == "orbax" or self.compilation_cache_dir is not None or (
-                    self.load_format == "auto" and self.model and is_orbax_checkpoint(self.model))):
+            # jax's own features: orbax weights, an XLA compilation cache (unless a torch-only flag says torch)
+            jax_features = self.load_format == "orbax" or self.compilation_cache_dir is not None or (
+                self.load_format == "auto" and bool(self.model) and is_orbax_checkpoint(self.model))
+            if jax_features and self.attention_backend != "torch":
                 backend = "jax"
         if self.quantization == "gguf":
             # the 4-bit matmul is torch's CPU kernel (torchengine.quant)

@@ -232,6 +232,8 @@ def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
                dict(load_format="orbax"), dict(model=str(orbax)), dict(compilation_cache_dir=str(tmp_path))):
         assert backend(**kw) == "jax", kw
     assert backend(backend="torch", dtype="bfloat16") == "torch"
+    if not cpu_kernels_unavailable():  # an explicit torch-only flag wins over jax's features
+        assert backend(attention_backend="torch", compilation_cache_dir=str(tmp_path)) == "torch"
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
     assert cpu_kernels_unavailable() == "XLASERVE_CPU_KERNELS=torch"
     assert backend() == "jax"

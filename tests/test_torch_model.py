@@ -154,6 +154,8 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
         for n in (1, 2, 6, 7, 64, 70):
             assert torch.equal(model.greedy_tokens(h[:n]), logits[:n].argmax(-1)), n
             assert torch.equal(model.compute_logits(h[:n]), logits[:n]), n
+        assert model.compute_logits(h[:0]).shape == (0, 49152) and model.greedy_tokens(h[:0]) is None
+    assert model.pack_cpu_weights() == 0  # packed once
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -174,6 +176,14 @@ def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, promp
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     ran = one_call_vs_python_layers(llm, [{"prompt_token_ids": p} for p in prompts], sp)
     assert ran == (arch != "qwen3")
+    if ran:  # a position past the RoPE tables is refused, not read
+        runner = llm.llm_engine.core.runner
+        layers = runner._decode_layers()
+        x = torch.zeros(1, 64)
+        slots = torch.zeros(1, dtype=torch.int64)
+        kv, bt = np.ones(1, np.int32), np.ones((1, 4), np.int32)
+        with pytest.raises(ValueError):
+            layers(x, torch.tensor([runner.model.rope_cos.shape[0]]), slots, kv, bt)
 
 
 def test_linear_packed_in_panels():

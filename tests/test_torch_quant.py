@@ -163,6 +163,9 @@ def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 3 * i))} for i in range(3)]
     assert one_call_vs_python_layers(q, prompts, sp)
+    # greedy steps take the logits path with a small-rows LM head: a row's token must not depend on whether
+    # its neighbours need logits (the logits path gives chunks of few rows to the Q8 head)
+    assert q.llm_engine.core.runner.model.greedy_tokens(torch.zeros(40, 576)) is None
 
 
 def test_flag_refused_where_it_cannot_run(tiny_model_dir):

@@ -668,15 +668,17 @@ long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I) {
 }
 
 int decode_layers(const decode_layer *layers, int L, const float *x, int T, const int64_t *positions,
-                  const float *rope_cos, const float *rope_sin, const int64_t *slots, const int32_t *kv_lens,
+                  int n_positions, const float *rope_cos, const float *rope_sin, const int64_t *slots, const int32_t *kv_lens,
                   const int32_t *block_tables, int bt_stride, int block_size, int H, int Hq, int Hkv, int D, int I,
                   float eps, float scale, int window, float *ws, float *out, int nthreads) {
     if (L <= 0 || T <= 0 || H <= 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || I <= 0) return -1;
     const int QKV = (Hq + 2 * Hkv) * D;
-    float *residual = ws, *h = residual + (size_t)T * H, *y = h + (size_t)T * H, *qkv = y + (size_t)T * H;
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= n_positions) return -1;  // past the RoPE tables
+    int64_t *tokens = (int64_t *)ws;  // T int64 = 2T floats, first: aligned as the workspace is
+    float *residual = ws + 2L * T, *h = residual + (size_t)T * H, *y = h + (size_t)T * H, *qkv = y + (size_t)T * H;
     float *att = qkv + (size_t)T * QKV, *gu = att + (size_t)T * Hq * D, *act = gu + (size_t)T * 2 * I;
     float *cos = act + (size_t)T * I, *sin = cos + (size_t)T * D;
-    int64_t *tokens = (int64_t *)(sin + (size_t)T * D);  // T int64 = 2T floats
     for (int t = 0; t < T; t++) {
         memcpy(cos + (size_t)t * D, rope_cos + positions[t] * D, sizeof(float) * D);
         memcpy(sin + (size_t)t * D, rope_sin + positions[t] * D, sizeof(float) * D);

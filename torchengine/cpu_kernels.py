@@ -128,7 +128,7 @@ _SIGNATURES = {
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
-    "decode_layers": "p i p i p p p p p p i i i i i i i f f i p p i",
+    "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i",
 }
 
 
@@ -388,7 +388,8 @@ class DecodeLayers:
         ws = torch.empty(self.lib.decode_workspace(T, H, Hq, Hkv, D, I), dtype=torch.float32)
         out = torch.empty((T, H), dtype=torch.float32)
         _check(self.lib.decode_layers(
-            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(), self.model.rope_cos.data_ptr(),
+            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(),
+            self.model.rope_cos.shape[0], self.model.rope_cos.data_ptr(),
             self.model.rope_sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, block_tables.ctypes.data,
             block_tables.shape[1], self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
             self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads()), "decode_layers")

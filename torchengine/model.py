@@ -233,8 +233,10 @@ class Transformer(nn.Module):
         embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
         loading (and after `torchengine.quant`, which reads the matrices)."""
         n = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        if self.head_panels is not None:
+            return n
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_panels is None and cpu_kernels.lib_for(w) is not None:
+        if cpu_kernels.lib_for(w) is not None:
             self.head_panels = cpu_kernels.pack_panels(w)
             if self.lm_head is None:
                 self.embed = PanelEmbedding(self.head_panels)
@@ -248,7 +250,9 @@ class Transformer(nn.Module):
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
-        if self.head_panels is not None and n > 0:  # each row's logits the same whatever the row count
+        if self.head_panels is not None:  # each row's logits the same whatever the row count
+            if n == 0:
+                return h.new_empty((0, self.arch.vocab_size))
             return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
@@ -267,8 +271,9 @@ class Transformer(nn.Module):
         """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
         head in panels, folding each tile into a running maximum); None where that path does not run (then
         compute the logits)."""
-        n = hidden.shape[0]
-        if self.head_panels is None or n == 0 or (self.lm_head_small is not None and n <= self.lm_head_small_rows):
+        # not with a small-rows LM head (gguf): the logits path takes it for chunks of few rows, so a greedy
+        # row's token would depend on whether its neighbours need logits
+        if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
             return None
         return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,
                                       self.arch.vocab_size, greedy=True)
