@@ -61,10 +61,13 @@ def c_compiler() -> str | None:
 
 
 def cpu_kernels_unavailable() -> str:
-    """Why the torch backend's AVX2 CPU kernels cannot run on this machine ("" if they can; building them
-    can still fail, which `torchengine.cpu_kernels.load` reports)."""
-    if os.environ.get("XLASERVE_CPU_KERNELS", "auto") == "torch":
-        return "XLASERVE_CPU_KERNELS=torch"
+    """Why our AVX2 CPU kernels (torchengine/cpu_kernels.c, and jaxengine/cpu_kernels.cc's custom calls that
+    link it) cannot run on this machine ("" if they can; building them can still fail, which
+    `torchengine.cpu_kernels.load` and `jaxengine.cpu_kernels.available` report).
+    `XLASERVE_CPU_KERNELS=off` (or `torch`, its earlier name) turns them off: torch's and XLA's own ops run."""
+    setting = os.environ.get("XLASERVE_CPU_KERNELS", "auto")
+    if setting in ("off", "torch"):
+        return f"XLASERVE_CPU_KERNELS={setting}"
     if _platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({_platform.machine()})"
     missing = {"avx2", "fma", "f16c"} - _cpu_flags()

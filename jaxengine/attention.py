@@ -236,8 +236,12 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    cpu_decode: bool = False,
 ):
-    """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0."""
+    """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0.
+
+    `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` (the cache read in place,
+    on a CPU, float32, no soft cap; otherwise this path's own loop)."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
     table = block_tables.reshape(R, -1)
@@ -256,10 +260,16 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    dec = _decode_switch(
-        q[tok], kv_cache, table, kv_lens, distribution[0],
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-    )
+    if cpu_decode and soft_cap is None and q.dtype == kv_cache.dtype == jnp.float32:
+        from jaxengine import cpu_kernels
+
+        dec = cpu_kernels.decode_attention(q[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
+                                           sliding_window=sliding_window)
+    else:
+        dec = _decode_switch(
+            q[tok], kv_cache, table, kv_lens, distribution[0],
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
     out = jnp.zeros((T, Hq, D), q.dtype)
     out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(q.dtype), mode="drop")
     out = _prefill_attention(

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import jax
 from jax import monitoring
 
+from enginecore.native import CPU_KERNELS_C
+
 logger = logging.getLogger("xlaserve.jax")
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -188,8 +190,9 @@ _SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "enginecore")
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """A hash of the code that defines the programs (every .py of the packages that build them) and of the
-    jax/jaxlib versions: any edit to it retires every stored executable."""
+    """A hash of the code that defines the programs (every .py and .cc of the packages that build them, and
+    the C kernels the CPU custom call links) and of the jax/jaxlib versions: any edit to it retires every
+    stored executable."""
     import jaxlib
 
     h = hashlib.sha256(f"{jax.__version__}:{jaxlib.__version__}".encode())
@@ -197,9 +200,11 @@ def source_fingerprint() -> str:
     for pkg in _SOURCE_PACKAGES:
         d = os.path.join(root, pkg)
         for fn in sorted(os.listdir(d)) if os.path.isdir(d) else ():
-            if fn.endswith(".py"):
+            if fn.endswith((".py", ".cc")):
                 with open(os.path.join(d, fn), "rb") as f:
                     h.update(fn.encode() + b"\0" + f.read())
+    with open(CPU_KERNELS_C, "rb") as f:  # linked into jaxengine/cpu_kernels.cc's custom call
+        h.update(f.read())
     return h.hexdigest()
 
 

@@ -16,6 +16,7 @@ rows the sampler needs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -185,20 +186,35 @@ def dense(h, w, weights_first_rows: int = 0, preferred_element_type=None):
     return jax.lax.optimization_barrier(out).T
 
 
+# the linears' weights (Hugging Face's [out, in], heads split out for q/k/v/o)
+LINEAR_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _as_out_in(name: str, w, stacked: bool = False):
+    """A linear's weight as [N, K] ([L, N, K] when stacked over layers): reshapes only (bitcasts)."""
+    lead = w.shape[:1] if stacked else ()
+    if name == "o_proj":  # [H, Hq, D]
+        return w.reshape(*lead, w.shape[len(lead)], -1)
+    return w.reshape(*lead, -1, w.shape[-1])  # [N..., K]
+
+
 def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first_rows: int = 0):
-    """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU)."""
+           weights_first_rows: int = 0, linear=None):
+    """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU), or
+    through `linear(h, name)` when given (the CPU custom call on the weights of every layer, `forward`)."""
     T = x.shape[0]
     Hq, D, eps = arch.num_attention_heads, arch.head_dim, arch.rms_norm_eps
 
-    def lin(h, w):  # h [T, K], w [N, K] -> [T, N]
-        return dense(h, w, weights_first_rows)
+    def lin(h, name):  # h [T, K] -> [T, N]
+        if linear is not None:
+            return linear(h, name)
+        return dense(h, _as_out_in(name, getattr(lp, name)), weights_first_rows)
 
-    def proj(h, w):  # h [T, H], w [N, D, H] -> [T, N, D]
-        return lin(h, w.reshape(-1, w.shape[-1])).reshape(T, w.shape[0], w.shape[1])
+    def proj(h, name):  # h [T, H] -> [T, heads, D]
+        return lin(h, name).reshape(T, -1, D)
 
     h = rms_norm(x, lp.attn_norm, eps)
-    q, k, v = proj(h, lp.q_proj), proj(h, lp.k_proj), proj(h, lp.v_proj)
+    q, k, v = proj(h, "q_proj"), proj(h, "k_proj"), proj(h, "v_proj")
     if lp.q_bias is not None:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
     if lp.q_norm is not None:
@@ -210,10 +226,10 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
         q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
         md.cu_q_lens, md.distribution, sm_scale=arch.sm_scale, sliding_window=arch.sliding_window,
     )
-    x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), lp.o_proj.reshape(lp.o_proj.shape[0], Hq * D))
+    x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
     h = rms_norm(x, lp.mlp_norm, eps)
-    g, u = lin(h, lp.gate_proj), lin(h, lp.up_proj)
-    x = x + lin(jax.nn.silu(g) * u, lp.down_proj)
+    g, u = lin(h, "gate_proj"), lin(h, "up_proj")
+    x = x + lin(jax.nn.silu(g) * u, "down_proj")
     return x, kv_cache
 
 
@@ -228,12 +244,19 @@ def forward(
     attention_fn: AttentionFn,
     scan_layers: bool = True,
     weights_first_rows: int = 0,
+    cpu_linears: int = 0,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
 
     `weights_first_rows`: steps of 2 to this many (padded) tokens run their linears weights first
     (`dense`; one row is a matrix-vector product either way); 0 never (what TPU and GPU want:
     their compilers pick the layouts).
+
+    `cpu_linears`: steps of up to this many (padded) tokens run the decoder's linears as
+    `jaxengine.cpu_kernels`'s custom call on the weights of all layers as stored (the scan then carries only
+    the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights before a dot
+    reads it, every layer of every step); 0 never. Float32 weights on one CPU device only (the runner
+    decides). Larger steps keep XLA's dots, a little faster there than the custom call's kernel.
 
     One cache array holds every layer (layer l's block b is row l * num_blocks + b), so
     a scan over layers carries it and updates it in place, and the attention kernels
@@ -244,19 +267,28 @@ def forward(
     x = params.embed[input_ids]
     cos, sin = rope[0][positions], rope[1][positions]
 
+    layers, linear_for = params.layers, lambda l: None
+    f32 = all(getattr(layers, n).dtype == jnp.float32 for n in LINEAR_FIELDS)
+    if input_ids.shape[0] <= cpu_linears and f32:
+        from jaxengine import cpu_kernels
+
+        stacked = {n: _as_out_in(n, getattr(layers, n), stacked=True) for n in LINEAR_FIELDS}
+        layers = dataclasses.replace(layers, **{n: None for n in LINEAR_FIELDS})
+        linear_for = lambda l: lambda h, name: cpu_kernels.linear(h, stacked[name], l)  # noqa: E731
+
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows)
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, linear_for(l))
 
     if scan_layers:
         def body(carry, xs):
             lp, l = xs
             return layer(*carry, lp, l), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, jnp.arange(L, dtype=jnp.int32)))
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, jnp.arange(L, dtype=jnp.int32)))
     else:
         for l in range(L):
-            lp = jax.tree.map(lambda a: a[l], params.layers)
+            lp = jax.tree.map(lambda a: a[l], layers)
             x, kv_cache = layer(x, kv_cache, lp, l)
     return x, kv_cache
 

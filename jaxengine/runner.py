@@ -40,6 +40,7 @@ from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
+from jaxengine.cpu_kernels import CPU_LINEAR_MAX_TOKENS
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -135,6 +136,24 @@ class JaxModelRunner:
         # (see model.dense); TPU and GPU compilers choose their own layouts
         self.weights_first_rows = int(opts.get("weights_first_rows",
                                                CPU_WEIGHTS_FIRST_ROWS if self.platform == "cpu" else 0))
+        # CPU, float32, one device: jaxengine.cpu_kernels' custom calls, off where they cannot run (the log
+        # says why). The linears of steps of <= CPU_LINEAR_MAX_TOKENS tokens (they read each layer's weights
+        # where they lie; XLA's dots in the scan copy them first): compilation_config={"cpu_linears": N} sets
+        # the limit, 0 turns them off. Decode attention over the cache in place (with a float32 KV cache):
+        # {"cpu_decode_attention": False} turns it off.
+        self.cpu_linears, self.cpu_decode_attention = 0, False
+        limit = int(opts.get("cpu_linears", CPU_LINEAR_MAX_TOKENS))
+        decode = bool(opts.get("cpu_decode_attention", True))
+        if self.platform == "cpu" and self.dtype == "float32" and self.mesh.size == 1 and (limit > 0 or decode):
+            from jaxengine import cpu_kernels
+
+            why = cpu_kernels.available()
+            if why:
+                logger.info("jax CPU kernels: XLA's ops (%s)", why)
+            else:
+                self.cpu_linears, self.cpu_decode_attention = limit, decode
+                logger.info("jax CPU kernels: linears of steps of <= %d tokens, decode attention %s", limit,
+                            "on" if decode else "off")
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
@@ -166,6 +185,8 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
+            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) == jnp.float32:
+                return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
                                      group=self.arch.num_attention_heads // self.arch.num_key_value_heads,
@@ -286,7 +307,8 @@ class JaxModelRunner:
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
                                            attention_fn=self._attention, scan_layers=self.scan_layers,
-                                           weights_first_rows=self.weights_first_rows),
+                                           weights_first_rows=self.weights_first_rows,
+                                           cpu_linears=self.cpu_linears),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
             return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":
@@ -338,6 +360,7 @@ class JaxModelRunner:
             c, model_config=dataclasses.replace(c.model_config, model=None, tokenizer=None, served_model_name=None),
             device_config=dataclasses.replace(c.device_config, warmup="all", compilation_cache_dir=None))
         context = "\n".join([repr(config), repr(self.arch), self.platform, self.attention_backend,
+                              f"cpu_linears={self.cpu_linears} {self.cpu_decode_attention}",
                               repr([(d.platform, d.device_kind, d.id) for d in self.devices]),
                               repr(self.abstract_inputs())])
         return ExecutableStore(self.cache_dir, context)

@@ -237,6 +237,8 @@ def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
     assert cpu_kernels_unavailable() == "XLASERVE_CPU_KERNELS=torch"
     assert backend() == "jax"
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS", "off")
+    assert cpu_kernels_unavailable() == "XLASERVE_CPU_KERNELS=off"
 
 
 def test_cpu_kernels_fall_back_when_their_cache_is_unwritable(tmp_path, monkeypatch):

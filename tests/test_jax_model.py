@@ -16,6 +16,7 @@ import tempfile
 
 os.environ.setdefault("VLLM_XLA_CACHE_PATH", os.path.join(tempfile.gettempdir(), "xlaserve_jax_test_xla_cache"))
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from enginecore import LLM, SamplingParams  # noqa: E402
@@ -152,6 +153,35 @@ def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_
         llm.llm_engine.core.shutdown()
     assert first == plain_tokens
     assert second == plain_tokens
+
+
+def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, plain_tokens):
+    """On a CPU the decoder's linears and decode attention are jaxengine.cpu_kernels' custom calls (float32,
+    one device); with compilation_config={"cpu_linears": 0, "cpu_decode_attention": False} XLA's ops run:
+    same greedy tokens, logprobs within float32."""
+    from jaxengine import cpu_kernels
+
+    if cpu_kernels.available():
+        pytest.skip(cpu_kernels.available())
+    runner = plain_engine.llm_engine.core.runner
+    assert runner.cpu_linears == cpu_kernels.CPU_LINEAR_MAX_TOKENS and runner.cpu_decode_attention
+    llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
+                  compilation_config={"cpu_linears": 0, "cpu_decode_attention": False})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in SCHED_PROMPTS]
+    try:
+        assert not llm.llm_engine.core.runner.cpu_linears and not llm.llm_engine.core.runner.cpu_decode_attention
+        dots = llm.generate(prompts, SCHED_PARAMS, use_tqdm=False)
+        dots_lp = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert token_ids(dots) == plain_tokens
+    calls_lp = plain_engine.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(calls_lp, dots_lp):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
 
 
 def test_seeded_sampling_same_alone_and_in_mixed_batch(plain_engine):

@@ -334,25 +334,30 @@ int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
 // A task is one request's query heads of one kv head (each cached row read once for all of them), or a
 // single query head when there are too few of those tasks to keep the threads busy.
-int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens, const int32_t *kv_lens,
-                     const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
-                     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads) {
-    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0) return -1;
-    const int G = Hq / Hkv;
-    const long W = (long)Hkv * D;  // floats per cached token
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
-    long work = 0;  // multiply-adds of the scores
-    for (int i = 0; i < n; i++) work += (long)kv_lens[i] * Hq * D;
-    if (work < PARALLEL_WORK) nthreads = 1;  // less than waking a sleeping thread costs
-    const int hs = n * Hkv >= 2 * nthreads ? G : 1;  // query heads per task
-    const int per_req = Hq / hs;
+
+// query heads per task for n requests on nthreads threads (1 or Hq / Hkv)
+int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
+    return n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
+}
+
+// Tasks [t0, t1) of decode attention on the calling thread (task t: request t / (Hq / hs), query heads from
+// t % (Hq / hs) * hs). A cached token's row of a cache is `kv_row` floats long, kv head hk at hk * kv_head:
+// torch's separate K and V caches [blocks, block_size, Hkv, D] are kv_row = Hkv * D, kv_head = D; jaxengine's
+// one cache [blocks, block_size, 2 * Hkv, D] with K and V of head hk at 2hk and 2hk + 1 is kcache = cache,
+// vcache = cache + D, kv_row = 2 * Hkv * D, kv_head = 2 * D. tokens == NULL: request i's query is row i of q
+// and of out. Returns 0, or -2 if a task's scores could not be allocated.
+int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                           const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                           long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
+                           int window, float *out, int hs, int t0, int t1) {
+    const int G = Hq / Hkv, per_req = Hq / hs;
     int rc = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int task = 0; task < n * per_req; task++) {
+    for (int task = t0; task < t1; task++) {
         const int i = task / per_req, h0 = task % per_req * hs, hk = h0 / G;
+        const int64_t tok = tokens ? tokens[i] : i;
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        const float *qh = q + tokens[i] * q_stride + (size_t)h0 * D;  // hs query heads, D floats apart
-        float *o = out + (size_t)tokens[i] * Hq * D + (size_t)h0 * D;
+        const float *qh = q + tok * q_stride + (size_t)h0 * D;  // hs query heads, D floats apart
+        float *o = out + (size_t)tok * Hq * D + (size_t)h0 * D;
         float *s = (float *)malloc(sizeof(float) * (size_t)hs * (len + 2));  // scores [hs, len], max, sum
         if (!s) {
             rc = -2;
@@ -362,7 +367,7 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
         const int32_t *bt = block_tables + (size_t)i * bt_stride;
         for (int g = 0; g < hs; g++) mx[g] = -INFINITY;
         for (int j = start; j < L; j++) {
-            const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
+            const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
             for (int g = 0; g < hs; g++) {
                 const float v = dot(qh + (size_t)g * D, k, D) * scale;
                 s[(size_t)g * len + j - start] = v;
@@ -372,7 +377,7 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
         for (int g = 0; g < hs; g++) sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
         memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
-            const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * W + (size_t)hk * D;
+            const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
             for (int g = 0; g < hs; g++) axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], v, D);
         }
         for (int g = 0; g < hs; g++) {
@@ -381,6 +386,25 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
         }
         free(s);
     }
+    return rc;
+}
+
+int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens, const int32_t *kv_lens,
+                     const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads) {
+    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    long work = 0;  // multiply-adds of the scores
+    for (int i = 0; i < n; i++) work += (long)kv_lens[i] * Hq * D;
+    if (work < PARALLEL_WORK) nthreads = 1;  // less than waking a sleeping thread costs
+    const int hs = decode_heads_per_task(n, Hq, Hkv, nthreads);
+    const long W = (long)Hkv * D;  // floats per cached token
+    int rc = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int task = 0; task < n * (Hq / hs); task++)
+        if (decode_attention_tasks(q, q_stride, tokens, kv_lens, block_tables, bt_stride, kcache, vcache, W, D,
+                                   block_size, Hq, Hkv, D, scale, window, out, hs, task, task + 1))
+            rc = -2;
     return rc;
 }
 
@@ -446,34 +470,41 @@ static inline __attribute__((always_inline)) void f32_rows(
     for (; n < n1; n++) f32_tile(R, 1, xm, K, w + (size_t)n * K, ym + n, N);
 }
 
-int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int nthreads) {
-    if (M < 1 || K <= 0 || N <= 0) return -1;
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
+// Output columns [a, b) of f32_gemm on the calling thread (jaxengine's XLA custom call splits the columns
+// between XLA's own threads with it; any split gives the same bits, see above).
+int f32_gemm_part(const float *x, int M, int K, const float *w, int N, float *y, int a, int b) {
+    if (M < 1 || K <= 0 || N <= 0 || a < 0 || b > N || a > b) return -1;
     // a panel of 256 KiB of weights in L2, activation blocks of 32 KiB (L1): measured best of 16-128 KiB
     // blocks and 64-256 KiB panels at prefill sizes
     int NB = (int)(65536 / K), MB = (int)(8192 / K) & ~3;
     if (NB < 3) NB = 3;
     if (MB < 4) MB = 4;
+    for (int n0 = a; n0 < b; n0 += NB) {
+        const int n1 = n0 + NB < b ? n0 + NB : b;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int m1 = m0 + MB < M ? m0 + MB : M;
+            int m = m0;
+            for (; m + 4 <= m1; m += 4) f32_rows(4, 3, x, m, K, w, N, y, n0, n1);
+            switch (m1 - m) {
+                case 3: f32_rows(3, 3, x, m, K, w, N, y, n0, n1); break;
+                case 2: f32_rows(2, 2, x, m, K, w, N, y, n0, n1); break;
+                case 1: f32_rows(1, 1, x, m, K, w, N, y, n0, n1); break;
+            }
+        }
+    }
+    return 0;
+}
+
+int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int nthreads) {
+    if (M < 1 || K <= 0 || N <= 0) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int chunks = (N + 23) / 24;
     const int nt = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int a = (int)((long)chunks * t / T) * 24, be = (int)((long)chunks * (t + 1) / T) * 24;
-        const int b = be < N ? be : N;
-        for (int n0 = a; n0 < b; n0 += NB) {
-            const int n1 = n0 + NB < b ? n0 + NB : b;
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int m1 = m0 + MB < M ? m0 + MB : M;
-                int m = m0;
-                for (; m + 4 <= m1; m += 4) f32_rows(4, 3, x, m, K, w, N, y, n0, n1);
-                switch (m1 - m) {
-                    case 3: f32_rows(3, 3, x, m, K, w, N, y, n0, n1); break;
-                    case 2: f32_rows(2, 2, x, m, K, w, N, y, n0, n1); break;
-                    case 1: f32_rows(1, 1, x, m, K, w, N, y, n0, n1); break;
-                }
-            }
-        }
+        f32_gemm_part(x, M, K, w, N, y, a, be < N ? be : N);
     }
     return 0;
 }

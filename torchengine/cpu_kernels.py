@@ -22,7 +22,7 @@ Each kernel computes a row the same way whatever the number of rows in the call,
 not depend on its neighbours in the batch (preemption, chunked prefill and the prefix cache give the same
 tokens: tests/test_structured_outputs.py).
 
-`XLASERVE_CPU_KERNELS=torch` turns them all off (torch's ops everywhere). The shared library is cached
+`XLASERVE_CPU_KERNELS=off` turns them all off (torch's ops everywhere; `torch` is its earlier name). The shared library is cached
 under `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) by a hash of the source and the compiler,
 so it is built once a machine (~1 s). It runs on torch's OpenMP threads: the library links
 `libgomp.so.1`, which torch has already loaded into the process.
@@ -32,24 +32,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import subprocess
-import tempfile
 
 import numpy as np
 import torch
 
-from enginecore.platform import c_compiler, cpu_kernels_unavailable
+from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
+from enginecore.platform import cpu_kernels_unavailable
 
 logger = logging.getLogger("xlaserve.torchengine")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+SOURCE = CPU_KERNELS_C
 MAX_ROWS = 32  # the C file's MAX_ROWS: the 4- and 8-bit kernels' row limit
 BLOCK_BYTES = 20  # Q4: {f16 d, f16 m, 16 bytes of nibbles}
 Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = CPU_KERNELS_FLAGS
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,33 +57,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     why = cpu_kernels_unavailable()
     if why:
         return None, why
-    cc = c_compiler()
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{cc} --version failed: {e}"
-    key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
-    path = os.path.join(cache, f"cpu_kernels-{key}.so")
-    if not os.path.isfile(path):
-        try:  # an unwritable cache: torch's ops run, as without a compiler
-            os.makedirs(cache, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-        except OSError as e:
-            return None, f"cannot write the kernel cache {cache}: {e}"
-        try:
-            r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
-            if r.returncode != 0:
-                return None, f"building {os.path.basename(SOURCE)} failed: {r.stderr.strip()[-500:]}"
-            os.replace(tmp, path)  # atomic: concurrent builders (test workers, TP ranks) each write their own
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {os.path.basename(SOURCE)} failed: {e}"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    path, why = build_shared("cpu_kernels", [(SOURCE, "c", FLAGS)], LINK_FLAGS)
+    if path is None:
+        return None, why
     torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
     try:
         lib = ctypes.CDLL(path)
@@ -127,6 +102,7 @@ _SIGNATURES = {
     "decode_attention": "p l i p p p i p p i i i i f i p i",
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
+    "f32_gemm_part": "p i i p i p i i",
     "panel_gemm": "p i i p i p p i",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i",
 }

@@ -10,7 +10,7 @@ read from the file's blocks, not dequantized). Two kernels compute with that for
   one row on a 2-core AVX2 machine). Results are the dequantized model's up to
   that activation rounding (~1/254 of a block's largest value), as llama.cpp's are.
 - torch's own (`_weight_int4pack_mm_for_cpu`, the one gpt-fast and torchao use),
-  elsewhere or with `XLASERVE_CPU_KERNELS=torch`: w = (q - 8) * scale + zero with
+  elsewhere or with `XLASERVE_CPU_KERNELS=off`: w = (q - 8) * scale + zero with
   zero = offset + 8 * scale, from bfloat16 activations, scales and zeros.
 
 Either reads ~5 bits a weight instead of 32. Both are slower than the dense

@@ -1,0 +1,84 @@
+"""Build a shared library from C/C++ sources once a machine, cached by a hash of what went into it.
+
+Used by both backends' CPU kernels (`torchengine.cpu_kernels`, `jaxengine.cpu_kernels`); imports neither jax
+nor torch. The library lands in `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) under a name that
+hashes the sources, the compilers' versions and the flags, so an edit or a new compiler builds a new one;
+each builder writes its own temporary file and renames it into place (concurrent test workers or TP ranks
+never see half a library).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+from enginecore.platform import c_compiler
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torchengine/cpu_kernels.c: the AVX2 kernels both backends link (x86-64 with AVX2, FMA and F16C)
+CPU_KERNELS_C = os.path.join(REPO, "torchengine", "cpu_kernels.c")
+CPU_KERNELS_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11"]
+
+
+def cxx_compiler() -> str | None:
+    for cxx in (os.environ.get("CXX"), "c++", "g++"):
+        if cxx and shutil.which(cxx):
+            return shutil.which(cxx)
+    return None
+
+
+def _version(tool: str) -> str:
+    return subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags: list[str]) -> tuple[str | None, str]:
+    """units: (source path, "c" or "c++", compile flags). -> (path of the .so, "") or (None, why not).
+
+    One unit is compiled and linked in one command; several are compiled to objects, then linked with the
+    C++ compiler."""
+    tools = {"c": c_compiler(), "c++": cxx_compiler()}
+    h = hashlib.sha256()
+    try:
+        for src, lang, flags in units:
+            if tools[lang] is None:
+                return None, f"no {'C' if lang == 'c' else 'C++'} compiler (set {'CC' if lang == 'c' else 'CXX'})"
+            with open(src, "rb") as f:
+                h.update(f.read())
+            h.update(f"{lang} {' '.join(flags)}\n".encode())
+        for tool in sorted({tools[lang] for _, lang, _ in units}):
+            h.update(_version(tool).encode())
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"cannot read the sources or query the compilers: {e}"
+    h.update(" ".join(link_flags).encode())
+    cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
+    path = os.path.join(cache, f"{name}-{h.hexdigest()[:16]}.so")
+    if os.path.isfile(path):
+        return path, ""
+    try:  # an unwritable cache: the caller falls back, as without a compiler
+        os.makedirs(cache, exist_ok=True)
+        tmpdir = tempfile.mkdtemp(dir=cache)
+    except OSError as e:
+        return None, f"cannot write the kernel cache {cache}: {e}"
+    what = ", ".join(os.path.basename(s) for s, _, _ in units)
+    try:
+        out = os.path.join(tmpdir, "lib.so")
+        if len(units) == 1:
+            src, lang, flags = units[0]
+            cmds = [[tools[lang], *flags, *link_flags, src, "-o", out]]
+        else:
+            objs = [os.path.join(tmpdir, f"{i}.o") for i in range(len(units))]
+            cmds = [[tools[lang], *flags, "-c", src, "-o", o] for (src, lang, flags), o in zip(units, objs)]
+            cmds.append([tools["c++"], *link_flags, *objs, "-o", out])
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                return None, f"building {what} failed: {r.stderr.strip()[-500:]}"
+        os.replace(out, path)  # atomic
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building {what} failed: {e}"
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return path, ""

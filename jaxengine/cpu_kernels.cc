@@ -1,0 +1,152 @@
+// jaxengine's CPU kernels as XLA FFI custom calls (float32), the machine code of torchengine/cpu_kernels.c
+// (linked into this library):
+//
+// - XlaserveCpuLinear: y [T, N] = x [T, K] . w[l] [N, K]^T, w every layer's weight stacked [L, N, K] and l a
+//   device scalar. In the scan over layers XLA:CPU hands a dot its layer's weight through a dynamic-slice,
+//   and a dynamic-slice is a copy: every decode step copied all the weights before reading them (about 40%
+//   of a batch-1 step of the embedded model). This reads w[l] where it lies, with f32_gemm: every output one
+//   8-lane FMA chain over k, so a row's result depends neither on the other rows nor on the column split.
+// - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
+//   (decode_attention_tasks with the interleaved cache's strides).
+//
+// Both split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
+// for the cores). Built by jaxengine/cpu_kernels.py with the system C and C++ compilers against
+// jax.ffi.include_dir().
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" {
+int f32_gemm_part(const float *x, int M, int K, const float *w, int N, float *y, int a, int b);
+int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
+int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                           const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                           long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
+                           int window, float *out, int hs, int t0, int t1);
+}
+
+namespace {
+
+constexpr int64_t kChunk = 24;  // columns a task takes at a time (f32_gemm's thread split unit)
+constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
+
+// Runs fn(t0, t1) over [0, n) in slices of `per` on the calling thread and up to `tasks - 1` of XLA's
+// intra-op threads; returns when every slice is done. A thread that starts after the work is gone does
+// nothing (the state it holds is shared, so it outlives this call).
+template <typename F>
+void parallel_for(ffi::ThreadPool &pool, int64_t n, int64_t tasks, int64_t per, F fn) {
+    struct State {
+        std::atomic<int64_t> next{0}, done{0};
+        F fn;
+        int64_t n, per;
+        explicit State(F f, int64_t n_, int64_t p) : fn(std::move(f)), n(n_), per(p) {}
+        void run() {
+            for (;;) {
+                const int64_t a = next.fetch_add(per);
+                if (a >= n) return;
+                const int64_t b = std::min(a + per, n);
+                fn(a, b);
+                done.fetch_add(b - a, std::memory_order_release);
+            }
+        }
+    };
+    auto st = std::make_shared<State>(std::move(fn), n, per);
+    for (int64_t t = 1; t < tasks; t++) pool.Schedule([st] { st->run(); });
+    st->run();
+    while (st->done.load(std::memory_order_acquire) < n) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+    const auto xd = x.dimensions(), wd = w.dimensions();
+    if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("x [T, K] and w [L, N, K] expected");
+    const int64_t T = xd[0], K = xd[1], L = wd[0], N = wd[1];
+    if (wd[2] != K) return ffi::Error::InvalidArgument("x and w disagree on K");
+    const int32_t l = layer.typed_data()[0];
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+    if (T == 0 || N == 0) return ffi::Error::Success();
+    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * N * K;
+    float *yp = y->typed_data();
+    const int64_t chunks = (N + kChunk - 1) / kChunk;
+    int64_t tasks = std::max<int64_t>(1, pool.num_threads());
+    if (N * K * std::min<int64_t>(T, 8) < kParallelWork) tasks = 1;
+    tasks = std::min(tasks, chunks);
+    // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for
+    parallel_for(pool, chunks, tasks, std::max<int64_t>(1, chunks / (tasks * 4)), [=](int64_t a, int64_t b) {
+        f32_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, (int)(a * kChunk), (int)std::min(b * kChunk, N));
+    });
+    return ffi::Error::Success();
+}
+
+// Decode attention of rows [0, num_decode) of q [R, Hq, D] (one query each, kv_lens[i] cached tokens
+// including its own, blocks table[i, :]) over jaxengine's cache [blocks, block_size, 2 * Hkv, D]; out
+// [R, Hq, D], rows from num_decode on zero. cpu_kernels.c's decode_attention_tasks: exact softmax in
+// float32, a task per request and kv head (or query head), spread over XLA's threads.
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
+                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> num_decode, ffi::ResultBuffer<ffi::F32> out, float scale,
+                           int32_t window) {
+    const auto qd = q.dimensions(), cd = cache.dimensions(), td = table.dimensions();
+    if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || kv_lens.dimensions().size() != 1)
+        return ffi::Error::InvalidArgument("q [R, Hq, D], cache [NB, bs, 2 Hkv, D], table [R, W], kv_lens [R]");
+    const int64_t R = qd[0], Hq = qd[1], D = qd[2], NB = cd[0], bs = cd[1], Hkv = cd[2] / 2, W = td[1];
+    if (cd[3] != D || cd[2] % 2 || Hkv == 0 || Hq % Hkv || td[0] != R || kv_lens.dimensions()[0] != R)
+        return ffi::Error::InvalidArgument("decode attention: shapes disagree");
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(num_decode.typed_data()[0], 0), R);
+    const int32_t *lens = kv_lens.typed_data(), *bt = table.typed_data();
+    for (int64_t i = 0; i < n; i++) {  // every block a row reads lies in the cache
+        if (lens[i] < 0 || lens[i] > W * bs) return ffi::Error::InvalidArgument("kv_len past the block table");
+        for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; j++)
+            if (bt[i * W + j] < 0 || bt[i * W + j] >= NB) return ffi::Error::InvalidArgument("block id out of range");
+    }
+    float *o = out->typed_data();
+    std::fill(o + n * Hq * D, o + R * Hq * D, 0.f);
+    if (n == 0) return ffi::Error::Success();
+    int64_t work = 0;  // multiply-adds of the scores
+    for (int64_t i = 0; i < n; i++) work += (int64_t)lens[i] * Hq * D;
+    const int64_t threads = work < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
+    const int hs = decode_heads_per_task((int)n, (int)Hq, (int)Hkv, (int)threads);
+    const int64_t ntasks = n * (Hq / hs);
+    std::atomic<int> rc{0};
+    const float *c = cache.typed_data();
+    parallel_for(pool, ntasks, std::min(threads, ntasks), 1, [&, c, o](int64_t a, int64_t b) {
+        if (decode_attention_tasks(q.typed_data(), Hq * D, nullptr, lens, bt, (int)W, c, c + D, 2 * Hkv * D,
+                                   2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o, hs, (int)a,
+                                   (int)b))
+            rc.store(1);
+    });
+    if (rc.load()) return ffi::Error::Internal("decode attention: out of memory");
+    return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

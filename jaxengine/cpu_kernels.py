@@ -1,0 +1,84 @@
+"""The jax backend's CPU kernels, as XLA custom calls (`cpu_kernels.cc`, linking torchengine/cpu_kernels.c).
+
+- `linear(x, w, l)`: `x [T, K] . w[l]^T` for `w` every layer's weight stacked `[L, N, K]` and `l` a traced
+  int32 scalar. `model.forward` uses it inside its scan over layers, where XLA's own dot is handed its
+  layer's weight through a dynamic-slice, which XLA:CPU materializes: every step copied all the weights
+  before reading them. The product is the torch backend's `f32_gemm` (the same machine code); a row's
+  result does not depend on the other rows.
+- `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
+  jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
+  the torch backend's `decode_attention` with the cache's interleaved K/V strides.
+
+Both split their work across XLA's intra-op threads (no second thread pool competing for the cores).
+They run where the torch backend's AVX2 kernels run (x86-64 with AVX2/FMA/F16C and C/C++ compilers;
+`XLASERVE_CPU_KERNELS=off` turns both backends' kernels off); the library is built once a machine into
+`$XLASERVE_CACHE/kernels/` (`enginecore.native`). Elsewhere `available()` says why and XLA's ops run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
+from enginecore.platform import cpu_kernels_unavailable
+
+logger = logging.getLogger("xlaserve.jaxengine")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
+LINEAR = "xlaserve_cpu_linear"
+DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
+# Steps of up to this many tokens use `linear`; larger ones XLA's dots, whose kernels are a little faster
+# there and whose weight copy matters less. SmolLM2 in float32 on 2 cores, 8 x 128-token prompts, steps of
+# 128 / 256 / 2048 tokens: 0.95 / 0.9 / 1.1x the time with XLA's dots (decode steps: benchmarks/README.md).
+CPU_LINEAR_MAX_TOKENS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> str:
+    """"" once the custom calls are registered with XLA's CPU platform, else why they cannot run here."""
+    why = cpu_kernels_unavailable()
+    if why:
+        return why
+    cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}"]
+    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", CPU_KERNELS_FLAGS), (SOURCE, "c++", cxx)],
+                             ["-shared", "-fopenmp"])
+    if path is None:
+        return why
+    try:
+        lib = ctypes.CDLL(path)
+        jax.ffi.register_ffi_target(LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuLinear), platform="cpu")
+        jax.ffi.register_ffi_target(DECODE_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
+                                    platform="cpu")
+    except (OSError, AttributeError, ValueError) as e:
+        return f"cannot load {path}: {e}"
+    return ""
+
+
+def linear(x, w, layer):
+    """x [T, K] float32, w [L, N, K] float32, layer int32 scalar -> [T, N] float32 = x . w[layer]^T."""
+    T, N = x.shape[0], w.shape[1]
+    call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((T, N), jnp.float32))
+    return call(x, w, jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
+    """Rows [0, num_decode) of q [R, Hq, D] (float32), one query each, attend their kv_lens[i] cached tokens
+    (their own included; the last `sliding_window` only when set) in blocks table[i, :] of cache
+    [NB, block_size, 2 * Hkv, D] (float32; K of kv head h at 2h, V at 2h + 1). -> [R, Hq, D] float32, rows
+    from num_decode on zero. Exact softmax in float32. A kv_len past the table or a block id outside the
+    cache is an error, not a read out of bounds."""
+    call = jax.ffi.ffi_call(DECODE_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, cache, table.astype(jnp.int32), kv_lens.astype(jnp.int32),
+                jnp.asarray(num_decode, jnp.int32).reshape(()), scale=np.float32(sm_scale),
+                window=np.int32(sliding_window or 0))
+
+
+__all__ = ["CPU_LINEAR_MAX_TOKENS", "DECODE_ATTENTION", "LINEAR", "SOURCE", "available", "decode_attention",
+           "linear"]

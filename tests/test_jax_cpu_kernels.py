@@ -1,0 +1,147 @@
+"""jaxengine.cpu_kernels: the jax backend's CPU kernels as XLA custom calls.
+
+Linears: against a float64 product for every layer of a stacked weight; a row's bits the same alone as in any batch
+and the same as the torch backend's `f32_gemm` on the same data (one kernel for both backends); a bad layer
+index is an error, not a read past the weights; inside a scan it reads each layer's weights without the
+dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
+fewer decode rows than rows), a row the same alone as among others, and a block id or length that would
+read outside the cache refused. Engine-level: tests/test_jax_model.py (greedy tokens vs transformers,
+and vs XLA's dots).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine import cpu_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def available():
+    why = cpu_kernels.available()
+    if why:
+        pytest.skip(f"the CPU custom call does not run here: {why}")
+
+
+def data(L, N, K, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((T, K), np.float32), rng.standard_normal((L, N, K), np.float32)
+
+
+@pytest.mark.parametrize("L,N,K,T", [(3, 50, 37, 1), (2, 200, 96, 5), (1, 1000, 576, 37), (4, 24, 8, 70)])
+def test_linear_matches_float64_every_layer(L, N, K, T):
+    x, w = data(L, N, K, T)
+    f = jax.jit(cpu_kernels.linear)
+    for l in range(L):
+        y = np.asarray(f(x, w, jnp.int32(l)))
+        ref = x.astype(np.float64) @ w[l].astype(np.float64).T
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+def test_a_row_is_the_same_alone_and_in_any_batch():
+    x, w = data(2, 1000, 576, 37, seed=1)
+    f = jax.jit(cpu_kernels.linear)
+    full = np.asarray(f(x, w, jnp.int32(1)))
+    for lo, hi in [(0, 1), (5, 6), (3, 7), (10, 37)]:
+        part = np.asarray(f(x[lo:hi], w, jnp.int32(1)))
+        assert np.array_equal(part, full[lo:hi]), (lo, hi)
+
+
+def test_bits_equal_the_torch_backends_f32_gemm():
+    from torchengine import cpu_kernels as torch_kernels
+
+    lib, why = torch_kernels.load()
+    if lib is None:
+        pytest.skip(why)
+    x, w = data(3, 333, 200, 9, seed=2)
+    y = np.empty((9, 333), np.float32)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    wl = np.ascontiguousarray(w[2])
+    assert lib.f32_gemm(p(x), 9, 200, p(wl), 333, p(y), 2) == 0
+    assert np.array_equal(np.asarray(jax.jit(cpu_kernels.linear)(x, w, jnp.int32(2))), y)
+
+
+def test_a_layer_index_out_of_range_is_an_error():
+    x, w = data(2, 30, 16, 3)
+    f = jax.jit(cpu_kernels.linear)
+    for bad in (-1, 2):
+        with pytest.raises(Exception, match="layer index out of range"):
+            np.asarray(f(x, w, jnp.int32(bad)))
+
+
+def test_in_a_scan_the_weights_are_not_sliced():
+    x, w = data(4, 64, 64, 8, seed=3)
+
+    def with_call(x, w):
+        return jax.lax.scan(lambda h, l: (jnp.tanh(cpu_kernels.linear(h, w, l)), None), x,
+                            jnp.arange(4, dtype=jnp.int32))[0]
+
+    def with_dot(x, w):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl.T), None), x, w)[0]
+
+    np.testing.assert_allclose(np.asarray(jax.jit(with_call)(x, w)), np.asarray(jax.jit(with_dot)(x, w)),
+                               rtol=1e-4, atol=1e-4)
+
+    def weight_slices(fn):
+        hlo = jax.jit(fn).lower(x, w).compile().as_text()
+        return [ln for ln in hlo.splitlines()
+                if "dynamic-slice(" in ln and ln.split("=", 1)[1].lstrip().startswith("f32")]
+
+    assert "xlaserve_cpu_linear" in jax.jit(with_call).lower(x, w).compile().as_text()
+    assert weight_slices(with_call) == []
+    assert weight_slices(with_dot)  # the check can fail: XLA's dot is handed a slice of the weights
+
+
+def paged(R, Hq, Hkv, D, bs, lens, seed=0):
+    """q [R, Hq, D], a cache [NB, bs, 2 Hkv, D] and block tables [R, W] with shuffled block ids."""
+    rng = np.random.default_rng(seed)
+    W = max(-(-n // bs) for n in lens) + 1
+    NB = R * W + 3
+    cache = rng.standard_normal((NB, bs, 2 * Hkv, D), np.float32)
+    table = rng.permutation(NB)[: R * W].reshape(R, W).astype(np.int32)
+    q = rng.standard_normal((R, Hq, D), np.float32)
+    return q, cache, table, np.asarray(lens, np.int32)
+
+
+@pytest.mark.parametrize("Hq,Hkv,window", [(4, 2, None), (6, 1, None), (4, 4, 5), (8, 2, 17)])
+def test_decode_attention_matches_xlas_decode_path(Hq, Hkv, window):
+    from jaxengine.attention import _decode_attention
+
+    D, bs, lens = 16, 4, [1, 9, 23, 40, 4, 16]
+    q, cache, table, kv_lens = paged(len(lens), Hq, Hkv, D, bs, lens)
+    scale = D ** -0.5
+    for n in (len(lens), 3, 1, 0):
+        got = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=scale,
+                                                   sliding_window=window))(q, cache, table, kv_lens, n))
+        want = np.asarray(_decode_attention(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), kv_lens,
+                                            jnp.arange(len(lens)) < n, sm_scale=scale, sliding_window=window,
+                                            soft_cap=None))
+        np.testing.assert_allclose(got[:n], want[:n], rtol=2e-5, atol=2e-5)
+        assert not got[n:].any()  # rows past the decode rows are zero
+
+
+def test_decode_attention_rows_do_not_depend_on_their_neighbours():
+    lens = [30, 7, 64, 12]
+    q, cache, table, kv_lens = paged(4, 8, 2, 32, 8, lens, seed=4)
+    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.2))
+    full = np.asarray(f(q, cache, table, kv_lens, 4))
+    one = np.asarray(f(q[2:3], cache, table[2:3], kv_lens[2:3], 1))
+    assert np.array_equal(one[0], full[2])
+
+
+def test_decode_attention_refuses_a_block_outside_the_cache_or_a_length_past_its_table():
+    q, cache, table, kv_lens = paged(2, 4, 2, 8, 4, [5, 6])
+    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=1.0))
+    bad = table.copy()
+    bad[1, 0] = cache.shape[0]
+    with pytest.raises(Exception, match="block id out of range"):
+        np.asarray(f(q, cache, bad, kv_lens, 2))
+    with pytest.raises(Exception, match="kv_len past the block table"):
+        np.asarray(f(q, cache, table, np.asarray([5, table.shape[1] * 4 + 1], np.int32), 2))
+    np.asarray(f(q, cache, bad, kv_lens, 1))  # row 1 is not a decode row: its table is not read
