@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -59,10 +60,16 @@ void parallel_for(ffi::ThreadPool &pool, int64_t n, int64_t tasks, int64_t per, 
     auto st = std::make_shared<State>(std::move(fn), n, per);
     for (int64_t t = 1; t < tasks; t++) pool.Schedule([st] { st->run(); });
     st->run();
-    while (st->done.load(std::memory_order_acquire) < n) {
+    // wait for slices other threads have started; after a short spin, yield (on an oversubscribed machine
+    // the thread we wait for may need this core)
+    for (int spins = 0; st->done.load(std::memory_order_acquire) < n; spins++) {
+        if (spins < 1024) {
 #if defined(__x86_64__)
-        __builtin_ia32_pause();
+            __builtin_ia32_pause();
 #endif
+        } else {
+            std::this_thread::yield();
+        }
     }
 }
 
@@ -71,7 +78,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const auto xd = x.dimensions(), wd = w.dimensions();
     if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("x [T, K] and w [L, N, K] expected");
     const int64_t T = xd[0], K = xd[1], L = wd[0], N = wd[1];
-    if (wd[2] != K) return ffi::Error::InvalidArgument("x and w disagree on K");
+    if (wd[2] != K || K == 0) return ffi::Error::InvalidArgument("x and w disagree on K, or K is 0");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     if (T == 0 || N == 0) return ffi::Error::Success();

@@ -24,6 +24,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
@@ -46,9 +47,11 @@ def available() -> str:
     why = cpu_kernels_unavailable()
     if why:
         return why
-    cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}"]
-    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", CPU_KERNELS_FLAGS), (SOURCE, "c++", cxx)],
-                             ["-shared", "-fopenmp"])
+    # built against this jaxlib's FFI headers: its version is in the flags, so the library's hash
+    # (enginecore.native) changes with it. No OpenMP: the work is split between XLA's threads.
+    cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-DXLASERVE_JAXLIB={jaxlib.__version__}"]
+    cflags = [f for f in CPU_KERNELS_FLAGS if f != "-fopenmp"] + ["-DXLASERVE_NO_OPENMP"]
+    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", cflags), (SOURCE, "c++", cxx)], ["-shared"])
     if path is None:
         return why
     try:

@@ -135,6 +135,23 @@ def test_decode_attention_rows_do_not_depend_on_their_neighbours():
     assert np.array_equal(one[0], full[2])
 
 
+def test_decode_attention_on_several_threads_gives_a_rows_bits_of_one_thread():
+    """Long contexts: enough work for XLA's threads, and a task per query head for one row (too few rows)
+    but per kv head for four; either way a row's bits are the same, and match XLA's path."""
+    from jaxengine.attention import _decode_attention
+
+    lens = [500, 377, 512, 260]
+    q, cache, table, kv_lens = paged(4, 8, 2, 64, 16, lens, seed=5)
+    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))
+    full = np.asarray(f(q, cache, table, kv_lens, 4))
+    for r in range(4):
+        one = np.asarray(f(q[r:r + 1], cache, table[r:r + 1], kv_lens[r:r + 1], 1))
+        assert np.array_equal(one[0], full[r]), r
+    want = np.asarray(_decode_attention(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), kv_lens,
+                                        jnp.ones(4, bool), sm_scale=0.125, sliding_window=None, soft_cap=None))
+    np.testing.assert_allclose(full, want, rtol=2e-5, atol=2e-5)
+
+
 def test_decode_attention_refuses_a_block_outside_the_cache_or_a_length_past_its_table():
     q, cache, table, kv_lens = paged(2, 4, 2, 8, 4, [5, 6])
     f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=1.0))

@@ -165,13 +165,17 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
         pytest.skip(cpu_kernels.available())
     runner = plain_engine.llm_engine.core.runner
     assert runner.cpu_linears == cpu_kernels.CPU_LINEAR_MAX_TOKENS and runner.cpu_decode_attention
+    hlo = {k.size: p.as_text() for k, p in runner.programs.items() if k.kind == "model"}
+    assert hlo and all(cpu_kernels.LINEAR in t and cpu_kernels.DECODE_ATTENTION in t for t in hlo.values())
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                   compilation_config={"cpu_linears": 0, "cpu_decode_attention": False})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in SCHED_PROMPTS]
     try:
-        assert not llm.llm_engine.core.runner.cpu_linears and not llm.llm_engine.core.runner.cpu_decode_attention
+        off = llm.llm_engine.core.runner
+        assert not off.cpu_linears and not off.cpu_decode_attention
         dots = llm.generate(prompts, SCHED_PARAMS, use_tqdm=False)
+        assert not any("xlaserve_cpu" in p.as_text() for p in off.programs.values())
         dots_lp = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.llm_engine.core.shutdown()

@@ -19,7 +19,16 @@
 // float, which is what bounds torch's own int4 CPU kernel at one or a few rows.
 
 #include <immintrin.h>
+#ifdef XLASERVE_NO_OPENMP
+// jaxengine/cpu_kernels.cc links this file for its single-threaded entry points (f32_gemm_part,
+// decode_attention_tasks) and splits the work between XLA's threads itself: no OpenMP runtime in the jax
+// process. The pragmas are ignored and the multi-threaded entry points run on one thread.
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#else
 #include <omp.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -381,7 +390,7 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
             for (int g = 0; g < hs; g++) axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], v, D);
         }
         for (int g = 0; g < hs; g++) {
-            const float inv = 1.f / sum[g];
+            const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;  // no cached token (len 0): zeros, not NaN
             for (int d = 0; d < D; d++) o[(size_t)g * D + d] *= inv;
         }
         free(s);
