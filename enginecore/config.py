@@ -306,18 +306,13 @@ class EngineArgs:
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
-        from enginecore.model_loader import is_orbax_checkpoint
         from enginecore.platform import cpu_auto_backend, resolve_platform_and_backend
 
         platform, backend = resolve_platform_and_backend(self.platform, self.backend)
         if self.backend == "auto" and platform == "cpu":
             backend = cpu_auto_backend(self.dtype, self.data_parallel_size, self.attention_backend,
-                                       self.kv_cache_dtype, self.tensor_parallel_size)
-            # jax's own features: orbax weights, an XLA compilation cache (unless a torch-only flag says torch)
-            jax_features = self.load_format == "orbax" or self.compilation_cache_dir is not None or (
-                self.load_format == "auto" and bool(self.model) and is_orbax_checkpoint(self.model))
-            if jax_features and self.attention_backend != "torch":
-                backend = "jax"
+                                       self.kv_cache_dtype, self.tensor_parallel_size, self.load_format, self.model,
+                                       self.compilation_cache_dir)
         if self.quantization == "gguf":
             # the 4-bit matmul is torch's CPU kernel (torchengine.quant)
             if self.backend == "auto" and platform == "cpu":

@@ -9,6 +9,7 @@ never see half a library).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -30,12 +31,15 @@ def cxx_compiler() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _version(tool: str) -> str:
     return subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
-def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags: list[str]) -> tuple[str | None, str]:
-    """units: (source path, "c" or "c++", compile flags). -> (path of the .so, "") or (None, why not).
+def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags: tuple[str, ...] = ()
+                 ) -> tuple[str | None, str]:
+    """units: (source path, "c" or "c++", compile flags); link_flags beyond -shared.
+    -> (path of the .so, "") or (None, why not).
 
     One unit is compiled and linked in one command; several are compiled to objects, then linked with the
     C++ compiler."""
@@ -52,6 +56,7 @@ def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags:
             h.update(_version(tool).encode())
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"cannot read the sources or query the compilers: {e}"
+    link_flags = ["-shared", *link_flags]
     h.update(" ".join(link_flags).encode())
     cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
     path = os.path.join(cache, f"{name}-{h.hexdigest()[:16]}.so")

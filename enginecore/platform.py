@@ -79,10 +79,13 @@ def cpu_kernels_unavailable() -> str:
 
 
 def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention_backend: str = "auto",
-                     kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> str:
+                     kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, load_format: str = "auto",
+                     model: str | None = None, compilation_cache_dir: str | None = None) -> str:
     """`--backend auto` on a CPU: torch where its AVX2 kernels run and the settings are the ones they serve
     (float32 weights and KV cache, one replica on one process, torch's attention), else jax (which also
-    repeats KV heads for tensor parallelism wider than the model's KV heads; torch refuses that).
+    repeats KV heads for tensor parallelism wider than the model's KV heads; torch refuses that). jax also
+    for its own features, orbax weights (the flag or the folder) and an XLA compilation cache, unless
+    `--attention-backend torch` asks for torch.
 
     Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
     kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
@@ -96,6 +99,12 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
         return "jax"
     if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"
+    if attention_backend != "torch":
+        from enginecore.model_loader import is_orbax_checkpoint
+
+        if load_format == "orbax" or compilation_cache_dir is not None or (
+                load_format == "auto" and bool(model) and is_orbax_checkpoint(model)):
+            return "jax"
     return "torch"
 
 

@@ -19,14 +19,13 @@ import time
 
 import jax
 
-from enginecore.model_loader import (ORBAX_MARKER, ORBAX_SUBDIR, ModelLoadError, ModelSource,  # noqa: F401
+from enginecore.model_loader import (ORBAX_MARKER, ORBAX_SUBDIR, ModelLoadError, ModelSource,
                                      is_orbax_checkpoint, save_hf_folder)
 from enginecore.arch import ArchConfig
 from jaxengine.model import LayerParams, ModelParams, abstract_params, is_spec, jnp_dtype
 
 logger = logging.getLogger("xlaserve.jax")
 
-MARKER = ORBAX_MARKER
 FORMAT_VERSION = 1
 
 
@@ -51,7 +50,7 @@ def save_params(params: ModelParams, out_dir: str, arch: ArchConfig, dtype: str)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, _to_dict(params), force=True)
         ckptr.wait_until_finished()
-    with open(os.path.join(out_dir, MARKER), "w") as f:
+    with open(os.path.join(out_dir, ORBAX_MARKER), "w") as f:
         json.dump({"format": FORMAT_VERSION, "dtype": dtype, "num_layers": arch.num_hidden_layers,
                    "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size}, f, indent=2)
     return path
@@ -63,13 +62,14 @@ def load_orbax_params(folder: str, arch: ArchConfig, dtype: str, shardings: Mode
 
     if not is_orbax_checkpoint(folder):
         raise ModelLoadError(
-            f"{folder}: not an xlaserve orbax checkpoint (no {MARKER} + {ORBAX_SUBDIR}/); create one with "
+            f"{folder}: not an xlaserve orbax checkpoint (no {ORBAX_MARKER} + {ORBAX_SUBDIR}/); create one with "
             "jaxengine.checkpoint.convert_to_orbax"
         )
-    with open(os.path.join(folder, MARKER)) as f:
+    with open(os.path.join(folder, ORBAX_MARKER)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
-        raise ModelLoadError(f"{folder}/{MARKER}: format {meta.get('format')} is not {FORMAT_VERSION}; re-convert")
+        raise ModelLoadError(
+            f"{folder}/{ORBAX_MARKER}: format {meta.get('format')} is not {FORMAT_VERSION}; re-convert")
     if meta.get("num_layers") != arch.num_hidden_layers or meta.get("vocab_size") != arch.vocab_size:
         raise ModelLoadError(f"{folder}: the orbax params do not match config.json (layers/vocab differ)")
     saved_dtype = jax.numpy.dtype(meta["dtype"])

@@ -51,7 +51,7 @@ def available() -> str:
     # (enginecore.native) changes with it. No OpenMP: the work is split between XLA's threads.
     cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-DXLASERVE_JAXLIB={jaxlib.__version__}"]
     cflags = [f for f in CPU_KERNELS_FLAGS if f != "-fopenmp"] + ["-DXLASERVE_NO_OPENMP"]
-    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", cflags), (SOURCE, "c++", cxx)], ["-shared"])
+    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", cflags), (SOURCE, "c++", cxx)])
     if path is None:
         return why
     try:

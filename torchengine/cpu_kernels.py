@@ -22,10 +22,10 @@ Each kernel computes a row the same way whatever the number of rows in the call,
 not depend on its neighbours in the batch (preemption, chunked prefill and the prefix cache give the same
 tokens: tests/test_structured_outputs.py).
 
-`XLASERVE_CPU_KERNELS=off` turns them all off (torch's ops everywhere; `torch` is its earlier name). The shared library is cached
-under `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) by a hash of the source and the compiler,
-so it is built once a machine (~1 s). It runs on torch's OpenMP threads: the library links
-`libgomp.so.1`, which torch has already loaded into the process.
+`XLASERVE_CPU_KERNELS=off` turns them all off (torch's ops everywhere; `torch` is its earlier name). The
+shared library is cached under `$XLASERVE_CACHE/kernels/` (default `~/.cache/xlaserve`) by a hash of the
+source and the compiler (`enginecore.native`), so it is built once a machine (~1 s). It runs on torch's
+OpenMP threads: the library links `libgomp.so.1`, which torch has already loaded into the process.
 """
 
 from __future__ import annotations
@@ -43,12 +43,9 @@ from enginecore.platform import cpu_kernels_unavailable
 
 logger = logging.getLogger("xlaserve.torchengine")
 
-SOURCE = CPU_KERNELS_C
 MAX_ROWS = 32  # the C file's MAX_ROWS: the 4- and 8-bit kernels' row limit
 BLOCK_BYTES = 20  # Q4: {f16 d, f16 m, 16 bytes of nibbles}
 Q8_BLOCK_BYTES = 34  # Q8: {f16 d, 32 int8}
-FLAGS = CPU_KERNELS_FLAGS
-LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +54,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     why = cpu_kernels_unavailable()
     if why:
         return None, why
-    path, why = build_shared("cpu_kernels", [(SOURCE, "c", FLAGS)], LINK_FLAGS)
+    path, why = build_shared("cpu_kernels", [(CPU_KERNELS_C, "c", CPU_KERNELS_FLAGS)], ("-fopenmp",))
     if path is None:
         return None, why
     torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
