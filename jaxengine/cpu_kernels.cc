@@ -1,11 +1,12 @@
 // jaxengine's CPU kernels as XLA FFI custom calls (float32), the machine code of torchengine/cpu_kernels.c
 // (linked into this library):
 //
-// - XlaserveCpuLinear: y [T, N] = x [T, K] . w[l] [N, K]^T, w every layer's weight stacked [L, N, K] and l a
-//   device scalar. In the scan over layers XLA:CPU hands a dot its layer's weight through a dynamic-slice,
-//   and a dynamic-slice is a copy: every decode step copied all the weights before reading them (about 40%
-//   of a batch-1 step of the embedded model). This reads w[l] where it lies, with f32_gemm: every output one
-//   8-lane FMA chain over k, so a row's result depends neither on the other rows nor on the column split.
+// - XlaserveCpuPanelLinear: y [T, N] = x [T, K] . W_l^T, every layer's W packed in panel_gemm's panels and
+//   stacked [L, NP, K, 16], l a device scalar. In the scan over layers XLA:CPU hands a dot its layer's weight
+//   through a dynamic-slice, and a dynamic-slice is a copy: every decode step copied all the weights before
+//   reading them (about 40% of a batch-1 step of the embedded model). This reads W_l where it lies, with the
+//   torch backend's panel_gemm: every output one FMA chain over k in order, so a row's result depends neither
+//   on the other rows nor on the split, and equals the torch backend's bit for bit.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
 //
@@ -24,7 +25,9 @@
 namespace ffi = xla::ffi;
 
 extern "C" {
-int f32_gemm_part(const float *x, int M, int K, const float *w, int N, float *y, int a, int b);
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *split_rows, int *nt);
+void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int split_rows,
+                     int lo, int hi);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
@@ -34,7 +37,6 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
 
 namespace {
 
-constexpr int64_t kChunk = 24;  // columns a task takes at a time (f32_gemm's thread split unit)
 constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
 
 // Runs fn(t0, t1) over [0, n) in slices of `per` on the calling thread and up to `tasks - 1` of XLA's
@@ -73,24 +75,29 @@ void parallel_for(ffi::ThreadPool &pool, int64_t n, int64_t tasks, int64_t per, 
     }
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-    const auto xd = x.dimensions(), wd = w.dimensions();
-    if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("x [T, K] and w [L, N, K] expected");
-    const int64_t T = xd[0], K = xd[1], L = wd[0], N = wd[1];
-    if (wd[2] != K || K == 0) return ffi::Error::InvalidArgument("x and w disagree on K, or K is 0");
+// y [T, N] = x [T, K] . W_l^T with every layer's W packed in panel_gemm's panels, stacked [L, NP, K, 16]
+// (NP = ceil(N / 16), zero rows padding the last panel): the torch backend's float32 linears and LM head
+// (the same machine code and the same split into parts, which XLA's threads share). Every output is one FMA
+// chain over k in order, so a row's result depends neither on the other rows nor on the split.
+ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+    const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+    if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2)
+        return ffi::Error::InvalidArgument("x [T, K], w [L, NP, K, 16] and y [T, N] expected");
+    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], N = yd[1];
+    if (wd[2] != K || wd[3] != 16 || K == 0 || yd[0] != T || N > NP * 16 || N <= (NP - 1) * 16)
+        return ffi::Error::InvalidArgument("x, w and y disagree (K, the panels, or N)");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     if (T == 0 || N == 0) return ffi::Error::Success();
-    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * N * K;
+    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * NP * K * 16;
     float *yp = y->typed_data();
-    const int64_t chunks = (N + kChunk - 1) / kChunk;
-    int64_t tasks = std::max<int64_t>(1, pool.num_threads());
-    if (N * K * std::min<int64_t>(T, 8) < kParallelWork) tasks = 1;
-    tasks = std::min(tasks, chunks);
+    int split_rows = 0, nt = 1;
+    const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
+                                          &split_rows, &nt);
     // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for
-    parallel_for(pool, chunks, tasks, std::max<int64_t>(1, chunks / (tasks * 4)), [=](int64_t a, int64_t b) {
-        f32_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, (int)(a * kChunk), (int)std::min(b * kChunk, N));
+    parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / ((int64_t)nt * 4)), [=](int64_t a, int64_t b) {
+        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, split_rows, (int)a, (int)b);
     });
     return ffi::Error::Success();
 }
@@ -150,7 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLinear, Linear,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelLinear, PanelLinear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -1,10 +1,12 @@
 """The jax backend's CPU kernels, as XLA custom calls (`cpu_kernels.cc`, linking torchengine/cpu_kernels.c).
 
-- `linear(x, w, l)`: `x [T, K] . w[l]^T` for `w` every layer's weight stacked `[L, N, K]` and `l` a traced
-  int32 scalar. `model.forward` uses it inside its scan over layers, where XLA's own dot is handed its
-  layer's weight through a dynamic-slice, which XLA:CPU materializes: every step copied all the weights
-  before reading them. The product is the torch backend's `f32_gemm` (the same machine code); a row's
-  result does not depend on the other rows.
+- `panel_linear(x, panels, l, n)`: `x [T, K] . W_l^T` for every layer's `W [n, K]` packed by `pack_panels`
+  and stacked `[L, NP, K, 16]`, `l` a traced int32 scalar: every linear and the LM head of the jax backend
+  on a CPU in float32 (`model.pack_cpu_panels`). `model.forward` calls it inside its scan over layers,
+  where XLA's own dot is handed its layer's weight through a dynamic-slice, which XLA:CPU materializes:
+  every step copied all the weights before reading them. The product is the torch backend's `panel_gemm`
+  (the same machine code, the same weights layout): a row's result does not depend on the other rows, and
+  is the torch backend's bit for bit.
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
@@ -33,12 +35,9 @@ from enginecore.platform import cpu_kernels_unavailable
 logger = logging.getLogger("xlaserve.jaxengine")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
-LINEAR = "xlaserve_cpu_linear"
+PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
-# Steps of up to this many tokens use `linear`; larger ones XLA's dots, whose kernels are a little faster
-# there and whose weight copy matters less. SmolLM2 in float32 on 2 cores, 8 x 128-token prompts, steps of
-# 128 / 256 / 2048 tokens: 0.95 / 0.9 / 1.1x the time with XLA's dots (decode steps: benchmarks/README.md).
-CPU_LINEAR_MAX_TOKENS = 256
+PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +55,7 @@ def available() -> str:
         return why
     try:
         lib = ctypes.CDLL(path)
-        jax.ffi.register_ffi_target(LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuLinear), platform="cpu")
+        jax.ffi.register_ffi_target(PANEL_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuPanelLinear), platform="cpu")
         jax.ffi.register_ffi_target(DECODE_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                     platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
@@ -64,11 +63,25 @@ def available() -> str:
     return ""
 
 
-def linear(x, w, layer):
-    """x [T, K] float32, w [L, N, K] float32, layer int32 scalar -> [T, N] float32 = x . w[layer]^T."""
-    T, N = x.shape[0], w.shape[1]
-    call = jax.ffi.ffi_call(LINEAR, jax.ShapeDtypeStruct((T, N), jnp.float32))
-    return call(x, w, jnp.asarray(layer, jnp.int32).reshape(()))
+def pack_panels(w):
+    """w [..., N, K] -> [..., ceil(N / 16), K, 16]: panels of 16 output rows, k-major, zero rows padding the
+    last (torchengine.cpu_kernels.pack_panels' layout). Row v of w is panels[..., v // 16, :, v % 16]."""
+    *lead, N, K = w.shape
+    NP = -(-N // PANEL)
+    w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, NP * PANEL - N), (0, 0)])
+    return jnp.swapaxes(w.reshape(*lead, NP, PANEL, K), -1, -2)
+
+
+def panel_rows(panels, ids):
+    """Rows `ids` of the [N, K] matrix `pack_panels` packed into panels [NP, K, 16] -> [len(ids), K]."""
+    return panels[ids // PANEL, :, ids % PANEL]
+
+
+def panel_linear(x, panels, layer, n: int):
+    """x [T, K] float32, panels [L, NP, K, 16] float32 (`pack_panels` of L stacked [n, K] weights), layer an
+    int32 scalar -> [T, n] float32 = x . W_layer^T."""
+    call = jax.ffi.ffi_call(PANEL_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()))
 
 
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
@@ -83,5 +96,5 @@ def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, s
                 window=np.int32(sliding_window or 0))
 
 
-__all__ = ["CPU_LINEAR_MAX_TOKENS", "DECODE_ATTENTION", "LINEAR", "SOURCE", "available", "decode_attention",
-           "linear"]
+__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "SOURCE", "available", "decode_attention", "pack_panels",
+           "panel_linear", "panel_rows"]

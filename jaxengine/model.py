@@ -7,7 +7,8 @@ dataclass pytrees; `abstract_params` gives every leaf's shape, dtype and
 *logical* axes, which `sharding.py` maps to the mesh and `loader.py` fills
 tensor by tensor. Linear weights keep the Hugging Face [out, in] orientation
 (split into heads where there are heads): no transpose at load time, XLA
-contracts either side for free.
+contracts either side for free. On one CPU device in float32 the runner then
+packs them for the CPU custom call (`pack_cpu_panels`, `CpuPanels`).
 
 `forward(params, kv_cache, input_ids, md, rope, ...) -> (hidden, kv_cache)` runs
 all scheduled tokens of one ragged step; `compute_logits` projects only the
@@ -16,7 +17,6 @@ rows the sampler needs.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,11 +74,25 @@ class LayerParams:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class CpuPanels:
+    """The linears' weights packed for `jaxengine.cpu_kernels.panel_linear` (`pack_cpu_panels`), each
+    [L, NP, K, 16]: panels of 16 output rows, k-major. q/k/v are one linear, gate/up another."""
+
+    qkv: jax.Array  # [L, (Hq + 2 Hkv) D / 16, H, 16]
+    o: jax.Array  # [L, H / 16, Hq D, 16]
+    gate_up: jax.Array  # [L, 2 I / 16, H, 16]
+    down: jax.Array  # [L, H / 16, I, 16]
+    head: jax.Array  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class ModelParams:
-    embed: jax.Array  # [V, H]
+    embed: jax.Array | None  # [V, H]; None when packed into panels.head (tied, on a CPU)
     layers: LayerParams  # stacked [L, ...]
     final_norm: jax.Array  # [H]
-    lm_head: jax.Array | None = None  # [V, H]; None when tied to embed
+    lm_head: jax.Array | None = None  # [V, H]; None when tied to embed (or packed)
+    panels: CpuPanels | None = None  # a CPU's float32 linears (then the layers' linear fields are None)
 
 
 def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
@@ -186,10 +200,6 @@ def dense(h, w, weights_first_rows: int = 0, preferred_element_type=None):
     return jax.lax.optimization_barrier(out).T
 
 
-# the linears' weights (Hugging Face's [out, in], heads split out for q/k/v/o)
-LINEAR_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def _as_out_in(name: str, w, stacked: bool = False):
     """A linear's weight as [N, K] ([L, N, K] when stacked over layers): reshapes only (bitcasts)."""
     lead = w.shape[:1] if stacked else ()
@@ -199,22 +209,24 @@ def _as_out_in(name: str, w, stacked: bool = False):
 
 
 def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first_rows: int = 0, linear=None):
+           weights_first_rows: int = 0, panels=None):
     """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU), or
-    through `linear(h, name)` when given (the CPU custom call on the weights of every layer, `forward`)."""
+    through `panels(h, group)` when given (`forward`: the CPU custom call on every layer's packed weights;
+    groups "qkv", "o", "gate_up", "down")."""
     T = x.shape[0]
-    Hq, D, eps = arch.num_attention_heads, arch.head_dim, arch.rms_norm_eps
+    Hq, Hkv, D, eps = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.rms_norm_eps
 
     def lin(h, name):  # h [T, K] -> [T, N]
-        if linear is not None:
-            return linear(h, name)
+        if panels is not None:
+            return panels(h, {"o_proj": "o", "down_proj": "down"}[name])
         return dense(h, _as_out_in(name, getattr(lp, name)), weights_first_rows)
 
-    def proj(h, name):  # h [T, H] -> [T, heads, D]
-        return lin(h, name).reshape(T, -1, D)
-
     h = rms_norm(x, lp.attn_norm, eps)
-    q, k, v = proj(h, "q_proj"), proj(h, "k_proj"), proj(h, "v_proj")
+    if panels is not None:
+        q, k, v = jnp.split(panels(h, "qkv"), [Hq * D, (Hq + Hkv) * D], axis=1)
+    else:
+        q, k, v = lin(h, "q_proj"), lin(h, "k_proj"), lin(h, "v_proj")
+    q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
     if lp.q_bias is not None:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
     if lp.q_norm is not None:
@@ -228,7 +240,10 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     )
     x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
     h = rms_norm(x, lp.mlp_norm, eps)
-    g, u = lin(h, "gate_proj"), lin(h, "up_proj")
+    if panels is not None:
+        g, u = jnp.split(panels(h, "gate_up"), 2, axis=1)
+    else:
+        g, u = lin(h, "gate_proj"), lin(h, "up_proj")
     x = x + lin(jax.nn.silu(g) * u, "down_proj")
     return x, kv_cache
 
@@ -244,7 +259,6 @@ def forward(
     attention_fn: AttentionFn,
     scan_layers: bool = True,
     weights_first_rows: int = 0,
-    cpu_linears: int = 0,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
 
@@ -252,11 +266,10 @@ def forward(
     (`dense`; one row is a matrix-vector product either way); 0 never (what TPU and GPU want:
     their compilers pick the layouts).
 
-    `cpu_linears`: steps of up to this many (padded) tokens run the decoder's linears as
-    `jaxengine.cpu_kernels`'s custom call on the weights of all layers as stored (the scan then carries only
-    the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights before a dot
-    reads it, every layer of every step); 0 never. Float32 weights on one CPU device only (the runner
-    decides). Larger steps keep XLA's dots, a little faster there than the custom call's kernel.
+    With `params.panels` (`pack_cpu_panels`: float32 on one CPU device, the runner decides) the linears run
+    as `jaxengine.cpu_kernels.panel_linear` on every layer's packed weights where they lie (the scan then
+    carries only the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights
+    before a dot reads it, every layer of every step).
 
     One cache array holds every layer (layer l's block b is row l * num_blocks + b), so
     a scan over layers carries it and updates it in place, and the attention kernels
@@ -264,21 +277,19 @@ def forward(
     """
     L = arch.num_hidden_layers
     num_blocks = kv_cache.shape[0] // L
-    x = params.embed[input_ids]
+    x = embed(params, input_ids)
     cos, sin = rope[0][positions], rope[1][positions]
 
-    layers, linear_for = params.layers, lambda l: None
-    f32 = all(getattr(layers, n).dtype == jnp.float32 for n in LINEAR_FIELDS)
-    if input_ids.shape[0] <= cpu_linears and f32:
-        from jaxengine import cpu_kernels
+    layers, panels_for = params.layers, lambda l: None
+    if params.panels is not None:
+        from jaxengine.cpu_kernels import panel_linear
 
-        stacked = {n: _as_out_in(n, getattr(layers, n), stacked=True) for n in LINEAR_FIELDS}
-        layers = dataclasses.replace(layers, **{n: None for n in LINEAR_FIELDS})
-        linear_for = lambda l: lambda h, name: cpu_kernels.linear(h, stacked[name], l)  # noqa: E731
+        n = panel_outputs(arch)
+        panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, linear_for(l))
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l))
 
     if scan_layers:
         def body(carry, xs):
@@ -296,8 +307,56 @@ def forward(
 def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0):
     """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows)."""
     h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
+    if params.panels is not None:
+        from jaxengine.cpu_kernels import panel_linear
+
+        return panel_linear(h, params.panels.head, 0, arch.vocab_size)
     w = params.embed if params.lm_head is None else params.lm_head
     return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
+
+
+def embed(params: ModelParams, ids):
+    """The embeddings of token ids [T] -> [T, H] (from the LM head's panels when the embedding is tied and
+    packed)."""
+    if params.embed is None:
+        from jaxengine.cpu_kernels import panel_rows
+
+        return panel_rows(params.panels.head[0], ids)
+    return params.embed[ids]
+
+
+def panel_outputs(arch: ArchConfig) -> dict[str, int]:
+    """Each `CpuPanels` linear's output width."""
+    Hq, Hkv, D = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    return {"qkv": (Hq + 2 * Hkv) * D, "o": arch.hidden_size, "gate_up": 2 * arch.intermediate_size,
+            "down": arch.hidden_size, "head": arch.vocab_size}
+
+
+# the linears each CpuPanels field packs, in output order
+PANEL_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                "down": ("down_proj",)}
+
+
+def pack_cpu_panels(params: ModelParams) -> ModelParams:
+    """The float32 params of one CPU device with every linear and the LM head packed for
+    `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout.
+    Consumes `params`: each weight is dropped from it once packed (eagerly, the extra memory is one group's
+    weights, not the model's). A tied embedding is then looked up in the LM head's panels (`embed`)."""
+    from jaxengine.cpu_kernels import pack_panels
+
+    lp = params.layers
+    packed = {}
+    for group, names in PANEL_GROUPS.items():
+        packed[group] = pack_panels(jnp.concatenate(
+            [_as_out_in(n, getattr(lp, n), stacked=True) for n in names], axis=1))
+        for n in names:
+            setattr(lp, n, None)
+    tied = params.lm_head is None
+    packed["head"] = pack_panels((params.embed if tied else params.lm_head)[None])
+    params.lm_head = None
+    if tied:
+        params.embed = None
+    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=CpuPanels(**packed))
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,
@@ -308,6 +367,7 @@ def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_hea
 
 
 __all__ = [
+    "CpuPanels",
     "LayerParams",
     "ModelParams",
     "ParamSpec",
@@ -315,7 +375,10 @@ __all__ = [
     "abstract_params",
     "compute_logits",
     "dense",
+    "embed",
     "forward",
     "jnp_dtype",
     "kv_cache_shape",
+    "pack_cpu_panels",
+    "panel_outputs",
 ]

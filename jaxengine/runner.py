@@ -40,7 +40,6 @@ from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
-from jaxengine.cpu_kernels import CPU_LINEAR_MAX_TOKENS
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -55,7 +54,7 @@ from jaxengine.compilation import (
     resolve_cache_dir,
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
-from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape
+from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
 from jaxengine.programs import (
     ModelLayout,
     ProgramKey,
@@ -137,22 +136,22 @@ class JaxModelRunner:
         self.weights_first_rows = int(opts.get("weights_first_rows",
                                                CPU_WEIGHTS_FIRST_ROWS if self.platform == "cpu" else 0))
         # CPU, float32, one device: jaxengine.cpu_kernels' custom calls, off where they cannot run (the log
-        # says why). The linears of steps of <= CPU_LINEAR_MAX_TOKENS tokens (they read each layer's weights
-        # where they lie; XLA's dots in the scan copy them first): compilation_config={"cpu_linears": N} sets
-        # the limit, 0 turns them off. Decode attention over the cache in place (with a float32 KV cache):
-        # {"cpu_decode_attention": False} turns it off.
-        self.cpu_linears, self.cpu_decode_attention = 0, False
-        limit = int(opts.get("cpu_linears", CPU_LINEAR_MAX_TOKENS))
+        # says why). Every linear and the LM head on weights packed at load (model.pack_cpu_panels: they
+        # read each layer's weights where they lie, where XLA's dots in the scan copy them first, with the
+        # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Decode attention
+        # over the cache in place (with a float32 KV cache): {"cpu_decode_attention": False} turns it off.
+        self.cpu_linears, self.cpu_decode_attention = False, False
+        linears = bool(opts.get("cpu_linears", True))
         decode = bool(opts.get("cpu_decode_attention", True))
-        if self.platform == "cpu" and self.dtype == "float32" and self.mesh.size == 1 and (limit > 0 or decode):
+        if self.platform == "cpu" and self.dtype == "float32" and self.mesh.size == 1 and (linears or decode):
             from jaxengine import cpu_kernels
 
             why = cpu_kernels.available()
             if why:
                 logger.info("jax CPU kernels: XLA's ops (%s)", why)
             else:
-                self.cpu_linears, self.cpu_decode_attention = limit, decode
-                logger.info("jax CPU kernels: linears of steps of <= %d tokens, decode attention %s", limit,
+                self.cpu_linears, self.cpu_decode_attention = linears, decode
+                logger.info("jax CPU kernels: linears %s, decode attention %s", "on" if linears else "off",
                             "on" if decode else "off")
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
@@ -214,6 +213,9 @@ class JaxModelRunner:
             self.params = load_orbax_params(self.source.folder, self.arch, self.dtype, shardings)
         else:
             self.params = load_params(self.source, self.arch, self.dtype, shardings, kv_repeats=self.kv_repeats)
+        if self.cpu_linears:
+            params, self.params = self.params, None
+            self.params = pack_cpu_panels(params)
         cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
         self.rope = jax.device_put((cos, sin), self._rep)
         self.load_seconds = time.perf_counter() - t0
@@ -286,6 +288,9 @@ class JaxModelRunner:
         shardings = param_shardings(spec, self.rules, self.mesh)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings,
                               is_leaf=is_spec)
+        if self.cpu_linears:  # one device
+            params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
+                                  jax.eval_shape(pack_cpu_panels, params))
         kv = jax.ShapeDtypeStruct(self._kv_cache_shape(self.num_blocks), jnp_dtype(self.kv_dtype),
                                   sharding=self._kv_sharding)
         table = jax.ShapeDtypeStruct((self.config.scheduler_config.max_model_len + 1, self.arch.head_dim // 2),
@@ -307,8 +312,7 @@ class JaxModelRunner:
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
                                            attention_fn=self._attention, scan_layers=self.scan_layers,
-                                           weights_first_rows=self.weights_first_rows,
-                                           cpu_linears=self.cpu_linears),
+                                           weights_first_rows=self.weights_first_rows),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
             return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":

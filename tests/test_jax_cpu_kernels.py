@@ -1,9 +1,9 @@
 """jaxengine.cpu_kernels: the jax backend's CPU kernels as XLA custom calls.
 
-Linears: against a float64 product for every layer of a stacked weight; a row's bits the same alone as in any batch
-and the same as the torch backend's `f32_gemm` on the same data (one kernel for both backends); a bad layer
-index is an error, not a read past the weights; inside a scan it reads each layer's weights without the
-dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
+Linears: the panels are the torch backend's layout; against a float64 product for every layer of a stacked
+weight; a row's bits the same alone as in any batch and the same as the torch backend's `panel_gemm` on the
+same data (one kernel for both backends); a bad layer index or output width is an error, not a read past
+the weights; inside a scan it reads each layer's weights without the dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
 fewer decode rows than rows), a row the same alone as among others, and a block id or length that would
 read outside the cache refused. Engine-level: tests/test_jax_model.py (greedy tokens vs transformers,
 and vs XLA's dots).
@@ -11,7 +11,6 @@ and vs XLA's dots).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import jax
@@ -34,10 +33,28 @@ def data(L, N, K, T, seed=0):
     return rng.standard_normal((T, K), np.float32), rng.standard_normal((L, N, K), np.float32)
 
 
-@pytest.mark.parametrize("L,N,K,T", [(3, 50, 37, 1), (2, 200, 96, 5), (1, 1000, 576, 37), (4, 24, 8, 70)])
+def linear(x, w, layer):
+    """x . w[layer]^T through the custom call on w [L, N, K] packed into panels."""
+    return cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), layer, w.shape[1])
+
+
+def test_pack_panels_is_the_torch_backends_layout_and_panel_rows_inverts_it():
+    from torchengine import cpu_kernels as torch_kernels
+
+    _, w = data(1, 50, 37, 1)
+    packed = np.asarray(cpu_kernels.pack_panels(jnp.asarray(w[0])))
+    import torch
+
+    assert np.array_equal(packed, torch_kernels.pack_panels(torch.from_numpy(w[0])).numpy())
+    ids = jnp.asarray([0, 15, 16, 49, 7], jnp.int32)
+    assert np.array_equal(np.asarray(cpu_kernels.panel_rows(jnp.asarray(packed), ids)), w[0][np.asarray(ids)])
+
+
+@pytest.mark.parametrize("L,N,K,T", [(3, 50, 37, 1), (2, 200, 96, 5), (1, 1000, 576, 37), (4, 24, 8, 70),
+                                     (1, 576, 64, 300)])
 def test_linear_matches_float64_every_layer(L, N, K, T):
     x, w = data(L, N, K, T)
-    f = jax.jit(cpu_kernels.linear)
+    f = jax.jit(linear)
     for l in range(L):
         y = np.asarray(f(x, w, jnp.int32(l)))
         ref = x.astype(np.float64) @ w[l].astype(np.float64).T
@@ -45,57 +62,62 @@ def test_linear_matches_float64_every_layer(L, N, K, T):
 
 
 def test_a_row_is_the_same_alone_and_in_any_batch():
-    x, w = data(2, 1000, 576, 37, seed=1)
-    f = jax.jit(cpu_kernels.linear)
+    x, w = data(2, 1000, 576, 300, seed=1)  # 300 rows: split between threads by rows, not panels
+    f = jax.jit(linear)
     full = np.asarray(f(x, w, jnp.int32(1)))
-    for lo, hi in [(0, 1), (5, 6), (3, 7), (10, 37)]:
+    for lo, hi in [(0, 1), (5, 6), (3, 7), (10, 37), (0, 256)]:
         part = np.asarray(f(x[lo:hi], w, jnp.int32(1)))
         assert np.array_equal(part, full[lo:hi]), (lo, hi)
 
 
-def test_bits_equal_the_torch_backends_f32_gemm():
+@pytest.mark.parametrize("T", [9, 300])
+def test_bits_equal_the_torch_backends_panel_gemm(T):
+    import torch
+
     from torchengine import cpu_kernels as torch_kernels
 
     lib, why = torch_kernels.load()
     if lib is None:
         pytest.skip(why)
-    x, w = data(3, 333, 200, 9, seed=2)
-    y = np.empty((9, 333), np.float32)
-    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    wl = np.ascontiguousarray(w[2])
-    assert lib.f32_gemm(p(x), 9, 200, p(wl), 333, p(y), 2) == 0
-    assert np.array_equal(np.asarray(jax.jit(cpu_kernels.linear)(x, w, jnp.int32(2))), y)
+    x, w = data(3, 333, 200, T, seed=2)
+    y = torch_kernels.panel_gemm(lib, torch.from_numpy(x), torch_kernels.pack_panels(torch.from_numpy(w[2])), 333)
+    assert np.array_equal(np.asarray(jax.jit(linear)(x, w, jnp.int32(2))), y.numpy())
 
 
-def test_a_layer_index_out_of_range_is_an_error():
+def test_a_layer_index_out_of_range_or_a_wrong_width_is_an_error():
     x, w = data(2, 30, 16, 3)
-    f = jax.jit(cpu_kernels.linear)
+    f = jax.jit(linear)
     for bad in (-1, 2):
         with pytest.raises(Exception, match="layer index out of range"):
             np.asarray(f(x, w, jnp.int32(bad)))
+    panels = cpu_kernels.pack_panels(w)  # 2 panels: 17..32 outputs
+    for n in (16, 33):
+        with pytest.raises(Exception, match="disagree"):
+            np.asarray(jax.jit(functools.partial(cpu_kernels.panel_linear, n=n))(x, panels, jnp.int32(0)))
 
 
 def test_in_a_scan_the_weights_are_not_sliced():
     x, w = data(4, 64, 64, 8, seed=3)
+    panels = cpu_kernels.pack_panels(w)
 
-    def with_call(x, w):
-        return jax.lax.scan(lambda h, l: (jnp.tanh(cpu_kernels.linear(h, w, l)), None), x,
+    def with_call(x, panels):
+        return jax.lax.scan(lambda h, l: (jnp.tanh(cpu_kernels.panel_linear(h, panels, l, 64)), None), x,
                             jnp.arange(4, dtype=jnp.int32))[0]
 
     def with_dot(x, w):
         return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl.T), None), x, w)[0]
 
-    np.testing.assert_allclose(np.asarray(jax.jit(with_call)(x, w)), np.asarray(jax.jit(with_dot)(x, w)),
+    np.testing.assert_allclose(np.asarray(jax.jit(with_call)(x, panels)), np.asarray(jax.jit(with_dot)(x, w)),
                                rtol=1e-4, atol=1e-4)
 
-    def weight_slices(fn):
+    def weight_slices(fn, w):
         hlo = jax.jit(fn).lower(x, w).compile().as_text()
         return [ln for ln in hlo.splitlines()
                 if "dynamic-slice(" in ln and ln.split("=", 1)[1].lstrip().startswith("f32")]
 
-    assert "xlaserve_cpu_linear" in jax.jit(with_call).lower(x, w).compile().as_text()
-    assert weight_slices(with_call) == []
-    assert weight_slices(with_dot)  # the check can fail: XLA's dot is handed a slice of the weights
+    assert cpu_kernels.PANEL_LINEAR in jax.jit(with_call).lower(x, panels).compile().as_text()
+    assert weight_slices(with_call, panels) == []
+    assert weight_slices(with_dot, w)  # the check can fail: XLA's dot is handed a slice of the weights
 
 
 def paged(R, Hq, Hkv, D, bs, lens, seed=0):

@@ -156,24 +156,31 @@ def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_
 
 
 def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, plain_tokens):
-    """On a CPU the decoder's linears and decode attention are jaxengine.cpu_kernels' custom calls (float32,
-    one device); with compilation_config={"cpu_linears": 0, "cpu_decode_attention": False} XLA's ops run:
-    same greedy tokens, logprobs within float32."""
+    """On a CPU the decoder's linears, the LM head and decode attention are jaxengine.cpu_kernels' custom calls
+    (float32, one device; the linears on weights packed at load, the tied embedding looked up in the LM
+    head's panels); with compilation_config={"cpu_linears": False, "cpu_decode_attention": False} XLA's ops
+    run: same greedy tokens, logprobs within float32."""
     from jaxengine import cpu_kernels
 
     if cpu_kernels.available():
         pytest.skip(cpu_kernels.available())
     runner = plain_engine.llm_engine.core.runner
-    assert runner.cpu_linears == cpu_kernels.CPU_LINEAR_MAX_TOKENS and runner.cpu_decode_attention
-    hlo = {k.size: p.as_text() for k, p in runner.programs.items() if k.kind == "model"}
-    assert hlo and all(cpu_kernels.LINEAR in t and cpu_kernels.DECODE_ATTENTION in t for t in hlo.values())
+    assert runner.cpu_linears and runner.cpu_decode_attention
+    p = runner.params
+    assert p.panels is not None and p.layers.q_proj is None and p.lm_head is None
+    assert (p.embed is None) == runner.arch.tie_word_embeddings
+    hlo = {k: p.as_text() for k, p in runner.programs.items()}
+    assert any(k.kind == "model" for k in hlo) and any(k.kind == "sample" for k in hlo)
+    for k, t in hlo.items():
+        assert cpu_kernels.PANEL_LINEAR in t, k
+        assert (cpu_kernels.DECODE_ATTENTION in t) == (k.kind == "model"), k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
-                  compilation_config={"cpu_linears": 0, "cpu_decode_attention": False})
+                  compilation_config={"cpu_linears": False, "cpu_decode_attention": False})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in SCHED_PROMPTS]
     try:
         off = llm.llm_engine.core.runner
-        assert not off.cpu_linears and not off.cpu_decode_attention
+        assert not off.cpu_linears and not off.cpu_decode_attention and off.params.panels is None
         dots = llm.generate(prompts, SCHED_PARAMS, use_tqdm=False)
         assert not any("xlaserve_cpu" in p.as_text() for p in off.programs.values())
         dots_lp = llm.generate(prompts, params, use_tqdm=False)

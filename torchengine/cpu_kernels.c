@@ -20,9 +20,9 @@
 
 #include <immintrin.h>
 #ifdef XLASERVE_NO_OPENMP
-// jaxengine/cpu_kernels.cc links this file for its single-threaded entry points (f32_gemm_part,
-// decode_attention_tasks) and splits the work between XLA's threads itself: no OpenMP runtime in the jax
-// process. The pragmas are ignored and the multi-threaded entry points run on one thread.
+// jaxengine/cpu_kernels.cc links this file for its single-threaded entry points (panel_gemm_plan and
+// panel_gemm_part, decode_heads_per_task and decode_attention_tasks) and splits the work between XLA's
+// threads itself: no OpenMP runtime in the jax process. The pragmas are ignored and the multi-threaded entry points run on one thread.
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
@@ -479,9 +479,8 @@ static inline __attribute__((always_inline)) void f32_rows(
     for (; n < n1; n++) f32_tile(R, 1, xm, K, w + (size_t)n * K, ym + n, N);
 }
 
-// Output columns [a, b) of f32_gemm on the calling thread (jaxengine's XLA custom call splits the columns
-// between XLA's own threads with it; any split gives the same bits, see above).
-int f32_gemm_part(const float *x, int M, int K, const float *w, int N, float *y, int a, int b) {
+// Output columns [a, b) of f32_gemm on the calling thread (any split gives the same bits, see above).
+static int f32_gemm_part(const float *x, int M, int K, const float *w, int N, float *y, int a, int b) {
     if (M < 1 || K <= 0 || N <= 0 || a < 0 || b > N || a > b) return -1;
     // a panel of 256 KiB of weights in L2, activation blocks of 32 KiB (L1): measured best of 16-128 KiB
     // blocks and 64-256 KiB panels at prefill sizes
@@ -606,23 +605,53 @@ static inline __attribute__((always_inline)) void head_rows(
     for (; p < p1; p++) head_tile(R, 1, xm, K, wp, p, V, ym, bm);
 }
 
-int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
-    if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
+// How panel_gemm splits its work between threads: parts of 4 panels, or, from 256 rows (compute-bound: each
+// thread then reads every weight), whole tiles of rows where that balances better (a prefill's narrow
+// linears, 576 outputs: 9 chunks of panels for 2 threads, 5 / 4, have rows to spare). Returns the number of
+// parts, sets *split_rows and *nt (the threads worth waking, <= nthreads, <= the parts). jaxengine's custom
+// call splits the same parts between XLA's threads.
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *split_rows, int *nt) {
+    const int NP = (V + 15) / 16, chunks = (NP + 3) / 4, tiles = (M + HEAD_ROWS - 1) / HEAD_ROWS;
+    int n = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
+    *split_rows = n > 1 && M >= 256 &&
+                  (long)((tiles + n - 1) / n) * chunks < (long)((chunks + n - 1) / n) * tiles;
+    const int parts = *split_rows ? tiles : chunks;
+    *nt = n < parts ? n : parts;
+    return parts;
+}
+
+// Parts [lo, hi) of panel_gemm_plan's split: panels in blocks of 256 KiB (L2) times activation blocks of
+// 16 KiB (L1), whole tiles of rows. `best` (argmax mode) is the caller's M running maxima, or NULL.
+void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best,
+                     int split_rows, int lo, int hi) {
     const int NP = (V + 15) / 16;
-    // a block of panels of 256 KiB in L2, activation blocks of 16 KiB (L1), whole tiles of rows
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
     if (NB < 4) NB = 4;
     if (MB < HEAD_ROWS) MB = HEAD_ROWS;
-    // threads split the panels (4 at a time), or, from 256 rows (compute-bound: each thread then reads every
-    // weight), the rows in whole tiles where that balances better: a prefill's narrow linears (576 outputs:
-    // 9 chunks of panels for 2 threads, 5 / 4) have rows to spare
-    const int chunks = (NP + 3) / 4, tiles = (M + HEAD_ROWS - 1) / HEAD_ROWS;
-    int nt = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? nthreads : 1;
-    const int split_rows = nt > 1 && M >= 256 &&
-                           (long)((tiles + nt - 1) / nt) * chunks < (long)((chunks + nt - 1) / nt) * tiles;
-    const int parts = split_rows ? tiles : chunks;
-    if (nt > parts) nt = parts;
+    const int a = split_rows ? 0 : lo * 4, b = split_rows ? NP : (hi * 4 < NP ? hi * 4 : NP);
+    const int ma = split_rows ? lo * HEAD_ROWS : 0, mb = split_rows ? (hi * HEAD_ROWS < M ? hi * HEAD_ROWS : M) : M;
+    for (int p0 = a; p0 < b; p0 += NB) {
+        const int p1 = p0 + NB < b ? p0 + NB : b;
+        for (int m0 = ma; m0 < mb; m0 += MB) {
+            const int m1 = m0 + MB < mb ? m0 + MB : mb;
+            int m = m0;
+            for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, best);
+            switch (m1 - m) {
+                case 5: head_rows(5, 1, x, m, K, wp, p0, p1, V, y, best); break;
+                case 4: head_rows(4, 1, x, m, K, wp, p0, p1, V, y, best); break;
+                case 3: head_rows(3, 2, x, m, K, wp, p0, p1, V, y, best); break;
+                case 2: head_rows(2, 3, x, m, K, wp, p0, p1, V, y, best); break;
+                case 1: head_rows(1, 4, x, m, K, wp, p0, p1, V, y, best); break;
+            }
+        }
+    }
+}
+
+int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
+    if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    int split_rows, nt;
+    const int parts = panel_gemm_plan(M, K, V, nthreads, &split_rows, &nt);
     head_best *best = NULL;
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
@@ -638,25 +667,8 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int lo = (int)((long)parts * t / T), hi = (int)((long)parts * (t + 1) / T);
-        const int a = split_rows ? 0 : lo * 4, b = split_rows ? NP : (hi * 4 < NP ? hi * 4 : NP);
-        const int ma = split_rows ? lo * HEAD_ROWS : 0, mb = split_rows ? (hi * HEAD_ROWS < M ? hi * HEAD_ROWS : M) : M;
-        head_best *bt = best == NULL ? NULL : best + (size_t)M * t;
-        for (int p0 = a; p0 < b; p0 += NB) {
-            const int p1 = p0 + NB < b ? p0 + NB : b;
-            for (int m0 = ma; m0 < mb; m0 += MB) {
-                const int m1 = m0 + MB < mb ? m0 + MB : mb;
-                int m = m0;
-                for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, bt);
-                switch (m1 - m) {
-                    case 5: head_rows(5, 1, x, m, K, wp, p0, p1, V, y, bt); break;
-                    case 4: head_rows(4, 1, x, m, K, wp, p0, p1, V, y, bt); break;
-                    case 3: head_rows(3, 2, x, m, K, wp, p0, p1, V, y, bt); break;
-                    case 2: head_rows(2, 3, x, m, K, wp, p0, p1, V, y, bt); break;
-                    case 1: head_rows(1, 4, x, m, K, wp, p0, p1, V, y, bt); break;
-                }
-            }
-        }
+        panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, split_rows,
+                        (int)((long)parts * t / T), (int)((long)parts * (t + 1) / T));
     }
     if (argmax != NULL) {
         for (int m = 0; m < M; m++) {  // lanes, then threads in vocabulary order: ties go to the lower index

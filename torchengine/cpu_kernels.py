@@ -99,7 +99,6 @@ _SIGNATURES = {
     "decode_attention": "p l i p p p i p p i i i i f i p i",
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
-    "f32_gemm_part": "p i i p i p i i",
     "panel_gemm": "p i i p i p p i",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i",
 }
