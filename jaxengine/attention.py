@@ -240,8 +240,9 @@ def ragged_paged_attention_xla(
 ):
     """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0.
 
-    `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` (the cache read in place,
-    on a CPU, float32, no soft cap; otherwise this path's own loop)."""
+    `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` and the prefill and mixed
+    rows as `cpu_kernels.prefill_attention` (the cache read in place, every query with the same arithmetic;
+    on a CPU, float32, no soft cap; otherwise this path's own loops)."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
     table = block_tables.reshape(R, -1)
@@ -260,7 +261,8 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    if cpu_decode and soft_cap is None and q.dtype == kv_cache.dtype == jnp.float32:
+    cpu = cpu_decode and soft_cap is None and q.dtype == kv_cache.dtype == jnp.float32
+    if cpu:
         from jaxengine import cpu_kernels
 
         dec = cpu_kernels.decode_attention(q[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
@@ -272,8 +274,12 @@ def ragged_paged_attention_xla(
         )
     out = jnp.zeros((T, Hq, D), q.dtype)
     out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(q.dtype), mode="drop")
-    out = _prefill_attention(
-        q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-    )
+    if cpu:
+        out = cpu_kernels.prefill_attention(q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+                                            sm_scale=sm_scale, sliding_window=sliding_window)
+    else:
+        out = _prefill_attention(
+            q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
     return out, kv_cache

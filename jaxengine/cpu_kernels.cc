@@ -9,6 +9,9 @@
 //   on the other rows nor on the split, and equals the torch backend's bit for bit.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
+// - XlaserveCpuPrefillAttention: its prefill and mixed rows, each query with decode attention's arithmetic
+//   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
+//   same as the torch backend's on a CPU.
 //
 // Both split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
 // for the cores). Built by jaxengine/cpu_kernels.py with the system C and C++ compilers against
@@ -19,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -29,6 +33,12 @@ int panel_gemm_plan(int M, int K, int V, int nthreads, int *split_rows, int *nt)
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int split_rows,
                      int lo, int hi);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
+int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
+int prefill_attention_bq(void);
+int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
+                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
+                            const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
+                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
@@ -143,6 +153,58 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     return ffi::Error::Success();
 }
 
+// Attention of the prefill and mixed rows of a ragged step (requests [decode_end, mixed_end) of
+// distribution), every query with decode attention's arithmetic (cpu_kernels.c's prefill_attention_tasks):
+// written into `out` (aliased to `base`, whose other rows it keeps), tasks spread over XLA's threads.
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
+                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
+                            ffi::Buffer<ffi::F32> base, ffi::ResultBuffer<ffi::F32> out, float scale,
+                            int32_t window) {
+    const auto qd = q.dimensions(), cd = cache.dimensions(), td = table.dimensions();
+    if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || kv_lens.dimensions().size() != 1 ||
+        cu_q_lens.dimensions().size() != 1 || distribution.dimensions().size() != 1 ||
+        distribution.dimensions()[0] != 3)
+        return ffi::Error::InvalidArgument(
+            "q [T, Hq, D], cache [NB, bs, 2 Hkv, D], table [R, W], kv_lens [R], cu_q_lens [R + 1], distribution [3]");
+    const int64_t T = qd[0], Hq = qd[1], D = qd[2], NB = cd[0], bs = cd[1], Hkv = cd[2] / 2, R = td[0], W = td[1];
+    if (cd[3] != D || cd[2] % 2 || Hkv == 0 || Hq % Hkv || kv_lens.dimensions()[0] != R ||
+        cu_q_lens.dimensions()[0] != R + 1 || (int64_t)base.element_count() != T * Hq * D ||
+        (int64_t)out->element_count() != T * Hq * D)
+        return ffi::Error::InvalidArgument("prefill attention: shapes disagree");
+    float *o = out->typed_data();
+    if (base.typed_data() != o) std::copy(base.typed_data(), base.typed_data() + T * Hq * D, o);
+    const int32_t *dist = distribution.typed_data(), *cu = cu_q_lens.typed_data(), *lens = kv_lens.typed_data();
+    const int32_t *bt = table.typed_data();
+    const int64_t a = std::clamp<int64_t>(dist[0], 0, R), b = std::clamp<int64_t>(dist[2], a, R);
+    std::vector<int32_t> qs, ql, kl;
+    for (int64_t r = a; r < b; r++) {  // every row it reads lies in q and every block in the cache
+        const int32_t s0 = cu[r], s1 = cu[r + 1], L = lens[r];
+        if (s0 < 0 || s1 < s0 || s1 > T) return ffi::Error::InvalidArgument("cu_q_lens outside the tokens");
+        if (L < s1 - s0 || L > W * bs) return ffi::Error::InvalidArgument("kv_len shorter than q_len or past the table");
+        for (int64_t j = 0; j < (L + bs - 1) / bs; j++)
+            if (bt[r * W + j] < 0 || bt[r * W + j] >= NB) return ffi::Error::InvalidArgument("block id out of range");
+        qs.push_back(s0);
+        ql.push_back(s1 - s0);
+        kl.push_back(L);
+    }
+    const int n = (int)qs.size(), bq = prefill_attention_bq();
+    const int ntasks = prefill_attention_num_tasks(n, ql.data(), (int)Hkv, bq);
+    if (ntasks < 0) return ffi::Error::InvalidArgument("prefill attention: too many tasks");
+    if (ntasks == 0) return ffi::Error::Success();
+    std::atomic<int> rc{0};
+    const float *c = cache.typed_data();
+    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    parallel_for(pool, ntasks, std::min<int64_t>(threads, ntasks), 1, [&, c, o](int64_t t0, int64_t t1) {
+        if (prefill_attention_tasks(q.typed_data(), Hq * D, qs.data(), ql.data(), kl.data(), bt + a * W, (int)W, c,
+                                    c + D, 2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o,
+                                    Hq * D, n, bq, (int)t0, (int)t1))
+            rc.store(1);
+    });
+    if (rc.load()) return ffi::Error::Internal("prefill attention: out of memory, or more than 64 query heads a kv head");
+    return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
@@ -153,6 +215,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window"));

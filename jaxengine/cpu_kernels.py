@@ -10,6 +10,8 @@
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
+- `prefill_attention(...)`: its prefill and mixed rows, each query with decode attention's arithmetic (the
+  torch backend's `prefill_attention`): a token's attention is the same decoded, prefilled or recomputed.
 
 Both split their work across XLA's intra-op threads (no second thread pool competing for the cores).
 They run where the torch backend's AVX2 kernels run (x86-64 with AVX2/FMA/F16C and C/C++ compilers;
@@ -37,6 +39,7 @@ logger = logging.getLogger("xlaserve.jaxengine")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
+PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -57,6 +60,8 @@ def available() -> str:
         lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(PANEL_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuPanelLinear), platform="cpu")
         jax.ffi.register_ffi_target(DECODE_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(PREFILL_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuPrefillAttention),
                                     platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return f"cannot load {path}: {e}"
@@ -96,5 +101,19 @@ def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, s
                 window=np.int32(sliding_window or 0))
 
 
-__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "SOURCE", "available", "decode_attention", "pack_panels",
-           "panel_linear", "panel_rows"]
+def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *, sm_scale: float,
+                      sliding_window: int | None = None):
+    """The prefill and mixed rows of a ragged step (requests [distribution[0], distribution[2]), queries
+    cu_q_lens[r] ..., the last of their kv_lens[r] tokens) attend their cached tokens causally in blocks
+    table[r, :] of cache [NB, block_size, 2 * Hkv, D] (float32), each query with `decode_attention`'s
+    arithmetic (bit for bit). -> out [T, Hq, D] with those rows written, the others kept. An out-of-range
+    block id, length or row is an error, not a read out of bounds."""
+    call = jax.ffi.ffi_call(PREFILL_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            input_output_aliases={6: 0})
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return call(q, cache, i32(table), i32(kv_lens), i32(cu_q_lens), i32(distribution), out.astype(jnp.float32),
+                scale=np.float32(sm_scale), window=np.int32(sliding_window or 0))
+
+
+__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "SOURCE", "available", "decode_attention",
+           "pack_panels", "panel_linear", "panel_rows", "prefill_attention"]

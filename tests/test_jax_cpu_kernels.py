@@ -184,3 +184,84 @@ def test_decode_attention_refuses_a_block_outside_the_cache_or_a_length_past_its
     with pytest.raises(Exception, match="kv_len past the block table"):
         np.asarray(f(q, cache, table, np.asarray([5, table.shape[1] * 4 + 1], np.int32), 2))
     np.asarray(f(q, cache, bad, kv_lens, 1))  # row 1 is not a decode row: its table is not read
+
+
+def ragged(q_lens, kv_lens, Hq, Hkv, D, bs, decodes=0, seed=0):
+    """A ragged step: `decodes` requests of one query first, then the rest; q [T, Hq, D] and a paged cache."""
+    rng = np.random.default_rng(seed)
+    R = len(q_lens)
+    W = max(-(-n // bs) for n in kv_lens) + 1
+    NB = R * W + 3
+    cache = rng.standard_normal((NB, bs, 2 * Hkv, D), np.float32)
+    table = rng.permutation(NB)[: R * W].reshape(R, W).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]) + 3, Hq, D), np.float32)  # 3 padding rows
+    dist = np.asarray([decodes, R, R], np.int32)
+    return q, cache, table, np.asarray(kv_lens, np.int32), cu, dist
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, None), (4, 2, 16, 4, None), (8, 2, 32, 8, 17),
+                                                (4, 4, 24, 4, None)])
+def test_prefill_attention_is_decode_attention_for_every_query(Hq, Hkv, D, bs, window):
+    """Every prefill or mixed query gets decode attention's bits for a query at its position (a token's
+    attention is the same prefilled, chunk-prefilled, recomputed or decoded); within float32 of XLA's
+    prefill path; decode rows and padding rows are left as given."""
+    from jaxengine.attention import _prefill_attention
+
+    q_lens, kv_lens = [1, 70, 33, 5], [9, 70, 50, 5]  # a decode, a prefill, a mixed (17 cached), a short one
+    q, cache, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, bs, decodes=1, seed=6)
+    scale = D ** -0.5
+    base = np.full(q.shape, 7.0, np.float32)
+    f = jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=scale, sliding_window=window))
+    got = np.asarray(f(q, cache, table, lens, cu, dist, base))
+    assert (got[cu[0]:cu[1]] == 7.0).all() and (got[cu[-1]:] == 7.0).all()  # decode row, padding kept
+    # each query alone through the decode kernel, at its position (kv_len = position + 1)
+    rows, tables, dlens = [], [], []
+    for r in range(1, len(q_lens)):
+        for j in range(q_lens[r]):
+            rows.append(cu[r] + j)
+            tables.append(table[r])
+            dlens.append(kv_lens[r] - q_lens[r] + j + 1)
+    dec = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=scale, sliding_window=window))(
+        q[rows], cache, np.stack(tables), np.asarray(dlens, np.int32), len(rows)))
+    assert np.array_equal(got[rows], dec)
+    want = np.asarray(_prefill_attention(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), jnp.asarray(lens),
+                                         jnp.asarray(cu), jnp.asarray(dist), jnp.zeros(q.shape, jnp.float32),
+                                         sm_scale=scale, sliding_window=window, soft_cap=None))
+    np.testing.assert_allclose(got[rows], want[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_attention_bits_equal_the_torch_backends():
+    import torch
+
+    from torchengine import cpu_kernels as torch_kernels
+
+    lib, why = torch_kernels.load()
+    if lib is None:
+        pytest.skip(why)
+    q_lens, kv_lens = [40, 300], [40, 333]
+    Hq, Hkv, D, bs = 6, 2, 64, 16
+    q, cache, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, bs, seed=7)
+    got = np.asarray(jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=0.125))(
+        q, cache, table, lens, cu, dist, np.zeros(q.shape, np.float32)))
+    kc = torch.from_numpy(np.ascontiguousarray(cache[:, :, 0::2]))  # the torch backend's separate caches
+    vc = torch.from_numpy(np.ascontiguousarray(cache[:, :, 1::2]))
+    out = torch.zeros(q.shape)
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    torch_kernels.prefill_attention(lib, torch.from_numpy(q), i32(cu[:-1]), i32(q_lens), i32(lens),
+                                    i32(table), kc, vc, 0.125, None, out)
+    assert np.array_equal(got, out.numpy())
+
+
+def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
+    q, cache, table, lens, cu, dist = ragged([20, 9], [20, 30], 4, 2, 16, 4, seed=8)
+    f = jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=0.25))
+    base = np.zeros(q.shape, np.float32)
+    bad = table.copy()
+    bad[1, 5] = cache.shape[0]
+    with pytest.raises(Exception, match="block id out of range"):
+        np.asarray(f(q, cache, bad, lens, cu, dist, base))
+    with pytest.raises(Exception, match="kv_len shorter than q_len or past the table"):
+        np.asarray(f(q, cache, table, np.asarray([20, 8], np.int32), cu, dist, base))
+    with pytest.raises(Exception, match="cu_q_lens outside the tokens"):
+        np.asarray(f(q, cache, table, lens, np.asarray([0, 20, 99], np.int32), dist, base))

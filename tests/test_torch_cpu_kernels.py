@@ -214,3 +214,50 @@ def test_decode_attention_propagates_a_nan_score(lib, kv_len):
     cpu_kernels.decode_attention(lib, q, torch.zeros(1, dtype=torch.int64), torch.tensor([kv_len], dtype=torch.int32),
                                  torch.arange(1, nb + 1, dtype=torch.int32)[None], k_cache, v_cache, D**-0.5, None, out)
     assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, None), (8, 2, 32, 8, 17), (4, 4, 24, 4, None),
+                                                (12, 2, 128, 16, None)])
+def test_prefill_attention_is_decode_attention_for_every_query(lib, Hq, Hkv, D, bs, window):
+    """Each prefill query gets decode_attention's bits for a query at its position (so a token's attention is
+    the same prefilled, chunk-prefilled, recomputed or decoded), within float32 of a float64 softmax; rows of
+    other requests are left alone."""
+    q_lens, kv_lens = [70, 33, 1, 130], [70, 50, 12, 130]  # a prefill, a chunk after 17 cached, a single query
+    n, P = len(q_lens), max(-(-x // bs) for x in kv_lens)
+    k_cache, v_cache = randn(n * P + 1, bs, Hkv, D), randn(n * P + 1, bs, Hkv, D, seed=1)
+    tables = (torch.randperm(n * P, generator=torch.Generator().manual_seed(2)) + 1).view(n, P).to(torch.int32)
+    T = sum(q_lens) + 2
+    q = randn(T, Hq, D, seed=3)
+    starts = [0, 70, 103, 104]
+    out = torch.full((T, Hq, D), 5.0)
+    i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
+    cpu_kernels.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, k_cache, v_cache,
+                                  D**-0.5, window, out)
+    assert (out[-2:] == 5.0).all()
+    rows, lens, tabs = [], [], []
+    for i in range(n):
+        for j in range(q_lens[i]):
+            rows.append(starts[i] + j)
+            lens.append(kv_lens[i] - q_lens[i] + j + 1)
+            tabs.append(tables[i])
+    dec = torch.full((T, Hq, D), 5.0)
+    cpu_kernels.decode_attention(lib, q, torch.tensor(rows, dtype=torch.int64), i32(lens), torch.stack(tabs).contiguous(),
+                                 k_cache, v_cache, D**-0.5, window, dec)
+    assert torch.equal(out, dec)
+    G = Hq // Hkv
+    for t, L, tab in list(zip(rows, lens, tabs))[::7]:
+        pos = torch.arange(max(0, L - window) if window else 0, L)
+        slots = tab[pos // bs].long() * bs + pos % bs
+        K, V = k_cache.view(-1, Hkv, D)[slots].double(), v_cache.view(-1, Hkv, D)[slots].double()
+        for h in range(Hq):
+            p = torch.softmax(K[:, h // G] @ q[t, h].double() * D**-0.5, 0)
+            torch.testing.assert_close(out[t, h].double(), p @ V[:, h // G], rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_attention_refuses_bad_lengths(lib):
+    k_cache = randn(3, 4, 1, 8)
+    q, out = randn(4, 2, 8), torch.zeros(4, 2, 8)
+    i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="prefill_attention"):  # kv_len < q_len
+        cpu_kernels.prefill_attention(lib, q, i32([0]), i32([4]), i32([3]), i32([[1, 2]]), k_cache, k_cache, 0.3,
+                                      None, out)

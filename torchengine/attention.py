@@ -57,6 +57,17 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [n, P] i32, P blocks cover the longest
 
 
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Requests of several new tokens (prefill, chunked prefill, recompute), attended by
+    `cpu_kernels.prefill_attention` straight from the cache, each query with decode_attention's arithmetic."""
+
+    q_start: torch.Tensor  # [n] i32 first query row of each request
+    q_lens: torch.Tensor  # [n] i32
+    kv_lens: torch.Tensor  # [n] i32
+    block_tables: torch.Tensor  # [n, P] i32, P blocks cover the longest
+
+
 @dataclass
 class AttentionMetadata:
     """One step's ragged batch on the device (shapes padded to the batch's buckets)."""
@@ -67,7 +78,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [Rp, Bp] i32
     num_reqs: int  # requests the kernels look at (real ones eagerly, Rp in a CUDA graph)
     num_tokens: int  # real tokens (the first num_tokens rows of the batch)
-    groups: tuple[RequestGroup | DecodeGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
+    groups: tuple[RequestGroup | DecodeGroup | PrefillGroup, ...] = field(default_factory=tuple)  # TorchAttention's plan
 
 
 class AttentionBackend(abc.ABC):
@@ -82,7 +93,7 @@ class AttentionBackend(abc.ABC):
         self.sm_scale = head_dim**-0.5
 
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
-             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup, ...]:
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup | PrefillGroup, ...]:
         """Host-side per-step precomputation shared by all layers (none by default); `dtype`: the queries'."""
         return ()
 
@@ -128,7 +139,7 @@ class TorchAttention(AttentionBackend):
         self.lib = cpu_lib  # torchengine.cpu_kernels' library (float32 caches), or None: torch's ops only
 
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
-             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup, ...]:
+             dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup | PrefillGroup, ...]:
         R = batch.num_reqs
         cu = batch.cu_q_lens[: R + 1].astype(np.int64)
         q_lens = np.diff(cu)
@@ -143,7 +154,16 @@ class TorchAttention(AttentionBackend):
                                 block_tables=torch.from_numpy(np.ascontiguousarray(
                                     batch.block_tables[decodes, :P], dtype=np.int32)).to(device)),)
             decodes = decodes[:0]
-        groups = self._split(decodes, kv) + self._split(np.nonzero(~decode)[0], q_lens)
+        prefills = np.nonzero(~decode)[0]
+        if self.lib is not None and dtype == torch.float32 and len(prefills):
+            # each query as decode_attention would attend it: a token's attention is the same decoded,
+            # prefilled or recomputed (and the jax backend's, which runs the same kernel on a CPU)
+            P = int(-(-kv[prefills].max() // block_size))
+            i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
+            head += (PrefillGroup(q_start=i32(cu[prefills]), q_lens=i32(q_lens[prefills]), kv_lens=i32(kv[prefills]),
+                                  block_tables=i32(batch.block_tables[prefills, :P])),)
+            prefills = prefills[:0]
+        groups = self._split(decodes, kv) + self._split(prefills, q_lens)
         return head + tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device, dtype)
                             for idx in groups)
 
@@ -213,6 +233,14 @@ class TorchAttention(AttentionBackend):
                     q = q.contiguous()
                 cpu_kernels.decode_attention(lib, q, g.tokens, g.kv_lens, g.block_tables, key_cache, value_cache,
                                              self.sm_scale, self.sliding_window, out)
+                continue
+            if isinstance(g, PrefillGroup):
+                if out is None:
+                    out = torch.zeros(q.shape, dtype=q.dtype)
+                if q.stride(2) != 1 or q.stride(1) != D:
+                    q = q.contiguous()
+                cpu_kernels.prefill_attention(lib, q, g.q_start, g.q_lens, g.kv_lens, g.block_tables, key_cache,
+                                              value_cache, self.sm_scale, self.sliding_window, out)
                 continue
             n, L = g.token_index.shape
             qg = q[:T] if g.whole_batch else q[g.token_index]

@@ -220,17 +220,26 @@ int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
 // microseconds of dispatch for a few hundred floats of work; a decode step of a 30-layer model runs them
 // 30-60 times. Row strides are in floats, so views into a fused qkv output need no copy.
 
+// One 8-lane FMA chain over the floats in order, hsum8, then the scalar tail (prefill_attention's tiles
+// compute every score this way too: keep the two in step).
 static inline float dot(const float *a, const float *b, int n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     int j = 0;
-    for (; j + 16 <= n; j += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-    }
-    for (; j + 8 <= n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    float s = hsum8(acc);
     for (; j < n; j++) s += a[j] * b[j];
     return s;
+}
+
+// [hsum8(a), hsum8(b), hsum8(c), hsum8(d)]: the same additions of the same operands, four at a time
+static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+    // [a0 + a2, a1 + a3, c0 + c2, c1 + c3 | the same of b, d]
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+    // [a, c, a, c | b, d, b, d]
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u, u, 0x88), _mm256_shuffle_ps(u, u, 0xDD));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
 }
 
 // exp of 8 floats: x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor-like polynomial (Cephes'
@@ -416,6 +425,192 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
             rc = -2;
     return rc;
 }
+
+// Attention of prefill (and mixed) rows: request i's q_lens[i] queries (tokens q_start[i] ... of q, rows
+// q_stride floats apart, positions kv_lens[i] - q_lens[i] ...) over its cached tokens, causal (and the last
+// `window` only when window > 0). Every query row gets decode_attention's arithmetic for a query at its
+// position, bit for bit: each score the same dot() (one 8-lane FMA chain over d, hsum8) times scale, the
+// same exact two-pass softmax on the same contiguous run of scores (exp_shift_sum), the same FMA chain over
+// the keys in order for each output (axpy's), the same final scale. So a token's attention does not depend
+// on whether it was decoded, prefilled, prefilled in chunks or recomputed, nor on the backend. The work is
+// organized in tiles instead of one query at a time: a task is (request, block of bq queries, kv head); its
+// G * nq rows (query, head) score the union of their key ranges in 3-row x 4-key tiles (each key's K row
+// read once for three rows, four horizontal sums at a time), and each query's G heads, which share its key range, sum V in tiles of 3 heads
+// x 32 dims (each V row read once for the three). Tasks are numbered request by request, then query block,
+// then kv head; t0..t1 picks a range (prefill_attention splits them between threads, jaxengine's custom
+// call between XLA's). Returns -2 if a buffer cannot be allocated (those rows are left unwritten).
+#define PREFILL_MAX_GROUP 64  // query heads per kv head
+#define PREFILL_BQ 32  // queries a task (prefill_attention)
+
+int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq) {
+    long t = 0;
+    for (int i = 0; i < n; i++) t += (long)(q_lens[i] > 0 ? (q_lens[i] + bq - 1) / bq : 0) * Hkv;
+    return t > INT32_MAX ? -1 : (int)t;
+}
+
+// y[r][c] = dot(a[r], b[c], n) * scale for r < R, c < C (R * C <= 12 chains in registers)
+static inline __attribute__((always_inline)) void dots_tile(const int R, const int C, const float *const *a,
+                                                          const float *const *b, int n, float scale, float *y,
+                                                          long y_stride) {
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 bv[4];
+        for (int c = 0; c < C; c++) bv[c] = _mm256_loadu_ps(b[c] + j);
+        for (int r = 0; r < R; r++) {
+            const __m256 av = _mm256_loadu_ps(a[r] + j);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
+        }
+    }
+    if (C == 4 && j == n) {
+        for (int r = 0; r < R; r++)
+            _mm_storeu_ps(y + r * y_stride, _mm_mul_ps(hsum8x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                                       _mm_set1_ps(scale)));
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum8(acc[r][c]);
+            for (int t = j; t < n; t++) s += a[r][t] * b[c][t];
+            y[r * y_stride + c] = s * scale;
+        }
+}
+
+// o[r][d0 .. d0 + 32) (+)= sum over keys k in [k0, k1) of p[r][k] v[k][d0 ..], R rows, axpy's FMA chain
+static inline __attribute__((always_inline)) void pv_tile(const int R, float *const *o, const float *const *p,
+                                                        const float *const *v, int k0, int k1, int d0) {
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
+    for (int k = k0; k < k1; k++) {
+        __m256 vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = _mm256_loadu_ps(v[k] + d0 + 8 * c);
+        for (int r = 0; r < R; r++) {
+            const __m256 pr = _mm256_set1_ps(p[r][k]);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+}
+
+int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
+                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
+                            const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
+                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1) {
+    const int G = Hq / Hkv;
+    if (G > PREFILL_MAX_GROUP) return -1;
+    int rc = 0, task = 0;
+    for (int i = 0; i < n && task < t1; i++) {
+        const int ql = q_lens[i], nblk = ql > 0 ? (ql + bq - 1) / bq : 0;
+        if (task + nblk * Hkv <= t0) {
+            task += nblk * Hkv;
+            continue;
+        }
+        const int32_t *bt = block_tables + (size_t)i * bt_stride;
+        const int first = kv_lens[i] - ql;  // position of query 0
+        for (int qb = 0; qb < nblk; qb++)
+            for (int hk = 0; hk < Hkv; hk++, task++) {
+                if (task < t0 || task >= t1) continue;
+                const int q0 = qb * bq, nq = ql - q0 < bq ? ql - q0 : bq, M = nq * G;
+                const int p_lo = first + q0, p_hi = first + q0 + nq - 1;  // positions of the block's queries
+                const int k_lo = window > 0 && p_lo + 1 > window ? p_lo + 1 - window : 0, nk = p_hi + 1 - k_lo;
+                // scores [M, nk] (row m: query m / G, head hk * G + m % G), then M query, M output and nk key
+                // and value row pointers
+                char *buf = (char *)malloc(sizeof(float) * (size_t)M * nk + sizeof(void *) * (2 * (size_t)M + 2 * nk));
+                if (!buf) {
+                    rc = -2;
+                    continue;
+                }
+                float *S = (float *)buf;
+                const float **qr = (const float **)(S + (size_t)M * nk);
+                float **orow = (float **)(qr + M);
+                const float **kr = (const float **)(orow + M), **vr = kr + nk;
+                for (int m = 0; m < M; m++) {
+                    const size_t tok = (size_t)q_start[i] + q0 + m / G, h = (size_t)hk * G + m % G;
+                    qr[m] = q + tok * q_stride + h * D;
+                    orow[m] = out + tok * out_stride + h * D;
+                }
+                for (int k = 0; k < nk; k++) {
+                    const int pos = k_lo + k;
+                    const size_t slot = (size_t)bt[pos / block_size] * block_size + pos % block_size;
+                    kr[k] = kcache + slot * kv_row + hk * kv_head;
+                    vr[k] = vcache + slot * kv_row + hk * kv_head;
+                }
+                // scores: each row needs keys [its window start, its position]; the tiles score the union
+                int m = 0;
+                for (; m + 3 <= M; m += 3) {
+                    int k = 0;
+                    for (; k + 4 <= nk; k += 4) dots_tile(3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                    for (; k < nk; k++) dots_tile(3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                }
+                for (; m < M; m++) {
+                    int k = 0;
+                    for (; k + 4 <= nk; k += 4) dots_tile(1, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                    for (; k < nk; k++) dots_tile(1, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                }
+                // per query: its G rows' softmax over its own run of keys, then their outputs
+                for (int qi = 0; qi < nq; qi++) {
+                    const int pos = p_lo + qi, start = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                    const int a = start - k_lo, len = pos + 1 - start;
+                    float inv[PREFILL_MAX_GROUP];
+                    const float *prow[PREFILL_MAX_GROUP];
+                    for (int g = 0; g < G; g++) {
+                        float *sr = S + (size_t)(qi * G + g) * nk;
+                        float mx = -INFINITY;
+                        for (int k = a; k < a + len; k++) mx = sr[k] > mx ? sr[k] : mx;
+                        const float sum = exp_shift_sum(sr + a, len, mx);
+                        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+                        prow[g] = sr;
+                        memset(orow[qi * G + g], 0, sizeof(float) * D);
+                    }
+                    float *const *og = orow + (size_t)qi * G;
+                    if (D % 32 == 0) {
+                        int g = 0;
+                        for (; g + 3 <= G; g += 3)
+                            for (int d0 = 0; d0 < D; d0 += 32) pv_tile(3, og + g, prow + g, vr, a, a + len, d0);
+                        for (; g < G; g++)
+                            for (int d0 = 0; d0 < D; d0 += 32) pv_tile(1, og + g, prow + g, vr, a, a + len, d0);
+                    } else {
+                        for (int g = 0; g < G; g++)
+                            for (int k = a; k < a + len; k++) axpy(og[g], S[(size_t)(qi * G + g) * nk + k], vr[k], D);
+                    }
+                    for (int g = 0; g < G; g++)
+                        for (int d = 0; d < D; d++) og[g][d] *= inv[g];
+                }
+                free(buf);
+            }
+    }
+    return rc;
+}
+
+// prefill_attention_tasks over all tasks, split between OpenMP threads (heaviest-first is not needed: tasks
+// are small and taken one at a time). Checks the arguments it can: -1 on a bad one.
+int prefill_attention(const float *q, long q_stride, int n, const int32_t *q_start, const int32_t *q_lens,
+                      const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
+                      const float *vcache, int block_size, int Hq, int Hkv, int D, float scale, int window,
+                      float *out, long out_stride, int nthreads) {
+    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PREFILL_MAX_GROUP || D <= 0 || block_size <= 0)
+        return -1;
+    for (int i = 0; i < n; i++)
+        if (q_lens[i] < 0 || kv_lens[i] < q_lens[i]) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    const int ntasks = prefill_attention_num_tasks(n, q_lens, Hkv, PREFILL_BQ);
+    if (ntasks < 0) return -1;
+    const long W = (long)Hkv * D;  // floats per cached token
+    int rc = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (ntasks > 1)
+    for (int task = 0; task < ntasks; task++)
+        if (prefill_attention_tasks(q, q_stride, q_start, q_lens, kv_lens, block_tables, bt_stride, kcache, vcache, W,
+                                    D, block_size, Hq, Hkv, D, scale, window, out, out_stride, n, PREFILL_BQ, task,
+                                    task + 1))
+            rc = -2;
+    return rc;
+}
+
+int prefill_attention_bq(void) { return PREFILL_BQ; }
 
 // out[M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (a fused gate/up projection's output); silu(x) = x / (1 + e^-x)
 int silu_mul(const float *gu, int M, int I, float *out) {

@@ -97,6 +97,7 @@ _SIGNATURES = {
     "rope": "p i i i l p p",
     "kv_write": "p p l l i p p p i",
     "decode_attention": "p l i p p p i p p i i i i f i p i",
+    "prefill_attention": "p l i p p p p i p p i i i i f i p l i",
     "silu_mul": "p i i p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
@@ -269,6 +270,23 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv
                                 block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(),
                                 value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale, window or 0,
                                 out.data_ptr(), torch.get_num_threads()), "decode_attention")
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor,
+                      kv_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, scale: float, window: int | None, out: torch.Tensor) -> None:
+    """Request i's q_lens[i] query tokens, rows q_start[i] ... of q [T, Hq, D] (heads contiguous), attend
+    their request's cached tokens causally (kv_lens[i] after this step; the queries are the last q_lens[i]),
+    with decode_attention's arithmetic for each query (bit for bit: a token's attention is the same decoded,
+    prefilled or recomputed). q_start/q_lens/kv_lens [n] int32, block_tables [n, P] int32 contiguous, caches
+    [blocks, block_size, Hkv, D] contiguous; writes those rows of out [T, Hq, D] (contiguous)."""
+    n = q_start.shape[0]
+    _, block_size, Hkv, D = key_cache.shape
+    _check(lib.prefill_attention(q.data_ptr(), q.stride(0), n, q_start.data_ptr(), q_lens.data_ptr(),
+                                 kv_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                                 key_cache.data_ptr(), value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale,
+                                 window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads()),
+           "prefill_attention")
 
 
 # ---------------------------------------------------------------------------------
