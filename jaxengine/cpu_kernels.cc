@@ -201,7 +201,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                                     Hq * D, n, bq, (int)t0, (int)t1))
             rc.store(1);
     });
-    if (rc.load()) return ffi::Error::Internal("prefill attention: out of memory, or more than 64 query heads a kv head");
+    if (rc.load()) return ffi::Error::Internal("prefill attention: out of memory");
     return ffi::Error::Success();
 }
 

@@ -434,13 +434,15 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
 // the keys in order for each output (axpy's), the same final scale. So a token's attention does not depend
 // on whether it was decoded, prefilled, prefilled in chunks or recomputed, nor on the backend. The work is
 // organized in tiles instead of one query at a time: a task is (request, block of bq queries, kv head); its
-// G * nq rows (query, head) score the union of their key ranges in 3-row x 4-key tiles (each key's K row
-// read once for three rows, four horizontal sums at a time), and each query's G heads, which share its key range, sum V in tiles of 3 heads
-// x 32 dims (each V row read once for the three). Tasks are numbered request by request, then query block,
+// G * nq rows (query, head) score the union of their key ranges in 3-row x 4-key tiles (four horizontal sums
+// at a time), 64 keys for all rows before the next 64 (their K rows stay in L1); each query's G heads, which
+// share its key range, sum V in tiles of 3 heads x 32 dims, again 64 keys for all queries at a time (the
+// output chains go back to memory between key blocks; their order stays). Tasks are numbered request by
+// request, then query block,
 // then kv head; t0..t1 picks a range (prefill_attention splits them between threads, jaxengine's custom
 // call between XLA's). Returns -2 if a buffer cannot be allocated (those rows are left unwritten).
-#define PREFILL_MAX_GROUP 64  // query heads per kv head
 #define PREFILL_BQ 32  // queries a task (prefill_attention)
+#define PREFILL_KEYS 64  // keys a block of a task's score and output loops
 
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq) {
     long t = 0;
@@ -501,7 +503,6 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                             const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
                             float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1) {
     const int G = Hq / Hkv;
-    if (G > PREFILL_MAX_GROUP) return -1;
     int rc = 0, task = 0;
     for (int i = 0; i < n && task < t1; i++) {
         const int ql = q_lens[i], nblk = ql > 0 ? (ql + bq - 1) / bq : 0;
@@ -519,19 +520,20 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 const int k_lo = window > 0 && p_lo + 1 > window ? p_lo + 1 - window : 0, nk = p_hi + 1 - k_lo;
                 // scores [M, nk] (row m: query m / G, head hk * G + m % G), then M query, M output and nk key
                 // and value row pointers
-                char *buf = (char *)malloc(sizeof(float) * (size_t)M * nk + sizeof(void *) * (2 * (size_t)M + 2 * nk));
+                char *buf = (char *)malloc(sizeof(float) * ((size_t)M * nk + M) + sizeof(void *) * (3 * (size_t)M + 2 * nk));
                 if (!buf) {
                     rc = -2;
                     continue;
                 }
-                float *S = (float *)buf;
-                const float **qr = (const float **)(S + (size_t)M * nk);
+                float *S = (float *)buf, *inv = S + (size_t)M * nk;
+                const float **qr = (const float **)(buf + sizeof(float) * ((size_t)M * nk + M));
                 float **orow = (float **)(qr + M);
-                const float **kr = (const float **)(orow + M), **vr = kr + nk;
+                const float **prow = (const float **)(orow + M), **kr = prow + M, **vr = kr + nk;
                 for (int m = 0; m < M; m++) {
                     const size_t tok = (size_t)q_start[i] + q0 + m / G, h = (size_t)hk * G + m % G;
                     qr[m] = q + tok * q_stride + h * D;
                     orow[m] = out + tok * out_stride + h * D;
+                    prow[m] = S + (size_t)m * nk;
                 }
                 for (int k = 0; k < nk; k++) {
                     const int pos = k_lo + k;
@@ -539,47 +541,66 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                     kr[k] = kcache + slot * kv_row + hk * kv_head;
                     vr[k] = vcache + slot * kv_row + hk * kv_head;
                 }
-                // scores: each row needs keys [its window start, its position]; the tiles score the union
-                int m = 0;
-                for (; m + 3 <= M; m += 3) {
-                    int k = 0;
-                    for (; k + 4 <= nk; k += 4) dots_tile(3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
-                    for (; k < nk; k++) dots_tile(3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                // scores: each row needs keys [its window start, its position]; the tiles score the union up to
+                // their last row's position, 64 keys (16 KiB of K at D = 64, in L1) for every row tile at a time
+                for (int c0 = 0; c0 < nk; c0 += PREFILL_KEYS) {
+                    const int c1 = c0 + PREFILL_KEYS < nk ? c0 + PREFILL_KEYS : nk;
+                    int m = 0;
+                    for (; m < M; m += 3) {
+                        const int R = M - m < 3 ? M - m : 3, last = p_lo + (m + R - 1) / G - k_lo + 1;
+                        const int e = c1 < last ? c1 : last;
+                        int k = c0;
+                        if (R == 3) {
+                            for (; k + 4 <= e; k += 4) dots_tile(3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                            for (; k < e; k++) dots_tile(3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                        } else {
+                            for (int r = m; r < m + R; r++) {
+                                int kk = c0;
+                                for (; kk + 4 <= e; kk += 4)
+                                    dots_tile(1, 4, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
+                                for (; kk < e; kk++) dots_tile(1, 1, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
+                            }
+                        }
+                    }
                 }
-                for (; m < M; m++) {
-                    int k = 0;
-                    for (; k + 4 <= nk; k += 4) dots_tile(1, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
-                    for (; k < nk; k++) dots_tile(1, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
-                }
-                // per query: its G rows' softmax over its own run of keys, then their outputs
+                // per query: its G rows' softmax over its own run of keys
                 for (int qi = 0; qi < nq; qi++) {
                     const int pos = p_lo + qi, start = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
                     const int a = start - k_lo, len = pos + 1 - start;
-                    float inv[PREFILL_MAX_GROUP];
-                    const float *prow[PREFILL_MAX_GROUP];
                     for (int g = 0; g < G; g++) {
                         float *sr = S + (size_t)(qi * G + g) * nk;
                         float mx = -INFINITY;
                         for (int k = a; k < a + len; k++) mx = sr[k] > mx ? sr[k] : mx;
                         const float sum = exp_shift_sum(sr + a, len, mx);
-                        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
-                        prow[g] = sr;
+                        inv[qi * G + g] = sum > 0.f ? 1.f / sum : 0.f;
                         memset(orow[qi * G + g], 0, sizeof(float) * D);
                     }
-                    float *const *og = orow + (size_t)qi * G;
-                    if (D % 32 == 0) {
-                        int g = 0;
-                        for (; g + 3 <= G; g += 3)
-                            for (int d0 = 0; d0 < D; d0 += 32) pv_tile(3, og + g, prow + g, vr, a, a + len, d0);
-                        for (; g < G; g++)
-                            for (int d0 = 0; d0 < D; d0 += 32) pv_tile(1, og + g, prow + g, vr, a, a + len, d0);
-                    } else {
-                        for (int g = 0; g < G; g++)
-                            for (int k = a; k < a + len; k++) axpy(og[g], S[(size_t)(qi * G + g) * nk + k], vr[k], D);
-                    }
-                    for (int g = 0; g < G; g++)
-                        for (int d = 0; d < D; d++) og[g][d] *= inv[g];
                 }
+                // outputs: every query's G heads share its run of keys; 64 keys of V (in L1) for every query
+                // at a time, each output one FMA chain over its keys in order (the accumulators go back to
+                // memory between key blocks, the order stays)
+                for (int c0 = 0; c0 < nk; c0 += PREFILL_KEYS) {
+                    const int c1 = c0 + PREFILL_KEYS < nk ? c0 + PREFILL_KEYS : nk;
+                    for (int qi = 0; qi < nq; qi++) {
+                        const int pos = p_lo + qi, start = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                        const int a = (start - k_lo > c0 ? start - k_lo : c0), b = pos + 1 - k_lo < c1 ? pos + 1 - k_lo : c1;
+                        if (a >= b) continue;
+                        float *const *og = orow + (size_t)qi * G;
+                        const float **pg = (const float **)prow + (size_t)qi * G;
+                        if (D % 32 == 0) {
+                            int g = 0;
+                            for (; g + 3 <= G; g += 3)
+                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(3, og + g, pg + g, vr, a, b, d0);
+                            for (; g < G; g++)
+                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(1, og + g, pg + g, vr, a, b, d0);
+                        } else {
+                            for (int g = 0; g < G; g++)
+                                for (int k = a; k < b; k++) axpy(og[g], pg[g][k], vr[k], D);
+                        }
+                    }
+                }
+                for (int m = 0; m < M; m++)
+                    for (int d = 0; d < D; d++) orow[m][d] *= inv[m];
                 free(buf);
             }
     }
@@ -592,7 +613,7 @@ int prefill_attention(const float *q, long q_stride, int n, const int32_t *q_sta
                       const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
                       const float *vcache, int block_size, int Hq, int Hkv, int D, float scale, int window,
                       float *out, long out_stride, int nthreads) {
-    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || Hq / Hkv > PREFILL_MAX_GROUP || D <= 0 || block_size <= 0)
+    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0)
         return -1;
     for (int i = 0; i < n; i++)
         if (q_lens[i] < 0 || kv_lens[i] < q_lens[i]) return -1;
