@@ -774,13 +774,22 @@ static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, 
         _mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), gt)));
 }
 
+// pf_lines cache lines from pf are prefetched, evenly over the k loop (head_rows)
 static inline __attribute__((always_inline)) void head_tile(
-    const int R, const int P, const float *x, int K, const float *wp, int p0, int V, float *y, head_best *best) {
+    const int R, const int P, const float *x, int K, const float *wp, int p0, int V, float *y, head_best *best,
+    const char *pf, int pf_lines) {
     __m256 a[HEAD_ROWS * 2];  // R * 2P <= 12 accumulators
 #pragma GCC unroll 12
     for (int i = 0; i < R * 2 * P; i++) a[i] = _mm256_setzero_ps();
     const float *w = wp + (size_t)p0 * K * 16;
+    int acc = 0;
     for (int k = 0; k < K; k++) {
+        acc += pf_lines;
+        if (acc >= K) {
+            acc -= K;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            pf += 64;
+        }
         __m256 wv[8];
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
@@ -809,16 +818,28 @@ static inline __attribute__((always_inline)) void head_tile(
         }
 }
 
-// rows m0..m0+R-1 over panels p0..p1, P panels a tile (single panels at the end)
+// rows m0..m0+R-1 over panels p0..p1, P panels a tile (single panels at the end). Each tile also prefetches
+// slice mi of nm of the panels it will meet in the next block (p1.. < pe), spread over its k loop: the rows'
+// first tile of a block then finds its weights in cache instead of waiting on memory while later tiles, which
+// read them from L2, leave the memory idle (5-12% faster linears at 32-64 rows; none with one row block).
 static inline __attribute__((always_inline)) void head_rows(
     const int R, const int P, const float *x, int m0, int K, const float *wp, int p0, int p1, int V, float *y,
-    head_best *best) {
+    head_best *best, int pe, int mi, int nm) {
     const float *xm = x + (size_t)m0 * K;
     float *ym = y == NULL ? NULL : y + (size_t)m0 * V;
     head_best *bm = best == NULL ? NULL : best + m0;
-    int p = p0;
-    for (; p + P <= p1; p += P) head_tile(R, P, xm, K, wp, p, V, ym, bm);
-    for (; p < p1; p++) head_tile(R, 1, xm, K, wp, p, V, ym, bm);
+    const int l0 = (int)((long)K * mi / nm), l1 = (int)((long)K * (mi + 1) / nm);
+    for (int p = p0; p < p1;) {
+        const int q = p1 + (p - p0), lines = q < pe && nm > 1 ? l1 - l0 : 0;
+        const char *pf = (const char *)(wp + ((size_t)q * K + l0) * 16);
+        if (p + P <= p1) {
+            head_tile(R, P, xm, K, wp, p, V, ym, bm, pf, lines);
+            p += P;
+        } else {
+            head_tile(R, 1, xm, K, wp, p, V, ym, bm, pf, lines);
+            p++;
+        }
+    }
 }
 
 // How panel_gemm splits its work between threads: parts of 4 panels, or, from 256 rows (compute-bound: each
@@ -848,16 +869,17 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
     const int ma = split_rows ? lo * HEAD_ROWS : 0, mb = split_rows ? (hi * HEAD_ROWS < M ? hi * HEAD_ROWS : M) : M;
     for (int p0 = a; p0 < b; p0 += NB) {
         const int p1 = p0 + NB < b ? p0 + NB : b;
-        for (int m0 = ma; m0 < mb; m0 += MB) {
+        const int pe = p1 + NB < b ? p1 + NB : b, nm = (mb - ma + MB - 1) / MB;
+        for (int m0 = ma, mi = 0; m0 < mb; m0 += MB, mi++) {
             const int m1 = m0 + MB < mb ? m0 + MB : mb;
             int m = m0;
-            for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, best);
+            for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm);
             switch (m1 - m) {
-                case 5: head_rows(5, 1, x, m, K, wp, p0, p1, V, y, best); break;
-                case 4: head_rows(4, 1, x, m, K, wp, p0, p1, V, y, best); break;
-                case 3: head_rows(3, 2, x, m, K, wp, p0, p1, V, y, best); break;
-                case 2: head_rows(2, 3, x, m, K, wp, p0, p1, V, y, best); break;
-                case 1: head_rows(1, 4, x, m, K, wp, p0, p1, V, y, best); break;
+                case 5: head_rows(5, 1, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm); break;
+                case 4: head_rows(4, 1, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm); break;
+                case 3: head_rows(3, 2, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm); break;
+                case 2: head_rows(2, 3, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm); break;
+                case 1: head_rows(1, 4, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm); break;
             }
         }
     }
