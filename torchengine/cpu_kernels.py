@@ -57,6 +57,12 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     path, why = build_shared("cpu_kernels", [(CPU_KERNELS_C, "c", CPU_KERNELS_FLAGS)], ("-fopenmp",))
     if path is None:
         return None, why
+    return open_library(path)
+
+
+def open_library(path: str) -> tuple[ctypes.CDLL | None, str]:
+    """A built cpu_kernels library with its functions' signatures, or (None, why not) (also used by
+    benchmarks.bench_kernels_ab for another revision's build)."""
     torch.get_num_threads()  # torch's OpenMP runtime is loaded before ours resolves libgomp.so.1
     try:
         lib = ctypes.CDLL(path)

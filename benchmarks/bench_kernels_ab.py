@@ -1,0 +1,112 @@
+"""Two builds of the CPU kernels in one process, interleaved: a git revision's `torchengine/cpu_kernels.c`
+against the working tree's.
+
+    python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20]
+
+This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
+separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
+best of --reps of each is compared. What it times: one decode step's float32 linears of the embedded model
+(SmolLM2-135M: 30 layers of q/k/v, o, gate/up and down, random weights packed in panels as the engines pack
+them, ~425 MB, then the tied LM head's greedy argmax over 49152 rows, 113 MB), so the weights stream from
+memory as in a real step. Both builds must give the same bits (checked first): the kernels' outputs do not
+depend on how they are tiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out): q/k/v fused, o, gate/up fused, down
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def build(source: str, name: str):
+    from enginecore.native import CPU_KERNELS_FLAGS, build_shared
+    from torchengine import cpu_kernels
+
+    path, why = build_shared(name, [(source, "c", CPU_KERNELS_FLAGS)], ("-fopenmp",))
+    lib, why = cpu_kernels.open_library(path) if path else (None, why)
+    if lib is None:
+        raise SystemExit(f"cannot build {source}: {why}")
+    return lib
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
+    ap.add_argument("--rows", default="1,8,32,64", help="tokens a step")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+
+    import torch
+
+    from enginecore.native import CPU_KERNELS_C
+    from enginecore.platform import cpu_kernels_unavailable
+    from torchengine import cpu_kernels
+
+    why = cpu_kernels_unavailable()
+    if why:
+        print(f"the CPU kernels cannot run here: {why}")
+        return 1
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    rel = os.path.relpath(CPU_KERNELS_C, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "cpu_kernels.c")
+        with open(src, "wb") as f:
+            f.write(subprocess.run(["git", "show", f"{args.base}:{rel}"], check=True, capture_output=True).stdout)
+        base = build(src, "cpu_kernels_ab")
+    new = cpu_kernels.lib()
+    if new is None:
+        print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
+        return 1
+    libs = {"base": base, "new": new}
+
+    g = torch.Generator().manual_seed(0)
+    layers = [[cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5) for k, n in SHAPES]
+              for _ in range(LAYERS)]
+    head = cpu_kernels.pack_panels(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN ** 0.5)
+
+    print(f"decode step linears of SmolLM2-135M (float32, weights streamed from memory), {threads} thread(s); "
+          f"base {args.base} vs the working tree, best of {args.reps} interleaved")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GFLOP/s':>12}  {'new GFLOP/s':>11}  {'speedup':>7}")
+    for M in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
+        outs = {name: ({n: torch.empty(M, n) for _, n in SHAPES}, torch.empty(M, dtype=torch.int64))
+                for name in libs}
+
+        def step(name: str) -> None:
+            lib, (ys, best) = libs[name], outs[name]
+            for ws in layers:
+                for (k, n), w in zip(SHAPES, ws):
+                    if lib.panel_gemm(xs[k].data_ptr(), M, k, w.data_ptr(), n, ys[n].data_ptr(), None, threads):
+                        raise RuntimeError("panel_gemm refused its arguments")
+            if lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head.data_ptr(), VOCAB, None, best.data_ptr(),
+                              threads):
+                raise RuntimeError("panel_gemm refused its arguments")
+
+        for name in libs:
+            step(name)
+        (ys_a, b_a), (ys_b, b_b) = outs["base"], outs["new"]
+        if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
+            print(f"{M:>5}  the two builds give different outputs")
+            return 1
+        best = {name: float("inf") for name in libs}
+        for _ in range(args.reps):
+            for name in libs:
+                t0 = time.perf_counter()
+                step(name)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        flops = 2 * M * (LAYERS * sum(k * n for k, n in SHAPES) + HIDDEN * VOCAB)
+        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {flops / best['base'] / 1e9:>12.0f}  "
+              f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
