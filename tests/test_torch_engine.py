@@ -93,7 +93,7 @@ def test_seeded_request_alone_equals_batched(tiny_llama, plain):
 
 
 def test_logprobs_agree_across_batch_shapes(tiny_llama, monkeypatch):
-    """Decode-batch logprobs equal those of the same request prefilled in small chunks.
+    """Decode-batch logprobs equal, bit for bit, those of the same request prefilled in small chunks.
 
     The second run also computes prompt logprobs 5 positions at a time (PROMPT_LOGPROBS_ROWS).
     """
@@ -106,10 +106,44 @@ def test_logprobs_agree_across_batch_shapes(tiny_llama, monkeypatch):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert s.keys() == t.keys()
-            np.testing.assert_allclose([v.logprob for v in s.values()], [v.logprob for v in t.values()], atol=1e-4)
+            np.testing.assert_array_equal([v.logprob for v in s.values()], [v.logprob for v in t.values()])
         for s, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
             assert s.keys() == t.keys()
-            np.testing.assert_allclose([v.logprob for v in s.values()], [v.logprob for v in t.values()], atol=1e-4)
+            np.testing.assert_array_equal([v.logprob for v in s.values()], [v.logprob for v in t.values()])
+
+
+def test_decoded_logprobs_equal_prompt_logprobs(tiny_llama):
+    """A token's logprob has the same bits whether the engine decoded it (alone in its step, one row of
+    logits) or scored it as part of a prompt (prefill attention, many rows): on a CPU the torch backend's kernels
+    and the sampler's row sums compute a row the same way whatever else is in the step."""
+    llm = llm_for(tiny_llama)
+    prompt = PROMPTS[5][:40]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, logprobs=0,
+                                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    toks = list(out.token_ids)
+    rescored = llm.generate([{"prompt_token_ids": prompt + toks}],
+                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    decoded = [d[t].logprob for d, t in zip(out.logprobs, toks)]
+    as_prompt = [d[t].logprob for d, t in zip(rescored.prompt_logprobs[len(prompt):], toks)]
+    assert decoded == as_prompt
+
+
+def test_log_softmax_row_alone_equals_in_batch():
+    """torch splits a lone row's sum between threads (another order than a row among several);
+    sampler.row_sums does not."""
+    from torchengine.sampler import log_softmax
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0)) * 4
+        e = torch.exp(x)
+        assert any(not torch.equal(e[i : i + 1].sum(-1), e[i : i + 2].sum(-1)[:1]) for i in range(4))  # the pitfall
+        batch = log_softmax(x)
+        for i in range(5):
+            assert torch.equal(log_softmax(x[i : i + 1])[0], batch[i])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_request_bucket_larger_than_max_num_seqs(tiny_llama):

@@ -111,11 +111,22 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # [Rp] i64
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] -> [R, 1], each row summed in the same order whatever R. On a CPU torch sums each of several
+    rows on one thread, but splits a lone row (>= 32768 columns) between threads, another order: a request's
+    logprobs would then change in the last bits with the batch it shares a step with. A lone row is summed as
+    one of two identical rows instead (a second row of reads, no copy)."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
+        return x.expand(2, -1).sum(dim=-1, keepdim=True)[:1]
+    return x.sum(dim=-1, keepdim=True)
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise, written as `sampling_ref.log_softmax` (rows of -inf give NaN there too)."""
+    """Row-wise, written as `sampling_ref.log_softmax` (rows of -inf give NaN there too); a row's result does
+    not depend on the other rows (`row_sums`)."""
     m = x.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return x - m - torch.log(torch.exp(x - m).sum(dim=-1, keepdim=True))
+    return x - m - torch.log(row_sums(torch.exp(x - m)))
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
