@@ -9,6 +9,8 @@
 //   on the other rows nor on the split, and equals the torch backend's bit for bit.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
+// - XlaserveCpuRmsNorm: RMSNorm of each row, as the torch backend computes it (XLA's reduction order
+//   depends on the row count).
 // - XlaserveCpuPrefillAttention: its prefill and mixed rows, each query with decode attention's arithmetic
 //   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
 //   same as the torch backend's on a CPU.
@@ -39,6 +41,7 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                             const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
                             const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
                             float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1);
+int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
@@ -108,6 +111,26 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for
     parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / ((int64_t)nt * 4)), [=](int64_t a, int64_t b) {
         panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, split_rows, (int)a, (int)b);
+    });
+    return ffi::Error::Success();
+}
+
+// out [M, K] = RMSNorm of x [M, K]'s rows times w [K]: the torch backend's rms_norm (each row's sum of squares
+// one 8-lane FMA chain), so a row's result does not depend on the other rows. XLA's own reduction vectorises
+// across rows from 8 rows up and along the row below, so a token's norm changed with the step's size.
+ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::ResultBuffer<ffi::F32> out, float eps) {
+    const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+    if (xd.size() != 2 || wd.size() != 1 || od.size() != 2 || xd[1] == 0 || wd[0] != xd[1] || od[0] != xd[0] ||
+        od[1] != xd[1])
+        return ffi::Error::InvalidArgument("x [M, K], w [K] and out [M, K] expected");
+    const int64_t M = xd[0], K = xd[1];
+    if (M == 0) return ffi::Error::Success();
+    const float *xp = x.typed_data(), *wp = w.typed_data();
+    float *op = out->typed_data();
+    const int64_t tasks = M * K >= 4 * kParallelWork ? std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), M) : 1;
+    parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), [=](int64_t a, int64_t b) {
+        rms_norm(xp + a * K, (int)(b - a), (int)K, K, nullptr, wp, eps, op + a * K);
     });
     return ffi::Error::Success();
 }
@@ -240,3 +263,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelLinear, PanelLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));

@@ -10,6 +10,8 @@
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
+- `rms_norm(x, w, eps)`: RMSNorm as the torch backend computes it, a row's result independent of the row count
+  (XLA:CPU reduces a row in another order from 8 rows up), wherever the linears run on panels.
 - `prefill_attention(...)`: its prefill and mixed rows, each query with decode attention's arithmetic (the
   torch backend's `prefill_attention`): a token's attention is the same decoded, prefilled or recomputed.
 
@@ -40,6 +42,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
+RMS_NORM = "xlaserve_cpu_rms_norm"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -63,6 +66,7 @@ def available() -> str:
                                     platform="cpu")
         jax.ffi.register_ffi_target(PREFILL_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuPrefillAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.XlaserveCpuRmsNorm), platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return f"cannot load {path}: {e}"
     return ""
@@ -87,6 +91,15 @@ def panel_linear(x, panels, layer, n: int):
     int32 scalar -> [T, n] float32 = x . W_layer^T."""
     call = jax.ffi.ffi_call(PANEL_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def rms_norm(x, w, eps: float):
+    """x [..., K] float32, w [K] -> x / sqrt(mean(x^2) + eps) * w, float32: the torch backend's rms_norm, each
+    row's sum of squares one FMA chain whatever the number of rows (XLA's reduction order changes with it)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    call = jax.ffi.ffi_call(RMS_NORM, jax.ShapeDtypeStruct(x2.shape, jnp.float32))
+    return call(x2, jnp.asarray(w, jnp.float32), eps=np.float32(eps)).reshape(shape)
 
 
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
@@ -115,5 +128,5 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
                 scale=np.float32(sm_scale), window=np.int32(sliding_window or 0))
 
 
-__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "SOURCE", "available", "decode_attention",
-           "pack_panels", "panel_linear", "panel_rows", "prefill_attention"]
+__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM", "SOURCE", "available",
+           "decode_attention", "pack_panels", "panel_linear", "panel_rows", "prefill_attention", "rms_norm"]

@@ -209,10 +209,11 @@ def _as_out_in(name: str, w, stacked: bool = False):
 
 
 def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first_rows: int = 0, panels=None):
+           weights_first_rows: int = 0, panels=None, norm=rms_norm):
     """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU), or
     through `panels(h, group)` when given (`forward`: the CPU custom call on every layer's packed weights;
-    groups "qkv", "o", "gate_up", "down")."""
+    groups "qkv", "o", "gate_up", "down"); `norm` is the RMSNorm (`forward` picks the CPU custom call's with
+    the panels)."""
     T = x.shape[0]
     Hq, Hkv, D, eps = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.rms_norm_eps
 
@@ -221,7 +222,7 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
             return panels(h, {"o_proj": "o", "down_proj": "down"}[name])
         return dense(h, _as_out_in(name, getattr(lp, name)), weights_first_rows)
 
-    h = rms_norm(x, lp.attn_norm, eps)
+    h = norm(x, lp.attn_norm, eps)
     if panels is not None:
         q, k, v = jnp.split(panels(h, "qkv"), [Hq * D, (Hq + Hkv) * D], axis=1)
     else:
@@ -230,8 +231,8 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     if lp.q_bias is not None:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
     if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, eps)
-        k = rms_norm(k, lp.k_norm, eps)
+        q = norm(q, lp.q_norm, eps)
+        k = norm(k, lp.k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_dt = kv_cache.dtype
     attn, kv_cache = attention_fn(
@@ -239,7 +240,7 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
         md.cu_q_lens, md.distribution, sm_scale=arch.sm_scale, sliding_window=arch.sliding_window,
     )
     x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
-    h = rms_norm(x, lp.mlp_norm, eps)
+    h = norm(x, lp.mlp_norm, eps)
     if panels is not None:
         g, u = jnp.split(panels(h, "gate_up"), 2, axis=1)
     else:
@@ -280,16 +281,17 @@ def forward(
     x = embed(params, input_ids)
     cos, sin = rope[0][positions], rope[1][positions]
 
-    layers, panels_for = params.layers, lambda l: None
+    layers, panels_for, norm = params.layers, lambda l: None, rms_norm
     if params.panels is not None:
         from jaxengine.cpu_kernels import panel_linear
+        from jaxengine.cpu_kernels import rms_norm as norm
 
         n = panel_outputs(arch)
         panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l))
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l), norm)
 
     if scan_layers:
         def body(carry, xs):
@@ -306,11 +308,13 @@ def forward(
 
 def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0):
     """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows)."""
-    h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     if params.panels is not None:
         from jaxengine.cpu_kernels import panel_linear
+        from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
 
+        h = cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
         return panel_linear(h, params.panels.head, 0, arch.vocab_size)
+    h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     w = params.embed if params.lm_head is None else params.lm_head
     return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
 

@@ -5,7 +5,8 @@ weight; a row's bits the same alone as in any batch and the same as the torch ba
 same data (one kernel for both backends); a bad layer index or output width is an error, not a read past
 the weights; inside a scan it reads each layer's weights without the dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
 fewer decode rows than rows), a row the same alone as among others, and a block id or length that would
-read outside the cache refused. Engine-level: tests/test_jax_model.py (greedy tokens vs transformers,
+read outside the cache refused. RMSNorm: the torch backend's bits, a row's the same in any batch (XLA's is
+not). Engine-level: tests/test_jax_model.py (greedy tokens vs transformers,
 and vs XLA's dots).
 """
 
@@ -94,6 +95,41 @@ def test_a_layer_index_out_of_range_or_a_wrong_width_is_an_error():
     for n in (16, 33):
         with pytest.raises(Exception, match="disagree"):
             np.asarray(jax.jit(functools.partial(cpu_kernels.panel_linear, n=n))(x, panels, jnp.int32(0)))
+
+
+@pytest.mark.parametrize("K", [64, 576, 1000])
+def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_torch_backends(K):
+    """XLA's own RMSNorm reduces a row in another order from 8 rows up (the pitfall is checked here too);
+    the custom call is the torch backend's rms_norm, a row's bits the same in any batch."""
+    import torch
+
+    from jaxengine.model import rms_norm as xla_rms_norm
+    from torchengine import cpu_kernels as torch_kernels
+
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((300, K), np.float32) * 3, rng.standard_normal(K, np.float32)
+    f = jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))
+    full = np.asarray(f(x, w))
+    ref = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(full, ref, rtol=2e-6, atol=2e-6)
+    for lo, hi in [(0, 1), (5, 7), (3, 10), (10, 47), (0, 256)]:
+        assert np.array_equal(np.asarray(f(x[lo:hi], w)), full[lo:hi]), (lo, hi)
+    g = jax.jit(functools.partial(xla_rms_norm, eps=1e-5))
+    xla_full = np.asarray(g(x, w))
+    assert any(not np.array_equal(np.asarray(g(x[i : i + 1], w)), xla_full[i : i + 1]) for i in range(8))
+    lib, why = torch_kernels.load()
+    if lib is None:
+        pytest.skip(why)
+    y = torch_kernels.rms_norm(lib, torch.from_numpy(x), torch.from_numpy(w), 1e-5)
+    assert np.array_equal(full, y.numpy())
+    h = jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))(x.reshape(30, 10, K), w)  # [..., K] rows
+    assert np.array_equal(np.asarray(h).reshape(300, K), full)
+
+
+def test_rms_norm_refuses_a_weight_of_another_width():
+    with pytest.raises(Exception, match="expected"):
+        np.asarray(jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))(np.ones((3, 8), np.float32),
+                                                                              np.ones(7, np.float32)))
 
 
 def test_in_a_scan_the_weights_are_not_sliced():

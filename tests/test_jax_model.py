@@ -156,7 +156,7 @@ def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_
 
 
 def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, plain_tokens):
-    """On a CPU the decoder's linears, the LM head and decode attention are jaxengine.cpu_kernels' custom calls
+    """On a CPU the decoder's linears and norms, the LM head and attention are jaxengine.cpu_kernels' custom calls
     (float32, one device; the linears on weights packed at load, the tied embedding looked up in the LM
     head's panels); with compilation_config={"cpu_linears": False, "cpu_decode_attention": False} XLA's ops
     run: same greedy tokens, logprobs within float32."""
@@ -172,7 +172,7 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
     hlo = {k: p.as_text() for k, p in runner.programs.items()}
     assert any(k.kind == "model" for k in hlo) and any(k.kind == "sample" for k in hlo)
     for k, t in hlo.items():
-        assert cpu_kernels.PANEL_LINEAR in t, k
+        assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
         assert (cpu_kernels.DECODE_ATTENTION in t) == (k.kind == "model"), k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                   compilation_config={"cpu_linears": False, "cpu_decode_attention": False})
@@ -193,6 +193,25 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
         la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
         lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
+
+
+def test_decoded_logprobs_equal_prompt_logprobs(plain_engine):
+    """A token's logprob has the same bits whether it was decoded (one row in its step) or scored as part of a
+    prompt (56 rows of prefill): with the CPU custom calls a row's linears, norms and attention do not depend
+    on the step's other rows (XLA's own RMSNorm does, below 8 rows)."""
+    from jaxengine import cpu_kernels
+
+    if cpu_kernels.available():
+        pytest.skip(cpu_kernels.available())
+    prompt = SCHED_PROMPTS[0][:40]
+    out = plain_engine.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    toks = list(out.token_ids)
+    rescored = plain_engine.generate([{"prompt_token_ids": prompt + toks}], SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    decoded = [d[t].logprob for d, t in zip(out.logprobs, toks)]
+    as_prompt = [d[t].logprob for d, t in zip(rescored.prompt_logprobs[len(prompt):], toks)]
+    assert decoded == as_prompt
 
 
 def test_seeded_sampling_same_alone_and_in_mixed_batch(plain_engine):
