@@ -9,8 +9,9 @@
 //   on the other rows nor on the split, and equals the torch backend's bit for bit.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
-// - XlaserveCpuRmsNorm: RMSNorm of each row, as the torch backend computes it (XLA's reduction order
-//   depends on the row count).
+// - XlaserveCpuRmsNorm, XlaserveCpuSiluMul, XlaserveCpuRope: RMSNorm of each row (XLA's reduction order
+//   depends on the row count), the MLP's activation and RoPE as the torch backend computes them, so the
+//   two backends' logits have the same bits on a CPU.
 // - XlaserveCpuPrefillAttention: its prefill and mixed rows, each query with decode attention's arithmetic
 //   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
 //   same as the torch backend's on a CPU.
@@ -42,6 +43,8 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                             const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
                             float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1);
 int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
+int silu_mul(const float *gu, int M, int I, float *out);
+int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
@@ -132,6 +135,50 @@ ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), [=](int64_t a, int64_t b) {
         rms_norm(xp + a * K, (int)(b - a), (int)K, K, nullptr, wp, eps, op + a * K);
     });
+    return ffi::Error::Success();
+}
+
+// out [M, I] = silu(gu[:, :I]) * gu[:, I:]: the torch backend's silu_mul (XLA's logistic differs in the last
+// bits, so the two backends' MLPs did).
+ffi::Error SiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gu, ffi::ResultBuffer<ffi::F32> out) {
+    const auto gd = gu.dimensions(), od = out->dimensions();
+    if (gd.size() != 2 || od.size() != 2 || od[0] != gd[0] || gd[1] != 2 * od[1] || od[1] == 0)
+        return ffi::Error::InvalidArgument("gu [M, 2I] and out [M, I] expected");
+    const int64_t M = gd[0], I = od[1];
+    if (M == 0) return ffi::Error::Success();
+    const float *gp = gu.typed_data();
+    float *op = out->typed_data();
+    const int64_t tasks = M * I >= 4 * kParallelWork ? std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), M) : 1;
+    parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), [=](int64_t a, int64_t b) {
+        silu_mul(gp + a * 2 * I, (int)(b - a), (int)I, op + a * I);
+    });
+    return ffi::Error::Success();
+}
+
+// out [T, H, D] = x rotated by each token's angles (cos, sin [T, D / 2]: the model's tables at its
+// positions), rotate-half convention: the torch backend's rope, which XLA would compute with fused
+// multiply-adds (other bits).
+ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                ffi::ResultBuffer<ffi::F32> out) {
+    const auto xd = x.dimensions(), cd = cos.dimensions(), sd = sin.dimensions(), od = out->dimensions();
+    if (xd.size() != 3 || cd.size() != 2 || sd.size() != 2 || od.size() != 3 || xd[2] % 2 || xd[2] == 0 ||
+        xd[2] > 1024 || cd[0] != xd[0] || cd[1] * 2 != xd[2] || sd[0] != cd[0] || sd[1] != cd[1] ||
+        od[0] != xd[0] || od[1] != xd[1] || od[2] != xd[2])
+        return ffi::Error::InvalidArgument("x [T, H, D], cos and sin [T, D / 2], out [T, H, D] expected");
+    const int64_t T = xd[0], H = xd[1], D = xd[2], half = D / 2;
+    if (T == 0 || H == 0) return ffi::Error::Success();
+    // the kernel's tables: (cos, cos) and (-sin, sin) per token
+    std::vector<float> c((size_t)T * D), s((size_t)T * D);
+    const float *cp = cos.typed_data(), *sp = sin.typed_data();
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < half; j++) {
+            c[t * D + j] = c[t * D + half + j] = cp[t * half + j];
+            s[t * D + j] = -sp[t * half + j];
+            s[t * D + half + j] = sp[t * half + j];
+        }
+    float *op = out->typed_data();
+    std::copy(x.typed_data(), x.typed_data() + T * H * D, op);
+    rope(op, (int)T, (int)H, (int)D, H * D, c.data(), s.data());
     return ffi::Error::Success();
 }
 
@@ -271,3 +318,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRmsNorm, RmsNorm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuSiluMul, SiluMul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRope, Rope,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

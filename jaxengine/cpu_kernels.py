@@ -11,7 +11,8 @@
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
 - `rms_norm(x, w, eps)`: RMSNorm as the torch backend computes it, a row's result independent of the row count
-  (XLA:CPU reduces a row in another order from 8 rows up), wherever the linears run on panels.
+  (XLA:CPU reduces a row in another order from 8 rows up), wherever the linears run on panels; `silu_mul` and
+  `rope` likewise, so the two backends' logits are the same bits on a CPU.
 - `prefill_attention(...)`: its prefill and mixed rows, each query with decode attention's arithmetic (the
   torch backend's `prefill_attention`): a token's attention is the same decoded, prefilled or recomputed.
 
@@ -43,6 +44,8 @@ PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
 RMS_NORM = "xlaserve_cpu_rms_norm"
+SILU_MUL = "xlaserve_cpu_silu_mul"
+ROPE = "xlaserve_cpu_rope"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -67,6 +70,8 @@ def available() -> str:
         jax.ffi.register_ffi_target(PREFILL_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuPrefillAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.XlaserveCpuRmsNorm), platform="cpu")
+        jax.ffi.register_ffi_target(SILU_MUL, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
+        jax.ffi.register_ffi_target(ROPE, jax.ffi.pycapsule(lib.XlaserveCpuRope), platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return f"cannot load {path}: {e}"
     return ""
@@ -102,6 +107,18 @@ def rms_norm(x, w, eps: float):
     return call(x2, jnp.asarray(w, jnp.float32), eps=np.float32(eps)).reshape(shape)
 
 
+def silu_mul(gu):
+    """gu [M, 2I] float32 (gate then up) -> silu(gate) * up [M, I]: the torch backend's silu_mul."""
+    M, I2 = gu.shape
+    return jax.ffi.ffi_call(SILU_MUL, jax.ShapeDtypeStruct((M, I2 // 2), jnp.float32))(gu)
+
+
+def rope(x, cos, sin):
+    """x [T, H, D] float32, cos / sin [T, D / 2] (each token's angles) -> x rotated, rotate-half convention
+    (`model.apply_rope`): the torch backend's rope, without the fused multiply-adds XLA would use."""
+    return jax.ffi.ffi_call(ROPE, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, cos, sin)
+
+
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
     """Rows [0, num_decode) of q [R, Hq, D] (float32), one query each, attend their kv_lens[i] cached tokens
     (their own included; the last `sliding_window` only when set) in blocks table[i, :] of cache
@@ -128,5 +145,6 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
                 scale=np.float32(sm_scale), window=np.int32(sliding_window or 0))
 
 
-__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM", "SOURCE", "available",
-           "decode_attention", "pack_panels", "panel_linear", "panel_rows", "prefill_attention", "rms_norm"]
+__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE",
+           "available", "decode_attention", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
+           "rms_norm", "rope", "silu_mul"]

@@ -233,7 +233,12 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     if lp.q_norm is not None:
         q = norm(q, lp.q_norm, eps)
         k = norm(k, lp.k_norm, eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if panels is not None and q.dtype == jnp.float32:
+        from jaxengine.cpu_kernels import rope
+
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv_dt = kv_cache.dtype
     attn, kv_cache = attention_fn(
         q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
@@ -242,10 +247,12 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
     h = norm(x, lp.mlp_norm, eps)
     if panels is not None:
-        g, u = jnp.split(panels(h, "gate_up"), 2, axis=1)
+        from jaxengine.cpu_kernels import silu_mul
+
+        act = silu_mul(panels(h, "gate_up"))
     else:
-        g, u = lin(h, "gate_proj"), lin(h, "up_proj")
-    x = x + lin(jax.nn.silu(g) * u, "down_proj")
+        act = jax.nn.silu(lin(h, "gate_proj")) * lin(h, "up_proj")
+    x = x + lin(act, "down_proj")
     return x, kv_cache
 
 

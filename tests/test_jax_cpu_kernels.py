@@ -126,6 +126,39 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_torch_backen
     assert np.array_equal(np.asarray(h).reshape(300, K), full)
 
 
+def test_silu_mul_and_rope_bits_equal_the_torch_backends():
+    """The MLP activation and RoPE as the torch backend computes them (XLA's logistic and its fused
+    multiply-adds give other bits): with the linears, norms and attention, the two backends' logits match."""
+    import torch
+
+    from jaxengine.model import apply_rope
+    from torchengine import cpu_kernels as torch_kernels
+
+    lib, why = torch_kernels.load()
+    if lib is None:
+        pytest.skip(why)
+    rng = np.random.default_rng(5)
+    gu = rng.standard_normal((37, 2 * 100), np.float32) * 4  # I = 100: the vector body and a scalar tail
+    y = np.asarray(jax.jit(cpu_kernels.silu_mul)(gu))
+    g, u = gu[:, :100].astype(np.float64), gu[:, 100:].astype(np.float64)
+    np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(y, torch_kernels.silu_mul(lib, torch.from_numpy(gu)).numpy())
+    assert np.array_equal(np.asarray(jax.jit(cpu_kernels.silu_mul)(gu[3:4])), y[3:4])
+
+    T, H, D = 9, 5, 64
+    x = rng.standard_normal((T, H, D), np.float32)
+    ang = rng.uniform(0, 100, (T, D // 2)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    r = np.asarray(jax.jit(cpu_kernels.rope)(x, cos, sin))
+    np.testing.assert_allclose(r, np.asarray(apply_rope(x, cos, sin)), rtol=1e-5, atol=1e-5)
+    xt = torch.from_numpy(x.copy())
+    torch_kernels.rope_(lib, xt, torch.from_numpy(np.concatenate([cos, cos], -1)[:, None].copy()),
+                        torch.from_numpy(np.concatenate([-sin, sin], -1)[:, None].copy()))
+    assert np.array_equal(r, xt.numpy())
+    with pytest.raises(Exception, match="expected"):
+        np.asarray(jax.jit(cpu_kernels.rope)(x, cos[:, :5], sin[:, :5]))
+
+
 def test_rms_norm_refuses_a_weight_of_another_width():
     with pytest.raises(Exception, match="expected"):
         np.asarray(jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))(np.ones((3, 8), np.float32),

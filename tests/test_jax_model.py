@@ -174,6 +174,7 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
     for k, t in hlo.items():
         assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
         assert (cpu_kernels.DECODE_ATTENTION in t) == (k.kind == "model"), k
+        assert (cpu_kernels.ROPE in t and cpu_kernels.SILU_MUL in t) == (k.kind == "model"), k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                   compilation_config={"cpu_linears": False, "cpu_decode_attention": False})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)

@@ -84,4 +84,6 @@ def test_logprobs_agree(outputs):
             continue  # reported by the token test
         for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             for tok in s.keys() & t.keys():
-                assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-3)
+                # the logits are the same bits on a CPU (one set of kernels); the samplers' own log-softmax
+                # sums may round differently (was 1e-3 while XLA computed the norms, RoPE and SiLU)
+                assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-5)
