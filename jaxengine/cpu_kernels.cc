@@ -118,6 +118,14 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::Success();
 }
 
+// fn(a, b) over rows [0, M) of `row_work` floats each: on XLA's threads when there is enough work
+template <typename F>
+void parallel_rows(ffi::ThreadPool &pool, int64_t M, int64_t row_work, F fn) {
+    const int64_t tasks =
+        M * row_work >= 4 * kParallelWork ? std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), M) : 1;
+    parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), std::move(fn));
+}
+
 // out [M, K] = RMSNorm of x [M, K]'s rows times w [K]: the torch backend's rms_norm (each row's sum of squares
 // one 8-lane FMA chain), so a row's result does not depend on the other rows. XLA's own reduction vectorises
 // across rows from 8 rows up and along the row below, so a token's norm changed with the step's size.
@@ -131,8 +139,7 @@ ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     if (M == 0) return ffi::Error::Success();
     const float *xp = x.typed_data(), *wp = w.typed_data();
     float *op = out->typed_data();
-    const int64_t tasks = M * K >= 4 * kParallelWork ? std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), M) : 1;
-    parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), [=](int64_t a, int64_t b) {
+    parallel_rows(pool, M, K, [=](int64_t a, int64_t b) {
         rms_norm(xp + a * K, (int)(b - a), (int)K, K, nullptr, wp, eps, op + a * K);
     });
     return ffi::Error::Success();
@@ -148,8 +155,7 @@ ffi::Error SiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gu, ffi::ResultBu
     if (M == 0) return ffi::Error::Success();
     const float *gp = gu.typed_data();
     float *op = out->typed_data();
-    const int64_t tasks = M * I >= 4 * kParallelWork ? std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), M) : 1;
-    parallel_for(pool, M, tasks, std::max<int64_t>(1, M / (tasks * 4)), [=](int64_t a, int64_t b) {
+    parallel_rows(pool, M, I, [=](int64_t a, int64_t b) {
         silu_mul(gp + a * 2 * I, (int)(b - a), (int)I, op + a * I);
     });
     return ffi::Error::Success();
