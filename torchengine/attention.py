@@ -145,24 +145,20 @@ class TorchAttention(AttentionBackend):
         q_lens = np.diff(cu)
         kv = batch.kv_lens[:R].astype(np.int64)
         decode = q_lens == 1
-        decodes = np.nonzero(decode)[0]
+        decodes, prefills = np.nonzero(decode)[0], np.nonzero(~decode)[0]
         head: tuple = ()
-        if self.lib is not None and dtype == torch.float32 and len(decodes):
-            P = int(-(-kv[decodes].max() // block_size))
-            head = (DecodeGroup(tokens=torch.from_numpy(cu[decodes]).to(device),
-                                kv_lens=torch.from_numpy(batch.kv_lens[decodes].astype(np.int32)).to(device),
-                                block_tables=torch.from_numpy(np.ascontiguousarray(
-                                    batch.block_tables[decodes, :P], dtype=np.int32)).to(device)),)
-            decodes = decodes[:0]
-        prefills = np.nonzero(~decode)[0]
-        if self.lib is not None and dtype == torch.float32 and len(prefills):
-            # each query as decode_attention would attend it: a token's attention is the same decoded,
-            # prefilled or recomputed (and the jax backend's, which runs the same kernel on a CPU)
-            P = int(-(-kv[prefills].max() // block_size))
+        if self.lib is not None and dtype == torch.float32:
+            # the C kernels straight from the cache; each prefill query as decode_attention would attend it, so a
+            # token's attention is the same decoded, prefilled or recomputed (and the jax backend's on a CPU)
             i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)  # noqa: E731
-            head += (PrefillGroup(q_start=i32(cu[prefills]), q_lens=i32(q_lens[prefills]), kv_lens=i32(kv[prefills]),
-                                  block_tables=i32(batch.block_tables[prefills, :P])),)
-            prefills = prefills[:0]
+            tables = lambda idx: i32(batch.block_tables[idx, : -(-kv[idx].max() // block_size)])  # noqa: E731
+            if len(decodes):
+                head += (DecodeGroup(tokens=torch.from_numpy(cu[decodes]).to(device), kv_lens=i32(kv[decodes]),
+                                     block_tables=tables(decodes)),)
+            if len(prefills):
+                head += (PrefillGroup(q_start=i32(cu[prefills]), q_lens=i32(q_lens[prefills]),
+                                      kv_lens=i32(kv[prefills]), block_tables=tables(prefills)),)
+            decodes, prefills = decodes[:0], prefills[:0]
         groups = self._split(decodes, kv) + self._split(prefills, q_lens)
         return head + tuple(self._group(batch, idx, cu[idx], q_lens[idx], kv[idx], block_size, device, dtype)
                             for idx in groups)
