@@ -45,6 +45,9 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
 int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
 int silu_mul(const float *gu, int M, int I, float *out);
 int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin);
+int log_softmax_rows(const float *x, int M, int V, long x_stride, float *out, int probs);
+int inverse_cdf_rows(const float *probs, int M, int V, long p_stride, const float *u, int64_t *out);
+int top_p_thresholds(const float *probs, int M, int V, long p_stride, const float *top_p, float *out);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
@@ -283,6 +286,56 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 
 }  // namespace
 
+// The sampler's rows (torch backend's log_softmax_rows, inverse_cdf_rows, top_p_thresholds): each row on one
+// thread in a fixed order, so a row's logprobs and draw depend neither on the other rows nor on the backend.
+ffi::Error LogSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out,
+                      int32_t probs) {
+    const auto xd = x.dimensions(), od = out->dimensions();
+    if (xd.size() != 2 || od.size() != 2 || xd[1] == 0 || od[0] != xd[0] || od[1] != xd[1])
+        return ffi::Error::InvalidArgument("x [M, V] and out [M, V] expected");
+    const int64_t M = xd[0], V = xd[1];
+    const float *xp = x.typed_data();
+    float *op = out->typed_data();
+    parallel_rows(pool, M, V, [=](int64_t a, int64_t b) {
+        log_softmax_rows(xp + a * V, (int)(b - a), (int)V, V, op + a * V, probs);
+    });
+    return ffi::Error::Success();
+}
+
+ffi::Error InverseCdf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> u,
+                      ffi::ResultBuffer<ffi::S32> out) {
+    const auto pd = p.dimensions(), ud = u.dimensions(), od = out->dimensions();
+    if (pd.size() != 2 || ud.size() != 1 || od.size() != 1 || pd[1] == 0 || ud[0] != pd[0] || od[0] != pd[0])
+        return ffi::Error::InvalidArgument("probs [M, V], u [M] and out [M] expected");
+    const int64_t M = pd[0], V = pd[1];
+    const float *pp = p.typed_data(), *up = u.typed_data();
+    int32_t *op = out->typed_data();
+    parallel_rows(pool, M, V, [=](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; i++) {
+            int64_t tok = 0;
+            inverse_cdf_rows(pp + i * V, 1, (int)V, V, up + i, &tok);
+            op[i] = (int32_t)tok;
+        }
+    });
+    return ffi::Error::Success();
+}
+
+ffi::Error TopPThresholds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> top_p,
+                          ffi::ResultBuffer<ffi::F32> out) {
+    const auto pd = p.dimensions(), td = top_p.dimensions(), od = out->dimensions();
+    if (pd.size() != 2 || td.size() != 1 || od.size() != 1 || pd[1] == 0 || td[0] != pd[0] || od[0] != pd[0])
+        return ffi::Error::InvalidArgument("probs [M, V], top_p [M] and out [M] expected");
+    const int64_t M = pd[0], V = pd[1];
+    const float *pp = p.typed_data(), *tp = top_p.typed_data();
+    float *op = out->typed_data();
+    std::atomic<int> rc{0};
+    parallel_rows(pool, M, V, [=, &rc](int64_t a, int64_t b) {
+        if (top_p_thresholds(pp + a * V, (int)(b - a), (int)V, V, tp + a, op + a) != 0) rc.store(1);
+    });
+    if (rc.load()) return ffi::Error::Internal("top_p_thresholds: out of memory");
+    return ffi::Error::Success();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -334,6 +387,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuSiluMul, SiluMul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRope, Rope,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLogSoftmax, LogSoftmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("probs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuInverseCdf, InverseCdf,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuTopPThresholds, TopPThresholds,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -15,6 +15,8 @@
   `rope` likewise, so the two backends' logits are the same bits on a CPU.
 - `prefill_attention(...)`: its prefill and mixed rows, each query with decode attention's arithmetic (the
   torch backend's `prefill_attention`): a token's attention is the same decoded, prefilled or recomputed.
+- `log_softmax`, `inverse_cdf`, `top_p_thresholds`: the sampler's row work (`sampler.sample(...,
+  cpu_kernels=True)`), the torch sampler's kernels: the same logprobs and seeded draws on both backends.
 
 Both split their work across XLA's intra-op threads (no second thread pool competing for the cores).
 They run where the torch backend's AVX2 kernels run (x86-64 with AVX2/FMA/F16C and C/C++ compilers;
@@ -46,6 +48,9 @@ PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
 RMS_NORM = "xlaserve_cpu_rms_norm"
 SILU_MUL = "xlaserve_cpu_silu_mul"
 ROPE = "xlaserve_cpu_rope"
+LOG_SOFTMAX = "xlaserve_cpu_log_softmax"
+INVERSE_CDF = "xlaserve_cpu_inverse_cdf"
+TOP_P_THRESHOLDS = "xlaserve_cpu_top_p_thresholds"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -72,6 +77,9 @@ def available() -> str:
         jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.XlaserveCpuRmsNorm), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(ROPE, jax.ffi.pycapsule(lib.XlaserveCpuRope), platform="cpu")
+        for name, fn in ((LOG_SOFTMAX, lib.XlaserveCpuLogSoftmax), (INVERSE_CDF, lib.XlaserveCpuInverseCdf),
+                         (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds)):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return f"cannot load {path}: {e}"
     return ""
@@ -119,6 +127,28 @@ def rope(x, cos, sin):
     return jax.ffi.ffi_call(ROPE, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, cos, sin)
 
 
+def log_softmax(x, probs: bool = False):
+    """x [M, V] float32 -> each row's log_softmax (`probs`: softmax), `sampling_ref`'s formula: the torch
+    backend's `log_softmax_rows`, a row on one thread in a fixed order (XLA's reductions change order with
+    the row count, and its exp differs from the kernel's), so both backends give the same logprobs."""
+    call = jax.ffi.ffi_call(LOG_SOFTMAX, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    return call(x.astype(jnp.float32), probs=np.int32(probs))
+
+
+def inverse_cdf(probs, u):
+    """probs [M, V] float32, u [M] -> int32 [M]: each row's first token whose cumulative probability exceeds
+    u * total (`sampling_ref.inverse_cdf`; the torch backend's `inverse_cdf_rows`, the same draw)."""
+    call = jax.ffi.ffi_call(INVERSE_CDF, jax.ShapeDtypeStruct(probs.shape[:1], jnp.int32))
+    return call(probs, u.astype(jnp.float32))
+
+
+def top_p_thresholds(probs, top_p):
+    """probs [M, V] float32, top_p [M] -> [M] float32: keep the tokens with p >= it (`sampling_ref`'s top-p
+    cut; 0 where top_p >= 1); the torch backend's `top_p_thresholds`."""
+    call = jax.ffi.ffi_call(TOP_P_THRESHOLDS, jax.ShapeDtypeStruct(probs.shape[:1], jnp.float32))
+    return call(probs, top_p.astype(jnp.float32))
+
+
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
     """Rows [0, num_decode) of q [R, Hq, D] (float32), one query each, attend their kv_lens[i] cached tokens
     (their own included; the last `sliding_window` only when set) in blocks table[i, :] of cache
@@ -145,6 +175,7 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
                 scale=np.float32(sm_scale), window=np.int32(sliding_window or 0))
 
 
-__all__ = ["DECODE_ATTENTION", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE",
-           "available", "decode_attention", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
-           "rms_norm", "rope", "silu_mul"]
+__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
+           "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention", "inverse_cdf",
+           "log_softmax", "pack_panels", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope",
+           "silu_mul", "top_p_thresholds"]

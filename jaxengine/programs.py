@@ -33,7 +33,7 @@ from enginecore.sampling_batch import SamplingBatch
 from enginecore.step_batch import StepBatch
 from enginecore.structured_outputs import bitmask_width
 from jaxengine.model import RaggedMetadata, compute_logits, forward
-from jaxengine.sampler import sample
+from jaxengine.sampler import log_softmax, sample
 
 
 class ProgramKey(NamedTuple):
@@ -201,7 +201,7 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
         logits = compute_logits(params, hidden, arch, weights_first_rows)
         processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
         return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,
-                      mode=mode, num_logprobs=num_logprobs, method=method)
+                      mode=mode, num_logprobs=num_logprobs, method=method, cpu_kernels=params.panels is not None)
 
     per_row = (temperature, top_k, top_p, min_p, uniform)
     if chunk_rows is None or R <= chunk_rows:
@@ -236,7 +236,7 @@ def unpack_sample_output(out: np.ndarray, num_logprobs: int):
 
 def prompt_logprobs_step(params, hidden_rows, targets, *, arch: ArchConfig, k: int):
     """hidden_rows [n, H], targets [n] -> (target logprob [n], rank [n], top-k ids [n, k], top-k logprobs [n, k])."""
-    lp = jax.nn.log_softmax(compute_logits(params, hidden_rows, arch), axis=-1)
+    lp = log_softmax(compute_logits(params, hidden_rows, arch), cpu_kernels=params.panels is not None)
     tgt = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lp > tgt[:, None], axis=-1, dtype=jnp.int32) + 1
     vals, ids = lax.top_k(lp, k)

@@ -18,6 +18,12 @@ bisect as the fallback under a lax.cond). XLA:CPU sorts are slow (an order of
 magnitude behind "topk": benchmarks/bench_jax_sampler.py, timings in
 benchmarks/README.md), so "topk" is the default (compilation_config
 {"sampler_method": ...} overrides it); it needs no sort on TPU/GPU either.
+
+`cpu_kernels=True` (the runner passes it where the model runs on the CPU kernels,
+`params.panels`): log_softmax / softmax, the top-p cut and the draw are the torch
+backend's C kernels as custom calls (`jaxengine.cpu_kernels`), each row in a fixed
+order, so a CPU's two backends give the same logprobs and the same seeded tokens,
+bit for bit, and a row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -103,6 +109,45 @@ def _top_p_drop_bisect(p, top_p):
     return bits < t[:, None]
 
 
+def _top_k_drop(x, k, use_k, num_candidates: int):
+    """The "topk" method's top-k cut: (x with tokens below each row's k-th largest value at -inf, the row's
+    `num_candidates` largest values [R, C] descending, the k-th largest [R, 1]). The candidates settle every
+    row whose k falls among them; if any row needs more, a lax.cond runs the bisect search."""
+    vals, _ = lax.top_k(x, num_candidates)
+    kth = jnp.take_along_axis(vals, (jnp.minimum(k, num_candidates) - 1)[:, None], axis=-1)
+
+    def k_from_bisect(x):
+        t, keys = kth_largest_bisect(x, k)
+        return keys < t[:, None]
+
+    k_drop = lax.cond(jnp.all(~use_k | (k <= num_candidates)), lambda x: x < kth, k_from_bisect, x)
+    return jnp.where(use_k[:, None] & k_drop, -jnp.inf, x), vals, kth
+
+
+def filter_logits_cpu(x, top_k, top_p, min_p):
+    """`filter_logits` on the CPU kernels: min-p and top-p on the kernels' softmax, the top-p cut by
+    `cpu_kernels.top_p_thresholds` (the torch sampler's arithmetic, bit for bit), top-k exact as elsewhere."""
+    from jaxengine import cpu_kernels as ck
+
+    V = x.shape[1]
+
+    def min_p_cut(x):
+        p = ck.log_softmax(x, probs=True)
+        return jnp.where(p >= min_p[:, None] * p.max(-1, keepdims=True), x, -jnp.inf)
+
+    def top_p_cut(x):
+        p = ck.log_softmax(x, probs=True)
+        t = ck.top_p_thresholds(p, jnp.where(top_p < 1.0, top_p, 1.0))
+        return jnp.where(p < t[:, None], -jnp.inf, x)
+
+    # each cut only when some row asks for it (a cut a row does not ask for keeps it as it is)
+    x = lax.cond(jnp.any(min_p > 0), min_p_cut, lambda x: x, x)
+    use_k = (top_k > 0) & (top_k < V)
+    x = lax.cond(jnp.any(use_k), lambda x: _top_k_drop(x, jnp.where(use_k, top_k, 1), use_k, min(256, V))[0],
+                 lambda x: x, x)
+    return lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda x: x, x)
+
+
 def filter_logits(x, top_k, top_p, min_p, method: str, num_candidates: int = 256):
     """Temperature-scaled logits [R, V] -> dropped tokens at -inf (sampling_ref.filter_logits per row).
 
@@ -136,19 +181,7 @@ def filter_logits(x, top_k, top_p, min_p, method: str, num_candidates: int = 256
     if method != "topk":
         raise ValueError(f"unknown top-k/top-p method {method!r} (sort, bisect, topk)")
     C = min(num_candidates, V)
-    vals, _ = lax.top_k(x, C)  # [R, C] descending
-    k_ok = ~use_k | (k <= C)
-    kth = jnp.take_along_axis(vals, (jnp.minimum(k, C) - 1)[:, None], axis=-1)
-
-    def k_from_bisect(x):
-        t, keys = kth_largest_bisect(x, k)
-        return keys < t[:, None]
-
-    def k_from_candidates(x):
-        return x < kth
-
-    k_drop = lax.cond(jnp.all(k_ok), k_from_candidates, k_from_bisect, x)
-    x = jnp.where(use_k[:, None] & k_drop, neg_inf, x)
+    x, vals, kth = _top_k_drop(x, k, use_k, C)
     # the candidates' probabilities after top-k, still sorted descending
     lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
     cvals = jnp.where(use_k[:, None] & (vals < kth), neg_inf, vals)
@@ -207,9 +240,18 @@ def argmax_rows(x, block: int = 1024):
     return b * block + within
 
 
-def raw_logprobs(logits, sampled, num_logprobs: int):
+def log_softmax(x, cpu_kernels: bool = False):
+    """Row-wise log_softmax [R, V]: XLA's, or on the CPU kernels the torch sampler's (`cpu_kernels`)."""
+    if cpu_kernels:
+        from jaxengine import cpu_kernels as ck
+
+        return ck.log_softmax(x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def raw_logprobs(logits, sampled, num_logprobs: int, cpu_kernels: bool = False):
     """Top-N of log_softmax(raw logits) plus the sampled token's logprob and rank (1 = most likely)."""
-    lp = jax.nn.log_softmax(logits, axis=-1)
+    lp = log_softmax(logits, cpu_kernels)
     top_lp, top_ids = lax.top_k(lp, num_logprobs)
     tok_lp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lp > tok_lp[:, None], axis=-1, dtype=jnp.int32) + 1
@@ -247,6 +289,7 @@ def sample(
     mode: str = "full",
     num_logprobs: int,
     method: str = "topk",
+    cpu_kernels: bool = False,
 ):
     """-> (sampled [R] i32, (topk_ids [R, N] i32, topk_logprobs [R, N], sampled_logprobs [R], ranks [R] i32)).
 
@@ -257,6 +300,7 @@ def sample(
     `processed` penalty / token-mask inputs and the bitmask). Variants and not only run-time `lax.cond`s, because on XLA:CPU a cond
     holding a softmax over the logits made the logits matmul before it much slower even when
     the branch was not taken. The logprob arrays are zeros when no row asked for them.
+    `cpu_kernels` (static): the softmaxes, the top-p cut and the draw on the CPU kernels (module docstring).
     """
     if mode not in SAMPLER_MODES:
         raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
@@ -272,11 +316,19 @@ def sample(
     def draw(x):
         greedy = temperature < GREEDY_EPS
         xs = _div_rows(x, jnp.where(greedy, 1.0, temperature))
-        xs = lax.cond(needs_filtering, lambda v: filter_logits(v, top_k, top_p, min_p, method), lambda v: v, xs)
-        return jnp.where(greedy, argmax_rows(x), inverse_cdf(_softmax(xs), uniform))
+        if cpu_kernels:
+            from jaxengine import cpu_kernels as ck
+
+            xs = lax.cond(needs_filtering, lambda v: filter_logits_cpu(v, top_k, top_p, min_p), lambda v: v, xs)
+            drawn = ck.inverse_cdf(ck.log_softmax(xs, probs=True), uniform)
+        else:
+            xs = lax.cond(needs_filtering, lambda v: filter_logits(v, top_k, top_p, min_p, method), lambda v: v, xs)
+            drawn = inverse_cdf(_softmax(xs), uniform)
+        return jnp.where(greedy, argmax_rows(x), drawn)
 
     if mode == "sample":
         return draw(x), no_logprobs
     sampled = lax.cond(all_greedy, argmax_rows, draw, x)
-    lps = lax.cond(want_logprobs, lambda ops: raw_logprobs(*ops, N), lambda _: no_logprobs, (logits, sampled))
+    lps = lax.cond(want_logprobs, lambda ops: raw_logprobs(*ops, N, cpu_kernels), lambda _: no_logprobs,
+                   (logits, sampled))
     return sampled, lps

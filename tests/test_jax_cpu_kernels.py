@@ -334,3 +334,48 @@ def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the
         np.asarray(f(q, cache, table, np.asarray([20, 8], np.int32), cu, dist, base))
     with pytest.raises(Exception, match="cu_q_lens outside the tokens"):
         np.asarray(f(q, cache, table, lens, np.asarray([0, 20, 99], np.int32), dist, base))
+
+
+def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_torch_backend():
+    """Same logits and requests through jax's `sample(cpu_kernels=True)` and the torch sampler: the same seeded
+    tokens (temperature, min-p, top-k, top-p) and logprobs equal to the bit; a row alone gives its bits in the
+    batch (XLA's log_softmax and the torch sampler's sums differed by an ulp and changed with the row count)."""
+    import torch
+
+    from enginecore.sampling_batch import SamplingBatch
+    from enginecore.sampling_ref import seeded_uniform
+    from jaxengine import sampler as jax_sampler
+    from torchengine import sampler as torch_sampler
+
+    rng = np.random.default_rng(3)
+    R, V, N = 40, 49152 + 5, 5
+    x = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    x[5, 1000:] = -np.inf  # a row with few live tokens
+    temp = rng.choice([0.0, 0.6, 1.0, 1.5], R).astype(np.float32)
+    top_k = rng.choice([0, 0, 20, 300, 5000], R).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.99], R).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05], R).astype(np.float32)
+    u = seeded_uniform(np.arange(R) + 11, 0, rng.integers(0, 1000, R))
+    sb = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, uniform=u, all_greedy=False,
+                       needs_filtering=True, num_logprobs=N)
+    t = torch_sampler.sample(torch.from_numpy(x), torch_sampler.SamplingTensors.from_batch(sb, torch.device("cpu")))
+    run = jax.jit(functools.partial(jax_sampler.sample, mode="full", num_logprobs=N, method="topk", cpu_kernels=True))
+
+    def jax_rows(rows):
+        sampled, (ids, lps, tok_lp, rank) = run(
+            jnp.asarray(x[rows]), temp[rows], top_k[rows], top_p[rows], min_p[rows], u[rows], np.bool_(False),
+            np.bool_(True), np.bool_(True))
+        return [np.asarray(a) for a in (sampled, ids, lps, tok_lp, rank)]
+
+    sampled, ids, lps, tok_lp, rank = jax_rows(slice(None))
+    assert sampled.tolist() == t.sampled.tolist()
+    assert len(set(sampled[temp > 0].tolist())) > R // 4  # draws, not all the argmax
+    bits = lambda a: np.asarray(a, np.float32).view(np.int32)  # noqa: E731
+    np.testing.assert_array_equal(bits(tok_lp), bits(t.sampled_logprobs.numpy()))
+    np.testing.assert_array_equal(bits(lps), bits(t.topk_logprobs.numpy()))
+    np.testing.assert_array_equal(ids, t.topk_ids.numpy())
+    np.testing.assert_array_equal(rank, t.sampled_ranks.numpy())
+    for i in (0, 5, 17):
+        alone = jax_rows(slice(i, i + 1))
+        assert alone[0][0] == sampled[i] and bits(alone[3])[0] == bits(tok_lp)[i]
+        np.testing.assert_array_equal(bits(alone[2][0]), bits(lps[i]))

@@ -13,8 +13,26 @@ from jaxengine import sampler as S  # noqa: E402
 
 V = 4096
 METHODS = ("sort", "bisect", "topk")
-filter_logits = jax.jit(S.filter_logits, static_argnames=("method", "num_candidates"))
-_sample = jax.jit(S.sample, static_argnames=("mode", "num_logprobs", "method"))
+
+
+def _cpu_kernels_why() -> str:
+    try:
+        from jaxengine import cpu_kernels
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
+        return f"{type(e).__name__}: {e}"
+    return cpu_kernels.available()
+
+
+# "cpu": sample(..., cpu_kernels=True), the torch sampler's C kernels as custom calls (where they run)
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(bool(_cpu_kernels_why()), reason="no CPU kernels here"))
+VARIANTS = (*METHODS, CPU)
+_sample = jax.jit(S.sample, static_argnames=("mode", "num_logprobs", "method", "cpu_kernels"))
+
+
+def filter_logits(x, top_k, top_p, min_p, method):
+    if method == "cpu":
+        return jax.jit(S.filter_logits_cpu)(x, top_k, top_p, min_p)
+    return jax.jit(S.filter_logits, static_argnames=("method", "num_candidates"))(x, top_k, top_p, min_p, method)
 
 
 def run_sample(x, temp, top_k, top_p, min_p, u, processed=None, *, num_logprobs=0, method="topk",
@@ -29,7 +47,8 @@ def run_sample(x, temp, top_k, top_p, min_p, u, processed=None, *, num_logprobs=
         mode = S.sampler_mode(bool(all_greedy), num_logprobs > 0, processed is not None)
     sampled, (ids, lps, tok_lp, rank) = _sample(
         x, temp, top_k, top_p, min_p, u, np.bool_(all_greedy), np.bool_(needs_filtering), np.bool_(num_logprobs > 0),
-        processed, mode=mode, num_logprobs=num_logprobs, method=method)
+        processed, mode=mode, num_logprobs=num_logprobs, method="topk" if method == "cpu" else method,
+        cpu_kernels=method == "cpu")
     return {"sampled": np.asarray(sampled), "topk_ids": np.asarray(ids), "topk_logprobs": np.asarray(lps),
             "sampled_logprobs": np.asarray(tok_lp), "sampled_ranks": np.asarray(rank)}
 
@@ -53,7 +72,7 @@ def filter_params(n, seed=1):
     return top_k, top_p, min_p
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", VARIANTS)
 def test_filter_masks_match_reference(method):
     x = rows()
     top_k, top_p, min_p = filter_params(len(x))
@@ -69,7 +88,7 @@ def test_filter_masks_match_reference(method):
 def test_top_k_keeps_ties_and_top_p_keeps_ties():
     x = np.zeros((1, V), np.float32)
     x[0, :8] = 3.0  # 8 tied maxima
-    for method in METHODS:
+    for method in METHODS + (() if _cpu_kernels_why() else ("cpu",)):
         out = np.asarray(filter_logits(jnp.asarray(x), jnp.array([2]), jnp.array([1.0]), jnp.array([0.0]), method))
         assert np.isfinite(out[0, :8]).all() and np.isinf(out[0, 8:]).all(), method
         out = np.asarray(filter_logits(jnp.asarray(x), jnp.array([0]), jnp.array([0.01]), jnp.array([0.0]), method))
@@ -94,7 +113,7 @@ def test_penalties_and_bias_match_reference():
         np.testing.assert_allclose(got[i], want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", VARIANTS)
 def test_sample_matches_reference_rows(method):
     rng = np.random.default_rng(4)
     x = rows(16, seed=5)
@@ -118,14 +137,15 @@ def test_sample_matches_reference_rows(method):
         assert int(out["sampled"][i]) == want, f"row {i} ({method})"
 
 
-def test_greedy_and_unfiltered_batches():
+@pytest.mark.parametrize("method", ["topk", CPU])
+def test_greedy_and_unfiltered_batches(method):
     x = rows(8, seed=7)
     n = len(x)
     ones, zeros = np.ones(n, np.float32), np.zeros(n, np.float32)
-    out = run_sample(x, zeros, np.zeros(n, np.int32), ones, zeros, ones * 0.5)
+    out = run_sample(x, zeros, np.zeros(n, np.int32), ones, zeros, ones * 0.5, method=method)
     assert np.asarray(out["sampled"]).tolist() == [int(np.argmax(r)) for r in x]
     u = np.linspace(0.01, 0.99, n).astype(np.float32)
-    out = run_sample(x, ones, np.zeros(n, np.int32), ones, zeros, u)
+    out = run_sample(x, ones, np.zeros(n, np.int32), ones, zeros, u, method=method)
     assert np.asarray(out["sampled"]).tolist() == [ref.sample_row(x[i], u=float(u[i])) for i in range(n)]
 
 
@@ -143,12 +163,13 @@ def test_inverse_cdf_pick_given_u():
         assert all(p[i, got[i]] > 0 for i in range(5))
 
 
-def test_logprobs_are_raw_topn_with_rank():
+@pytest.mark.parametrize("method", ["topk", CPU])
+def test_logprobs_are_raw_topn_with_rank(method):
     x = rows(4, seed=9)
     n = len(x)
     temp = np.array([0.0, 1.0, 0.7, 1.3], np.float32)
     out = run_sample(x, temp, np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
-                     np.full(n, 0.3, np.float32), num_logprobs=5)
+                     np.full(n, 0.3, np.float32), num_logprobs=5, method=method)
     for i in range(n):
         lp = ref.log_softmax(x[i])
         tok = int(out["sampled"][i])

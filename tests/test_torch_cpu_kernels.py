@@ -261,3 +261,86 @@ def test_prefill_attention_refuses_bad_lengths(lib):
     with pytest.raises(ValueError, match="prefill_attention"):  # kv_len < q_len
         cpu_kernels.prefill_attention(lib, q, i32([0]), i32([4]), i32([3]), i32([[1, 2]]), k_cache, k_cache, 0.3,
                                       None, out)
+
+
+# ---- the samplers' rows (both backends' samplers on a CPU; jax's custom calls: test_jax_cpu_kernels.py) -----
+
+
+@pytest.mark.parametrize("V", [7, 300, 49152 + 5])  # the tail only, body and tail, a vocabulary
+def test_log_softmax_and_softmax_rows(lib, V):
+    import numpy as np
+
+    from enginecore import sampling_ref as ref
+
+    base = randn(6, V + 3) * 4
+    x = base[:, :V]  # rows V + 3 floats apart
+    x[1, : V // 2] = float("-inf")  # masked tokens: probability exactly 0
+    x[2, V - 1] = 60.0  # one dominant token in the tail
+    x[3] = float("-inf")  # an all -inf row: NaN, as in the reference
+    x[4, V // 3] = float("nan")
+    lp = cpu_kernels.log_softmax(lib, x)
+    p = cpu_kernels.log_softmax(lib, x, probs=True)
+    for i in (0, 1, 2, 5):
+        want = torch.from_numpy(ref.log_softmax(x[i].numpy()).astype(np.float64))
+        live = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(lp[i]), live)
+        torch.testing.assert_close(lp[i][live].double(), want[live], rtol=0, atol=4e-6)
+        assert (p[i][~live] == 0).all()
+        assert abs(p[i].double().sum().item() - 1.0) < 1e-5
+    assert torch.isnan(lp[3]).all() and torch.isnan(lp[4]).all()
+    # a row's bits alone are its bits among others, on any number of threads
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.log_softmax(lib, x[5:6])
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one[0], lp[5])
+
+
+def test_inverse_cdf_rows_is_the_exact_search(lib):
+    import numpy as np
+
+    V = 5000
+    p = torch.rand(4, V, generator=torch.Generator().manual_seed(3))
+    p[1, ::2] = 0.0  # zeros are never drawn
+    p[2] = 0.0
+    p[2, 17] = 1.0
+    p /= p.sum(-1, keepdim=True)
+    for u in (0.0, 1e-6, 0.25, 0.5, 0.7501, 0.999999):
+        got = cpu_kernels.inverse_cdf(lib, p, torch.full((4,), u))
+        cum = np.cumsum(p.double().numpy(), axis=-1)
+        want = [int(np.searchsorted(cum[i], np.float64(np.float32(u)) * cum[i, -1], side="right")) for i in range(4)]
+        assert got.tolist() == want, u
+        assert all(p[i, got[i]] > 0 for i in range(4))
+    # u so close to 1 that rounding lands past the mass: the last token with a probability, never one without
+    p[3, V - 10 :] = 0.0
+    assert cpu_kernels.inverse_cdf(lib, p[3:4], torch.tensor([0.99999994]))[0] <= V - 11
+
+
+def test_top_p_thresholds_keep_the_reference_tokens(lib):
+    import numpy as np
+
+    from enginecore import sampling_ref as ref
+
+    x = randn(6, 3000, seed=4) * 3
+    x[1] = 0.0  # flat: the cut falls in a long run of ties, all kept
+    x[2, 5:] = float("-inf")
+    x[3, :] = x[3].round()  # many ties
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.3, 1.0, 0.999])
+    p = cpu_kernels.log_softmax(lib, x, probs=True)
+    t = cpu_kernels.top_p_thresholds(lib, p, top_p)
+    assert t[4] == 0
+    for i in range(6):
+        want = np.isfinite(ref.filter_logits(x[i].numpy(), 0, float(top_p[i]), 0.0))
+        assert np.array_equal((p[i] >= t[i]).numpy(), want), i
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 20])
+def test_top_n_rows_is_a_stable_sorts_head(lib, n):
+    x = (randn(5, 1000, seed=5) * 2).round()  # many ties
+    x[1, :] = 1.0  # all tied: the first n ids
+    x[2, 500:] = float("-inf")
+    vals, ids = cpu_kernels.top_n(lib, x, n)
+    want_vals, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(vals, want_vals[:, :n]) and torch.equal(ids, want_ids[:, :n])

@@ -18,6 +18,9 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     pytest.skip(f"jaxengine.runner cannot be imported ({type(e).__name__}: {e})", allow_module_level=True)
 
 from enginecore import LLM, SamplingParams  # noqa: E402
+from torchengine import cpu_kernels  # noqa: E402
+
+SAME_KERNELS = cpu_kernels.lib() is not None  # both backends on the C kernels (x86 with AVX2)
 
 pytestmark = pytest.mark.slow
 
@@ -78,12 +81,15 @@ def test_jax_and_torch_give_identical_tokens(outputs, kind):
     assert not problems, "\n".join(problems)
 
 
-def test_logprobs_agree(outputs):
+def test_logprobs_are_the_same_bits(outputs):
     for x, y in zip(outputs["jax"]["greedy"], outputs["torch"]["greedy"]):
         if x.outputs[0].token_ids != y.outputs[0].token_ids:
             continue  # reported by the token test
         for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             for tok in s.keys() & t.keys():
-                # the logits are the same bits on a CPU (one set of kernels); the samplers' own log-softmax
-                # sums may round differently (was 1e-3 while XLA computed the norms, RoPE and SiLU)
-                assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-5)
+                # the same bits on a CPU: one set of kernels for the logits and the samplers' log_softmax (was
+                # 1e-3 while XLA computed the norms, RoPE and SiLU, ~2e-6 while each sampler had its own sums)
+                if SAME_KERNELS:
+                    assert s[tok].logprob == t[tok].logprob, (tok, s[tok].logprob, t[tok].logprob)
+                else:  # each backend's own ops (no AVX2 here)
+                    assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-3)

@@ -12,9 +12,21 @@ torch = pytest.importorskip("torch")
 from enginecore import sampling_ref as ref  # noqa: E402
 from enginecore.sampling_batch import SamplingBatch  # noqa: E402
 from enginecore.sampling_ref import GREEDY_EPS, seeded_uniform  # noqa: E402
+from torchengine import sampler as torch_sampler  # noqa: E402
 from torchengine.sampler import SamplingTensors, argmax_rows, sample  # noqa: E402
 
 V = 300
+
+
+@pytest.fixture(params=["c_kernels", "torch_ops"], autouse=True)
+def row_work(request, monkeypatch):
+    """Every test twice: the softmaxes, top-p cut and draw on the CPU kernels (where they run), and on torch's
+    ops (GPUs, CPUs without AVX2)."""
+    if request.param == "torch_ops":
+        monkeypatch.setattr(torch_sampler, "_row_kernels", lambda x: None)
+    elif torch_sampler.cpu_kernels.lib() is None:
+        pytest.skip("the CPU kernels do not run here")
+    return request.param
 
 
 def make_batch(rng, R, *, temperature, top_k, top_p, min_p, penalties=False, bias=False, num_logprobs=-1):

@@ -105,6 +105,10 @@ _SIGNATURES = {
     "decode_attention": "p l i p p p i p p i i i i f i p i",
     "prefill_attention": "p l i p p p p i p p i i i i f i p l i",
     "silu_mul": "p i i p",
+    "log_softmax_rows": "p i i l p i",
+    "inverse_cdf_rows": "p i i l p p",
+    "top_p_thresholds": "p i i l p p",
+    "top_n_rows": "p i i l i p p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i",
@@ -253,6 +257,46 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, I2 // 2), dtype=torch.float32)
     _check(lib.silu_mul(gate_up.data_ptr(), M, I2 // 2, out.data_ptr()), "silu_mul")
     return out
+
+
+def log_softmax(lib: ctypes.CDLL, x: torch.Tensor, probs: bool = False) -> torch.Tensor:
+    """x [M, V] float32 (x.stride(1) == 1) -> its rows' log_softmax (`probs`: softmax), contiguous: each row on
+    one thread in a fixed order, the jax backend's custom call's bits (`sampling_ref.log_softmax`'s formula)."""
+    M, V = x.shape
+    out = torch.empty((M, V), dtype=torch.float32)
+    _check(lib.log_softmax_rows(x.data_ptr(), M, V, x.stride(0), out.data_ptr(), int(probs)), "log_softmax_rows")
+    return out
+
+
+def inverse_cdf(lib: ctypes.CDLL, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [M, V] float32 (probs.stride(1) == 1), u [M] float32 -> [M] int64: each row's first token whose
+    cumulative probability (double, fixed order) exceeds u * total (`sampling_ref.inverse_cdf`)."""
+    M, V = probs.shape
+    u = u.to(torch.float32).contiguous()
+    out = torch.empty(M, dtype=torch.int64)
+    _check(lib.inverse_cdf_rows(probs.data_ptr(), M, V, probs.stride(0), u.data_ptr(), out.data_ptr()),
+           "inverse_cdf_rows")
+    return out
+
+
+def top_p_thresholds(lib: ctypes.CDLL, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [M, V] float32 (probs.stride(1) == 1), top_p [M] -> [M] float32: keep each row's tokens with
+    p >= it (`sampling_ref.filter_logits`' top-p cut, the sorted running sum in double; 0 where top_p >= 1)."""
+    M, V = probs.shape
+    top_p = top_p.to(torch.float32).contiguous()
+    out = torch.empty(M, dtype=torch.float32)
+    _check(lib.top_p_thresholds(probs.data_ptr(), M, V, probs.stride(0), top_p.data_ptr(), out.data_ptr()),
+           "top_p_thresholds")
+    return out
+
+
+def top_n(lib: ctypes.CDLL, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, V] float32 (x.stride(1) == 1) -> (values [M, n], ids [M, n] int64): each row's n largest in
+    descending order, ties by lower id (a stable descending sort's first n), in one pass."""
+    M, V = x.shape
+    vals, ids = torch.empty((M, n), dtype=torch.float32), torch.empty((M, n), dtype=torch.int64)
+    _check(lib.top_n_rows(x.data_ptr(), M, V, x.stride(0), n, ids.data_ptr(), vals.data_ptr()), "top_n_rows")
+    return vals, ids
 
 
 def kv_write(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,

@@ -42,7 +42,7 @@ from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from torchengine import cpu_kernels
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
 from torchengine.model import build_model, load_weights
-from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks
+from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -426,8 +426,8 @@ class TorchModelRunner:
             tgt_ids = torch.from_numpy(sl.target_ids[s:e].astype(np.int64)).to(lp.device)
             tgt = lp.gather(1, tgt_ids[:, None])[:, 0]
             rank = (lp > tgt[:, None]).sum(-1) + 1
-            vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
-            parts.append([x.cpu().numpy() for x in (tgt, rank, ids[:, :k], vals[:, :k])])
+            vals, ids = top_n(lp, k)  # ties: lower id first
+            parts.append([x.cpu().numpy() for x in (tgt, rank, ids, vals)])
         return PromptLogprobs(*(np.concatenate(x) for x in zip(*parts)))
 
 

@@ -10,6 +10,11 @@ seeded request gives the same tokens on either backend and in any batch.
 Logprobs are those of the raw logits (top-N, ties by lower id, plus the
 sampled token's logprob and rank).
 
+On a CPU with the C kernels (`torchengine/cpu_kernels.c`), log_softmax /
+softmax, the top-p cut and the draw are those kernels, each row in a fixed
+order: the jax backend's sampler calls the same code, so the two backends'
+logprobs and seeded draws are the same bits for the same logits.
+
 Nothing here reads a value back to the host: the runner copies the results
 once at the end of the step. Cumulative sums are taken in float64 and rounded
 to float32 (the reference accumulates in float32; both are within a few ulps
@@ -27,6 +32,7 @@ import torch
 
 from enginecore.sampling_batch import SamplingBatch
 from enginecore.sampling_ref import GREEDY_EPS
+from torchengine import cpu_kernels
 
 
 @dataclass
@@ -121,16 +127,42 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=-1, keepdim=True)
 
 
+def _row_kernels(x: torch.Tensor):
+    """The CPU kernels' library for the sampler's row work on x [R, V] (float32 CPU rows, unit column
+    stride), else None (torch's ops)."""
+    if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    return cpu_kernels.lib_for(x)
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise, written as `sampling_ref.log_softmax` (rows of -inf give NaN there too); a row's result does
-    not depend on the other rows (`row_sums`)."""
+    not depend on the other rows. On a CPU with the C kernels, `cpu_kernels.log_softmax` (the jax backend's
+    custom call runs the same code: the two backends' logprobs are the same bits); else torch's ops
+    (`row_sums`)."""
+    lib = _row_kernels(x)
+    if lib is not None:
+        return cpu_kernels.log_softmax(lib, x)
     m = x.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return x - m - torch.log(row_sums(torch.exp(x - m)))
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
+    lib = _row_kernels(x)
+    if lib is not None:
+        return cpu_kernels.log_softmax(lib, x, probs=True)
     return torch.exp(log_softmax(x))
+
+
+def top_n(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """lp [R, V] -> (values [R, n], ids [R, n]): each row's n largest, ties by lower id first (one pass of the
+    C kernels on a CPU; a stable descending sort elsewhere)."""
+    lib = _row_kernels(lp)
+    if lib is not None and n <= lp.shape[1]:
+        return cpu_kernels.top_n(lib, lp, n)
+    vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
+    return vals[:, :n], ids[:, :n]
 
 
 def _cumsum(p: torch.Tensor) -> torch.Tensor:
@@ -167,6 +199,9 @@ def filter_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         x = x.masked_fill(x < kth, neg_inf)
     if st.use_top_p:
         p = softmax(x)
+        lib = _row_kernels(p)
+        if lib is not None:  # the jax backend's cut, bit for bit (cpu_kernels.top_p_thresholds)
+            return x.masked_fill(p < cpu_kernels.top_p_thresholds(lib, p, st.top_p)[:, None], neg_inf)
         ps = torch.sort(p, dim=-1, descending=True).values
         cum = _cumsum(ps)
         # first index where the sorted mass reaches top_p (np.searchsorted side="left")
@@ -178,6 +213,9 @@ def filter_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [Rp, V], u [Rp] -> [Rp] i64: the first token whose cumulative mass exceeds u * total."""
+    lib = _row_kernels(probs)
+    if lib is not None:
+        return cpu_kernels.inverse_cdf(lib, probs, u)
     cum = _cumsum(probs)
     target = (u * cum[:, -1])[:, None].contiguous()
     idx = torch.searchsorted(cum, target, right=True)[:, 0]
@@ -250,8 +288,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     out = SamplerOutput(sampled=sampled)
     if st.num_logprobs >= 0:
         lp = log_softmax(logits)
-        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
-        out.topk_ids, out.topk_logprobs = ids[:, : st.num_logprobs], vals[:, : st.num_logprobs]
+        out.topk_logprobs, out.topk_ids = top_n(lp, st.num_logprobs)
         out.sampled_logprobs = lp.gather(1, sampled[:, None])[:, 0]
         out.sampled_ranks = (lp > out.sampled_logprobs[:, None]).sum(dim=-1) + 1
     return out
