@@ -164,30 +164,21 @@ ffi::Error SiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gu, ffi::ResultBu
     return ffi::Error::Success();
 }
 
-// out [T, H, D] = x rotated by each token's angles (cos, sin [T, D / 2]: the model's tables at its
-// positions), rotate-half convention: the torch backend's rope, which XLA would compute with fused
-// multiply-adds (other bits).
+// out [T, H, D] = x rotated by each token's angles, rotate-half convention: the torch backend's rope (XLA would
+// compute it with fused multiply-adds: other bits). cos, sin [T, D]: the kernel's tables, (cos, cos) and
+// (-sin, sin) of each token's angles, built once a step (`cpu_kernels.rope_tables`) for every layer's q and k.
 ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                 ffi::ResultBuffer<ffi::F32> out) {
     const auto xd = x.dimensions(), cd = cos.dimensions(), sd = sin.dimensions(), od = out->dimensions();
     if (xd.size() != 3 || cd.size() != 2 || sd.size() != 2 || od.size() != 3 || xd[2] % 2 || xd[2] == 0 ||
-        xd[2] > 1024 || cd[0] != xd[0] || cd[1] * 2 != xd[2] || sd[0] != cd[0] || sd[1] != cd[1] ||
+        xd[2] > 1024 || cd[0] != xd[0] || cd[1] != xd[2] || sd[0] != cd[0] || sd[1] != cd[1] ||
         od[0] != xd[0] || od[1] != xd[1] || od[2] != xd[2])
-        return ffi::Error::InvalidArgument("x [T, H, D], cos and sin [T, D / 2], out [T, H, D] expected");
-    const int64_t T = xd[0], H = xd[1], D = xd[2], half = D / 2;
+        return ffi::Error::InvalidArgument("x [T, H, D], cos and sin [T, D], out [T, H, D] expected");
+    const int64_t T = xd[0], H = xd[1], D = xd[2];
     if (T == 0 || H == 0) return ffi::Error::Success();
-    // the kernel's tables: (cos, cos) and (-sin, sin) per token
-    std::vector<float> c((size_t)T * D), s((size_t)T * D);
-    const float *cp = cos.typed_data(), *sp = sin.typed_data();
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < half; j++) {
-            c[t * D + j] = c[t * D + half + j] = cp[t * half + j];
-            s[t * D + j] = -sp[t * half + j];
-            s[t * D + half + j] = sp[t * half + j];
-        }
     float *op = out->typed_data();
     std::copy(x.typed_data(), x.typed_data() + T * H * D, op);
-    rope(op, (int)T, (int)H, (int)D, H * D, c.data(), s.data());
+    rope(op, (int)T, (int)H, (int)D, H * D, cos.typed_data(), sin.typed_data());
     return ffi::Error::Success();
 }
 

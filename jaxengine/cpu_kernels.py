@@ -121,8 +121,14 @@ def silu_mul(gu):
     return jax.ffi.ffi_call(SILU_MUL, jax.ShapeDtypeStruct((M, I2 // 2), jnp.float32))(gu)
 
 
+def rope_tables(cos, sin):
+    """Each token's angles cos / sin [T, D / 2] -> the kernel's tables [T, D]: (cos, cos) and (-sin, sin)
+    (`model.forward` builds them once a step for every layer's `rope`)."""
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+
+
 def rope(x, cos, sin):
-    """x [T, H, D] float32, cos / sin [T, D / 2] (each token's angles) -> x rotated, rotate-half convention
+    """x [T, H, D] float32, cos / sin [T, D] (`rope_tables`) -> x rotated, rotate-half convention
     (`model.apply_rope`): the torch backend's rope, without the fused multiply-adds XLA would use."""
     return jax.ffi.ffi_call(ROPE, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, cos, sin)
 
@@ -178,4 +184,4 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
            "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention", "inverse_cdf",
            "log_softmax", "pack_panels", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope",
-           "silu_mul", "top_p_thresholds"]
+           "rope_tables", "silu_mul", "top_p_thresholds"]

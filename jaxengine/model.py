@@ -209,11 +209,11 @@ def _as_out_in(name: str, w, stacked: bool = False):
 
 
 def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first_rows: int = 0, panels=None, norm=rms_norm):
+           weights_first_rows: int = 0, panels=None, norm=rms_norm, rope=apply_rope):
     """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU), or
     through `panels(h, group)` when given (`forward`: the CPU custom call on every layer's packed weights;
-    groups "qkv", "o", "gate_up", "down"); `norm` is the RMSNorm (`forward` picks the CPU custom call's with
-    the panels)."""
+    groups "qkv", "o", "gate_up", "down"); `norm` and `rope(x, cos, sin)` are the RMSNorm and RoPE (`forward`
+    picks the CPU custom calls' with the panels, and passes `rope`'s tables)."""
     T = x.shape[0]
     Hq, Hkv, D, eps = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.rms_norm_eps
 
@@ -233,12 +233,7 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     if lp.q_norm is not None:
         q = norm(q, lp.q_norm, eps)
         k = norm(k, lp.k_norm, eps)
-    if panels is not None and q.dtype == jnp.float32:
-        from jaxengine.cpu_kernels import rope
-
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-    else:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     kv_dt = kv_cache.dtype
     attn, kv_cache = attention_fn(
         q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
@@ -288,17 +283,20 @@ def forward(
     x = embed(params, input_ids)
     cos, sin = rope[0][positions], rope[1][positions]
 
-    layers, panels_for, norm = params.layers, lambda l: None, rms_norm
+    layers, panels_for, norm, rope_fn = params.layers, lambda l: None, rms_norm, apply_rope
     if params.panels is not None:
-        from jaxengine.cpu_kernels import panel_linear
+        from jaxengine.cpu_kernels import panel_linear, rope_tables
         from jaxengine.cpu_kernels import rms_norm as norm
+        from jaxengine.cpu_kernels import rope as rope_fn
 
         n = panel_outputs(arch)
         panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
+        cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l), norm)
+        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l), norm,
+                      rope_fn)
 
     if scan_layers:
         def body(carry, xs):
