@@ -132,6 +132,12 @@ def test_pack_panels_round_trip():
     assert torch.equal(panels[2, :, 5:], torch.zeros(10, 11))  # the padding rows
     ids = torch.tensor([0, 36, 15, 16, 3, 36])
     assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
+    # into a slice of a huge-page buffer (the model packs all its weights into one): the same panels
+    n = cpu_kernels.panels_size(w)
+    buf = cpu_kernels.huge_page_buffer(3 * n)
+    assert buf.numel() == 3 * n and buf.data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    into = cpu_kernels.pack_panels(w, buf[n : 2 * n])
+    assert torch.equal(into, panels) and into.is_contiguous() and into.data_ptr() == buf[n:].data_ptr()
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 70])

@@ -156,6 +156,9 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
             assert torch.equal(model.compute_logits(h[:n]), logits[:n]), n
         assert model.compute_logits(h[:0]).shape == (0, 49152) and model.greedy_tokens(h[:0]) is None
     assert model.pack_cpu_weights() == 0  # packed once
+    # every linear and the head in one buffer (on huge pages where the OS gives them)
+    storages = {m.panels.untyped_storage().data_ptr() for m in model.modules() if getattr(m, "panels", None) is not None}
+    assert storages == {model.head_panels.untyped_storage().data_ptr()}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

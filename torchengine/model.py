@@ -96,12 +96,15 @@ class Linear(nn.Linear):
 
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
 
-    def pack(self) -> bool:
-        """The weight into panels (`cpu_kernels.pack_panels`), where the kernels run on it; the [out, in]
-        matrix is freed. True if packed."""
-        if self.panels is not None or self.weight is None or cpu_kernels.lib_for(self.weight) is None:
+    def packable(self) -> bool:
+        return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
+
+    def pack(self, out: torch.Tensor | None = None) -> bool:
+        """The weight into panels (`cpu_kernels.pack_panels`, into `out` when given), where the kernels run on
+        it; the [out, in] matrix is freed. True if packed."""
+        if not self.packable():
             return False
-        self.panels = cpu_kernels.pack_panels(self.weight.detach())
+        self.panels = cpu_kernels.pack_panels(self.weight.detach(), out)
         self.weight = None
         return True
 
@@ -232,17 +235,24 @@ class Transformer(nn.Module):
         also gives greedy tokens without logits: `greedy_tokens`); the [out, in] matrices are freed (a tied
         embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
         loading (and after `torchengine.quant`, which reads the matrices)."""
-        n = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
-        if self.head_panels is not None:
-            return n
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if cpu_kernels.lib_for(w) is not None:
-            self.head_panels = cpu_kernels.pack_panels(w)
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packable()]
+        head = None
+        if self.head_panels is None:
+            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            head = w if cpu_kernels.lib_for(w) is not None else None
+        sizes = [cpu_kernels.panels_size(m.weight) for m in linears] + ([cpu_kernels.panels_size(head)] if head is not None else [])
+        if not sizes:
+            return 0
+        # one buffer for all of them, on huge pages where the OS gives them (`cpu_kernels.huge_page_buffer`)
+        arena, offsets = cpu_kernels.huge_page_buffer(sum(sizes)), np.cumsum([0] + sizes)
+        for m, a, b in zip(linears, offsets, offsets[1:]):
+            m.pack(arena[a:b])
+        if head is not None:
+            self.head_panels = cpu_kernels.pack_panels(head, arena[offsets[-2] : offsets[-1]])
             if self.lm_head is None:
                 self.embed = PanelEmbedding(self.head_panels)
             self.lm_head = None
-            n += 1
-        return n
+        return len(sizes)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, H] -> logits [N, V] float32
