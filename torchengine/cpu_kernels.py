@@ -305,26 +305,25 @@ def log_softmax(lib: ctypes.CDLL, x: torch.Tensor, probs: bool = False) -> torch
     return out
 
 
+def _per_row(fn, name: str, probs: torch.Tensor, arg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fn(probs, M, V, row stride, arg [M] float32, out [M]) -> out."""
+    M, V = probs.shape
+    arg = arg.to(torch.float32).contiguous()
+    out = torch.empty(M, dtype=dtype)
+    _check(fn(probs.data_ptr(), M, V, probs.stride(0), arg.data_ptr(), out.data_ptr()), name)
+    return out
+
+
 def inverse_cdf(lib: ctypes.CDLL, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [M, V] float32 (probs.stride(1) == 1), u [M] float32 -> [M] int64: each row's first token whose
     cumulative probability (double, fixed order) exceeds u * total (`sampling_ref.inverse_cdf`)."""
-    M, V = probs.shape
-    u = u.to(torch.float32).contiguous()
-    out = torch.empty(M, dtype=torch.int64)
-    _check(lib.inverse_cdf_rows(probs.data_ptr(), M, V, probs.stride(0), u.data_ptr(), out.data_ptr()),
-           "inverse_cdf_rows")
-    return out
+    return _per_row(lib.inverse_cdf_rows, "inverse_cdf_rows", probs, u, torch.int64)
 
 
 def top_p_thresholds(lib: ctypes.CDLL, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [M, V] float32 (probs.stride(1) == 1), top_p [M] -> [M] float32: keep each row's tokens with
     p >= it (`sampling_ref.filter_logits`' top-p cut, the sorted running sum in double; 0 where top_p >= 1)."""
-    M, V = probs.shape
-    top_p = top_p.to(torch.float32).contiguous()
-    out = torch.empty(M, dtype=torch.float32)
-    _check(lib.top_p_thresholds(probs.data_ptr(), M, V, probs.stride(0), top_p.data_ptr(), out.data_ptr()),
-           "top_p_thresholds")
-    return out
+    return _per_row(lib.top_p_thresholds, "top_p_thresholds", probs, top_p, torch.float32)
 
 
 def top_n(lib: ctypes.CDLL, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
