@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import mmap
 import os
 import shutil
 import subprocess
 import tempfile
+
+import numpy as np
 
 from enginecore.platform import c_compiler
 
@@ -87,3 +90,31 @@ def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags:
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return path, ""
+
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+
+
+def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
+    """An uninitialised (zero) 1-D array of `count` items, 2 MiB-aligned, whose whole 2 MiB pages the kernel
+    backs with huge pages where it can: an anonymous mapping advised MADV_HUGEPAGE before anything touches
+    it (Linux's transparent huge pages in their common "madvise" mode; elsewhere, or when refused, plain
+    pages). Both backends pack their CPU weights into one (`torchengine.cpu_kernels.huge_page_buffer`,
+    `jaxengine.cpu_kernels.onto_huge_pages`): the weights a decode step streams then cross 512x fewer
+    pages, so fewer TLB misses, and the hardware prefetchers, which stop at 4 KiB page boundaries, run on
+    (`benchmarks/bench_huge_pages.py`). The mapping's unaligned head is never touched: address space, not
+    memory. The array holds the mapping."""
+    nbytes = count * np.dtype(dtype).itemsize
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system
+        return np.zeros(count, dtype)
+    # private: a shared anonymous mapping is shmem, which transparent huge pages leave alone by default
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = np.frombuffer(mm, np.uint8, count=1).ctypes.data
+    offset = -addr % HUGE_PAGE
+    length = nbytes // HUGE_PAGE * HUGE_PAGE  # whole huge pages only: the tail stays in small pages
+    if length and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE, offset, length)
+        except OSError:  # advice only: a refusal leaves plain pages
+            pass
+    return np.frombuffer(mm, dtype, count=count, offset=offset)

@@ -94,6 +94,27 @@ def pack_panels(w):
     return jnp.swapaxes(w.reshape(*lead, NP, PANEL, K), -1, -2)
 
 
+def onto_huge_pages(arrays: dict) -> dict:
+    """{name: float32 CPU array} -> the same arrays moved into one buffer on transparent huge pages where
+    the OS gives them (`enginecore.native.huge_page_array`; each array zero-copy over its slice, with its
+    own sharding). Each source is deleted once copied, so the extra memory is one array, not all. An array
+    jax would copy instead of aliasing keeps its copy (small pages): the same values either way."""
+    from enginecore.native import huge_page_array
+
+    if any(isinstance(a, jax.core.Tracer) for a in arrays.values()):  # traced (abstract_inputs' eval_shape)
+        return arrays
+    sizes = {k: int(np.prod(a.shape)) for k, a in arrays.items()}
+    arena, out, o = huge_page_array(sum(sizes.values()), np.float32), {}, 0
+    for k, a in arrays.items():
+        view = arena[o : o + sizes[k]].reshape(a.shape)
+        view[...] = np.asarray(a)
+        sharding = a.sharding
+        a.delete()
+        out[k] = jax.device_put(view, sharding)
+        o += sizes[k]
+    return out
+
+
 def panel_rows(panels, ids):
     """Rows `ids` of the [N, K] matrix `pack_panels` packed into panels [NP, K, 16] -> [len(ids), K]."""
     return panels[ids // PANEL, :, ids % PANEL]
@@ -183,5 +204,5 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
 
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
            "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention", "inverse_cdf",
-           "log_softmax", "pack_panels", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope",
-           "rope_tables", "silu_mul", "top_p_thresholds"]
+           "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
+           "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]

@@ -351,7 +351,7 @@ def pack_cpu_panels(params: ModelParams) -> ModelParams:
     `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout.
     Consumes `params`: each weight is dropped from it once packed (eagerly, the extra memory is one group's
     weights, not the model's). A tied embedding is then looked up in the LM head's panels (`embed`)."""
-    from jaxengine.cpu_kernels import pack_panels
+    from jaxengine.cpu_kernels import onto_huge_pages, pack_panels
 
     lp = params.layers
     packed = {}
@@ -365,7 +365,9 @@ def pack_cpu_panels(params: ModelParams) -> ModelParams:
     params.lm_head = None
     if tied:
         params.embed = None
-    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=CpuPanels(**packed))
+    # every group in one buffer on huge pages where the OS gives them (a step streams them all)
+    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm,
+                       panels=CpuPanels(**onto_huge_pages(packed)))
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,

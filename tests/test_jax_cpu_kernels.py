@@ -380,3 +380,22 @@ def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_tor
         alone = jax_rows(slice(i, i + 1))
         assert alone[0][0] == sampled[i] and bits(alone[3])[0] == bits(tok_lp)[i]
         np.testing.assert_array_equal(bits(alone[2][0]), bits(lps[i]))
+
+
+def test_onto_huge_pages_aliases_one_aligned_buffer_and_keeps_values():
+    """`pack_cpu_panels` moves the packed weights into one huge-page buffer: the values kept, each array
+    jax's view of its slice (no copy: they sit back to back from a 2 MiB boundary), the sources freed."""
+    from enginecore.native import HUGE_PAGE
+
+    src = {"a": jnp.arange(3 * 5 * 16, dtype=jnp.float32).reshape(1, 3, 5, 16),
+           "b": -jnp.arange(2 * 7 * 16, dtype=jnp.float32).reshape(1, 2, 7, 16)}
+    want = {k: np.asarray(v).copy() for k, v in src.items()}
+    out = cpu_kernels.onto_huge_pages(dict(src))
+    for k in src:
+        assert src[k].is_deleted() and np.array_equal(np.asarray(out[k]), want[k])
+        assert out[k].sharding == jax.devices("cpu")[0] or out[k].sharding.device_set == {jax.devices("cpu")[0]}
+    a = out["a"].unsafe_buffer_pointer()
+    assert a % HUGE_PAGE == 0 and out["b"].unsafe_buffer_pointer() == a + want["a"].nbytes
+    # traced (abstract_inputs' eval_shape of pack_cpu_panels): left alone
+    shapes = jax.eval_shape(lambda x: cpu_kernels.onto_huge_pages({"x": x * 2}), jnp.zeros((2, 16)))
+    assert shapes["x"].shape == (2, 16)

@@ -133,9 +133,11 @@ def test_pack_panels_round_trip():
     ids = torch.tensor([0, 36, 15, 16, 3, 36])
     assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
     # into a slice of a huge-page buffer (the model packs all its weights into one): the same panels
+    from enginecore.native import HUGE_PAGE
+
     n = cpu_kernels.panels_size(w)
     buf = cpu_kernels.huge_page_buffer(3 * n)
-    assert buf.numel() == 3 * n and buf.data_ptr() % cpu_kernels.HUGE_PAGE == 0
+    assert buf.numel() == 3 * n and buf.data_ptr() % HUGE_PAGE == 0
     into = cpu_kernels.pack_panels(w, buf[n : 2 * n])
     assert torch.equal(into, panels) and into.is_contiguous() and into.data_ptr() == buf[n:].data_ptr()
 
@@ -350,3 +352,23 @@ def test_top_n_rows_is_a_stable_sorts_head(lib, n):
     vals, ids = cpu_kernels.top_n(lib, x, n)
     want_vals, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(vals, want_vals[:, :n]) and torch.equal(ids, want_ids[:, :n])
+
+
+def test_huge_page_array_is_aligned_zeroed_writable_memory():
+    """The buffer both backends pack their CPU weights into: 2 MiB-aligned (so its whole 2 MiB pages can be
+    huge pages; whether the OS gives them is its choice, shown by benchmarks/bench_huge_pages.py), zero-filled,
+    writable, kept alive by the array."""
+    import gc
+
+    import numpy as np
+
+    from enginecore.native import HUGE_PAGE, huge_page_array
+
+    a = huge_page_array(3 * HUGE_PAGE // 4 + 5)
+    assert a.dtype == np.float32 and a.size == 3 * HUGE_PAGE // 4 + 5 and a.ctypes.data % HUGE_PAGE == 0
+    assert not a.any()
+    b = a[7:]
+    del a
+    gc.collect()
+    b[:] = 2.0
+    assert float(b.sum()) == 2.0 * b.size

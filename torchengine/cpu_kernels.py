@@ -38,7 +38,7 @@ import os
 import numpy as np
 import torch
 
-from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
+from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared, huge_page_array
 from enginecore.platform import cpu_kernels_unavailable
 
 logger = logging.getLogger("xlaserve.torchengine")
@@ -173,31 +173,11 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return out.view(P, K, PANEL).copy_(panels)
 
 
-HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
-_MADV_HUGEPAGE = 14
-
-
 def huge_page_buffer(nfloats: int) -> torch.Tensor:
-    """An uninitialised float32 [nfloats] buffer whose 2 MiB-aligned part the kernel backs with huge pages
-    where it can: madvise(MADV_HUGEPAGE) before anything touches it (Linux's transparent huge pages in their
-    common "madvise" mode; elsewhere, or when refused, plain pages). The weights a decode step streams then
-    cross 512x fewer pages: fewer TLB misses, and the hardware prefetchers, which stop at 4 KiB page
-    boundaries, run on (a decode step's 30 layers of linears from memory, 2 cores: median 1.01-1.07x over
-    four runs of 12 interleaved rounds at 1 and 32 rows, `benchmarks/README.md`). The 2 MiB of padding in
-    front is never touched, so it costs address space, not memory."""
-    base = torch.empty(nfloats + HUGE_PAGE // 4, dtype=torch.float32)
-    addr = base.data_ptr()
-    start = -(-addr // HUGE_PAGE) * HUGE_PAGE
-    length = (nfloats * 4) // HUGE_PAGE * HUGE_PAGE  # whole huge pages only: the tail stays in small pages
-    if length:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(start, length, _MADV_HUGEPAGE)  # advice only: a refusal leaves plain pages
-        except (OSError, AttributeError):
-            pass
-    off = (start - addr) // 4
-    return base[off : off + nfloats]  # a view: keeps `base` alive
+    """An uninitialised float32 [nfloats] tensor on transparent huge pages where the OS gives them
+    (`enginecore.native.huge_page_array`): `Transformer.pack_cpu_weights` packs every linear and the LM
+    head into one."""
+    return torch.from_numpy(huge_page_array(nfloats, np.float32))
 
 
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
