@@ -1,15 +1,19 @@
 """Two builds of the CPU kernels in one process, interleaved: a git revision's `torchengine/cpu_kernels.c`
 against the working tree's.
 
-    python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20]
+    python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears]
+    python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
 best of --reps of each is compared. What it times: one decode step's float32 linears of the embedded model
 (SmolLM2-135M: 30 layers of q/k/v, o, gate/up and down, random weights packed in panels as the engines pack
 them, ~425 MB, then the tied LM head's greedy argmax over 49152 rows, 113 MB), so the weights stream from
-memory as in a real step. Both builds must give the same bits (checked first): the kernels' outputs do not
-depend on how they are tiled.
+memory as in a real step. `--what attention`: one decode step's attention instead, 30 layers of
+`decode_attention` over paged caches of the embedded model's shape (9 query heads, 3 KV heads of 64, blocks of
+16 tokens, separate K and V caches as the torch backend keeps them, ~380 MB), every row --context tokens long
+in blocks scattered at random as a long-running server's are. Both builds must give the same bits (checked
+first): the kernels' outputs do not depend on how they are tiled.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out): q/k/v fused, o, gate/up fused, down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+HQ, HKV, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention, the engines' block size
 
 
 def build(source: str, name: str):
@@ -41,6 +46,8 @@ def main() -> int:
     ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
     ap.add_argument("--rows", default="1,8,32,64", help="tokens a step")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--what", choices=("linears", "attention"), default="linears")
+    ap.add_argument("--context", type=int, default=170, help="--what attention: tokens each row attends")
     args = ap.parse_args()
 
     import torch
@@ -67,6 +74,8 @@ def main() -> int:
         return 1
     libs = {"base": base, "new": new}
 
+    if args.what == "attention":
+        return attention(libs, args, threads)
     g = torch.Generator().manual_seed(0)
     layers = [[cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5) for k, n in SHAPES]
               for _ in range(LAYERS)]
@@ -105,6 +114,53 @@ def main() -> int:
         flops = 2 * M * (LAYERS * sum(k * n for k, n in SHAPES) + HIDDEN * VOCAB)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {flops / best['base'] / 1e9:>12.0f}  "
               f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x", flush=True)
+    return 0
+
+
+def attention(libs, args, threads: int) -> int:
+    import numpy as np
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    per_row = -(-args.context // BLOCK)
+    num_blocks = max(rows) * per_row + 1
+    caches = [(torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g),
+               torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g)) for _ in range(LAYERS)]
+    print(f"decode step attention, SmolLM2-135M shapes, {LAYERS} layers, {args.context} tokens a row in scattered "
+          f"blocks of {BLOCK}, {threads} thread(s); base {args.base} vs the working tree, best of {args.reps} "
+          "interleaved")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GB/s':>9}  {'new GB/s':>8}  {'speedup':>7}")
+    for M in rows:
+        tables = torch.from_numpy(np.random.default_rng(M).permutation(num_blocks - 1)[: M * per_row]
+                                  .reshape(M, per_row).astype(np.int32) + 1)
+        kv_lens = torch.full((M,), args.context, dtype=torch.int32)
+        tokens = torch.arange(M, dtype=torch.int64)
+        q = torch.randn(M, HQ, HEAD_DIM, generator=g)
+        outs = {name: torch.empty(M, HQ, HEAD_DIM) for name in libs}
+
+        def step(name: str) -> None:
+            lib, out = libs[name], outs[name]
+            for kc, vc in caches:
+                if lib.decode_attention(q.data_ptr(), q.stride(0), M, tokens.data_ptr(), kv_lens.data_ptr(),
+                                        tables.data_ptr(), per_row, kc.data_ptr(), vc.data_ptr(), BLOCK, HQ, HKV,
+                                        HEAD_DIM, HEAD_DIM ** -0.5, 0, out.data_ptr(), threads):
+                    raise RuntimeError("decode_attention refused its arguments")
+
+        for name in libs:
+            step(name)
+        if not torch.equal(outs["base"], outs["new"]):
+            print(f"{M:>5}  the two builds give different outputs")
+            return 1
+        best = {name: float("inf") for name in libs}
+        for _ in range(args.reps):
+            for name in libs:
+                t0 = time.perf_counter()
+                step(name)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once
+        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
+              f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
     return 0
 
 

@@ -354,6 +354,18 @@ int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T
 // single query head when there are too few of those tasks to keep the threads busy.
 
 // query heads per task for n requests on nthreads threads (1 or Hq / Hkv)
+// The paged cache's rows are a few hundred bytes in blocks scattered over the cache: the hardware prefetchers,
+// which follow streams within a 4 KiB page, lose them at every block, and a decode step's attention ran at
+// ~6 GB/s, a third of this memory's bandwidth (benchmarks/bench_kernels_ab.py --what attention). So the
+// kernels fetch token j + KV_PREFETCH's row (its block looked up in the table) while they work on token j.
+#define KV_PREFETCH 8
+
+static inline void prefetch_row(const float *cache, const int32_t *bt, int block_size, long kv_row, long off, int D,
+                                int j) {
+    const char *p = (const char *)(cache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + off);
+    for (int b = 0; b < D * (int)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
@@ -386,6 +398,10 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         for (int g = 0; g < hs; g++) mx[g] = -INFINITY;
         for (int j = start; j < L; j++) {
             const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
+            if (j + KV_PREFETCH < L) {
+                prefetch_row(kcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
+                prefetch_row(vcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
+            }
             for (int g = 0; g < hs; g++) {
                 const float v = dot(qh + (size_t)g * D, k, D) * scale;
                 s[(size_t)g * len + j - start] = v;
@@ -396,6 +412,7 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
             const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
+            if (j + KV_PREFETCH < L) prefetch_row(vcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
             for (int g = 0; g < hs; g++) axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], v, D);
         }
         for (int g = 0; g < hs; g++) {
