@@ -353,25 +353,28 @@ int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T
 // A task is one request's query heads of one kv head (each cached row read once for all of them), or a
 // single query head when there are too few of those tasks to keep the threads busy.
 
-// query heads per task for n requests on nthreads threads (1 or Hq / Hkv)
 // The paged cache's rows are a few hundred bytes in blocks scattered over the cache: the hardware prefetchers,
 // which follow streams within a 4 KiB page, lose them at every block, and a decode step's attention ran at
 // ~6 GB/s, a third of this memory's bandwidth (benchmarks/bench_kernels_ab.py --what attention). So the
 // kernels fetch token j + KV_PREFETCH's row (its block looked up in the table) while they work on token j.
 #define KV_PREFETCH 8
 
-static inline void prefetch_row(const float *cache, const int32_t *bt, int block_size, long kv_row, long off, int D,
+// token j's floats [off, off + n) of its row
+static inline void prefetch_row(const float *cache, const int32_t *bt, int block_size, long kv_row, long off, int n,
                                 int j) {
     const char *p = (const char *)(cache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + off);
-    for (int b = 0; b < D * (int)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int b = 0; b < n * (int)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+// query heads per task for n requests on nthreads threads: all of a request's (its token rows read whole, in
+// order) when there are requests enough to share out, else one KV head's group, else one
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
-    return n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
+    return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
 
 // Tasks [t0, t1) of decode attention on the calling thread (task t: request t / (Hq / hs), query heads from
-// t % (Hq / hs) * hs). A cached token's row of a cache is `kv_row` floats long, kv head hk at hk * kv_head:
+// t % (Hq / hs) * hs, each with its own KV head; every head's scores, sums and output are computed the same way
+// whatever hs). A cached token's row of a cache is `kv_row` floats long, kv head hk at hk * kv_head:
 // torch's separate K and V caches [blocks, block_size, Hkv, D] are kv_row = Hkv * D, kv_head = D; jaxengine's
 // one cache [blocks, block_size, 2 * Hkv, D] with K and V of head hk at 2hk and 2hk + 1 is kcache = cache,
 // vcache = cache + D, kv_row = 2 * Hkv * D, kv_head = 2 * D. tokens == NULL: request i's query is row i of q
@@ -383,7 +386,10 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
     const int G = Hq / Hkv, per_req = Hq / hs;
     int rc = 0;
     for (int task = t0; task < t1; task++) {
-        const int i = task / per_req, h0 = task % per_req * hs, hk = h0 / G;
+        const int i = task / per_req, h0 = task % per_req * hs, hk0 = h0 / G, hk1 = (h0 + hs - 1) / G;
+        const long pf_off = hk0 * kv_head, pf_len = (hk1 - hk0) * kv_head + D;  // the task's part of a row
+        long hoff[hs];  // head g's K / V offset in a row
+        for (int g = 0; g < hs; g++) hoff[g] = (long)((h0 + g) / G) * kv_head;
         const int64_t tok = tokens ? tokens[i] : i;
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
         const float *qh = q + tok * q_stride + (size_t)h0 * D;  // hs query heads, D floats apart
@@ -397,13 +403,13 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         const int32_t *bt = block_tables + (size_t)i * bt_stride;
         for (int g = 0; g < hs; g++) mx[g] = -INFINITY;
         for (int j = start; j < L; j++) {
-            const float *k = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
+            const float *kr = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
             if (j + KV_PREFETCH < L) {
-                prefetch_row(kcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
-                prefetch_row(vcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
+                prefetch_row(kcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
+                prefetch_row(vcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
             }
             for (int g = 0; g < hs; g++) {
-                const float v = dot(qh + (size_t)g * D, k, D) * scale;
+                const float v = dot(qh + (size_t)g * D, kr + hoff[g], D) * scale;
                 s[(size_t)g * len + j - start] = v;
                 mx[g] = v > mx[g] ? v : mx[g];
             }
@@ -411,9 +417,10 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         for (int g = 0; g < hs; g++) sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
         memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
-            const float *v = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + hk * kv_head;
-            if (j + KV_PREFETCH < L) prefetch_row(vcache, bt, block_size, kv_row, hk * kv_head, D, j + KV_PREFETCH);
-            for (int g = 0; g < hs; g++) axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], v, D);
+            const float *vr = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
+            if (j + KV_PREFETCH < L) prefetch_row(vcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
+            for (int g = 0; g < hs; g++)
+                axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], vr + hoff[g], D);
         }
         for (int g = 0; g < hs; g++) {
             const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;  // no cached token (len 0): zeros, not NaN
