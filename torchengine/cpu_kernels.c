@@ -801,24 +801,28 @@ static inline double block_sum(const float *p, int a, int b) {
 // block crosses, the last token with a nonzero probability up to there (V - 1 if none) is drawn, never a
 // token of probability 0.
 static int64_t inverse_cdf_row(const float *p, int V, float u) {
+    const int nb = (V + CDF_BLOCK - 1) / CDF_BLOCK;
+    double sums[nb];  // each block's sum, taken once
     double total = 0.0;
-    for (int a = 0; a < V; a += CDF_BLOCK) total += block_sum(p, a, a + CDF_BLOCK < V ? a + CDF_BLOCK : V);
+    for (int b = 0; b < nb; b++) {
+        const int a = b * CDF_BLOCK;
+        total += sums[b] = block_sum(p, a, a + CDF_BLOCK < V ? a + CDF_BLOCK : V);
+    }
     const double target = (double)u * total;
     double cum = 0.0;
-    int a = 0;
-    for (; a < V; a += CDF_BLOCK) {
-        const int b = a + CDF_BLOCK < V ? a + CDF_BLOCK : V;
-        const double s = block_sum(p, a, b);
-        if (cum + s > target) {
+    int end = V;  // the fallback searches below it
+    for (int b = 0; b < nb; b++) {
+        if (cum + sums[b] > target) {
+            const int a = b * CDF_BLOCK, e = a + CDF_BLOCK < V ? a + CDF_BLOCK : V;
             double r = cum;
-            for (int j = a; j < b; j++)
+            for (int j = a; j < e; j++)
                 if ((r += p[j]) > target && p[j] > 0.f) return j;
-            a = b;
+            end = e;
             break;
         }
-        cum += s;
+        cum += sums[b];
     }
-    for (int j = (a < V ? a : V) - 1; j >= 0; j--)
+    for (int j = end - 1; j >= 0; j--)
         if (p[j] > 0.f) return j;
     return V - 1;
 }
