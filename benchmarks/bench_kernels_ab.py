@@ -41,6 +41,17 @@ def build(source: str, name: str):
     return lib
 
 
+def best_of(libs, step, reps: int) -> dict[str, float]:
+    """Each build's best time of `step(name)` over `reps` rounds, the builds back to back in every round."""
+    best = {name: float("inf") for name in libs}
+    for _ in range(reps):
+        for name in libs:
+            t0 = time.perf_counter()
+            step(name)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
@@ -105,12 +116,7 @@ def main() -> int:
         if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
-        best = {name: float("inf") for name in libs}
-        for _ in range(args.reps):
-            for name in libs:
-                t0 = time.perf_counter()
-                step(name)
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = best_of(libs, step, args.reps)
         flops = 2 * M * (LAYERS * sum(k * n for k, n in SHAPES) + HIDDEN * VOCAB)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {flops / best['base'] / 1e9:>12.0f}  "
               f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x", flush=True)
@@ -152,12 +158,7 @@ def attention(libs, args, threads: int) -> int:
         if not torch.equal(outs["base"], outs["new"]):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
-        best = {name: float("inf") for name in libs}
-        for _ in range(args.reps):
-            for name in libs:
-                t0 = time.perf_counter()
-                step(name)
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = best_of(libs, step, args.reps)
         nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
               f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
