@@ -118,3 +118,27 @@ def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
         except OSError:  # advice only: a refusal leaves plain pages
             pass
     return np.frombuffer(mm, dtype, count=count, offset=offset)
+
+
+def huge_page_bytes(a: np.ndarray, smaps: str = "/proc/self/smaps") -> int:
+    """How many bytes of `a`'s memory the kernel backs with transparent huge pages now: the AnonHugePages of
+    the mappings that hold it (`smaps`), at most its size; 0 where that cannot be read."""
+    lo = a.ctypes.data
+    hi, total, inside = lo + a.nbytes, 0, False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                head = line.split(None, 1)[0] if line.strip() else ""
+                if head and not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
+                    start, end = (int(v, 16) for v in head.split("-"))
+                    inside = start < hi and end > lo
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return 0
+    return min(total, a.nbytes)
+
+
+def describe_huge_pages(a: np.ndarray) -> str:
+    """"N MiB, M on huge pages" for a `huge_page_array` (the engines log it once their weights are in)."""
+    return f"{a.nbytes / 2**20:.0f} MiB, {huge_page_bytes(a) / 2**20:.0f} MiB of it on huge pages"

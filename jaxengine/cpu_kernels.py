@@ -99,7 +99,7 @@ def onto_huge_pages(arrays: dict) -> dict:
     the OS gives them (`enginecore.native.huge_page_array`; each array zero-copy over its slice, with its
     own sharding). Each source is deleted once copied, so the extra memory is one array, not all. An array
     jax would copy instead of aliasing keeps its copy (small pages): the same values either way."""
-    from enginecore.native import huge_page_array
+    from enginecore.native import describe_huge_pages, huge_page_array
 
     if any(isinstance(a, jax.core.Tracer) for a in arrays.values()):  # traced (abstract_inputs' eval_shape)
         return arrays
@@ -112,6 +112,7 @@ def onto_huge_pages(arrays: dict) -> dict:
         a.delete()
         out[k] = jax.device_put(view, sharding)
         o += sizes[k]
+    logger.info("CPU panels in one buffer: %s", describe_huge_pages(arena))
     return out
 
 

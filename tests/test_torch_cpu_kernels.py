@@ -398,3 +398,28 @@ def test_huge_page_array_is_aligned_zeroed_writable_memory():
     gc.collect()
     b[:] = 2.0
     assert float(b.sum()) == 2.0 * b.size
+
+
+def test_huge_page_bytes_sums_the_mappings_that_hold_the_array(tmp_path):
+    """What the engines log of their weights' buffer: the AnonHugePages of the mappings overlapping the
+    array (/proc/self/smaps' format), capped at its size; this process's own smaps gives a number in range."""
+    import numpy as np
+
+    from enginecore.native import HUGE_PAGE, huge_page_array, huge_page_bytes
+
+    a = huge_page_array(HUGE_PAGE // 2)  # 4 MiB of float32
+    a[:] = 1.0
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    fake = tmp_path / "smaps"
+    fake.write_text(
+        f"{lo - 8192:x}-{lo:x} rw-p 00000000 00:00 0\nSize: 8 kB\nAnonHugePages:      2048 kB\n"  # ends below
+        f"{lo:x}-{lo + HUGE_PAGE:x} rw-p 00000000 00:00 0 \nSize: 2048 kB\nAnonHugePages:      2048 kB\n"
+        "VmFlags: rd wr mr mw me ac hg\n"
+        f"{lo + HUGE_PAGE:x}-{hi + 4096:x} rw-p 00000000 00:00 0\nAnonHugePages:      4096 kB\n"
+        f"{hi + 4096:x}-{hi + 8192:x} r--p 00000000 08:01 42   /usr/lib/x.so\nAnonHugePages:      2048 kB\n")
+    assert huge_page_bytes(a, str(fake)) == a.nbytes  # 2 + 4 MiB overlap it, capped at its 4
+    assert huge_page_bytes(a[: HUGE_PAGE // 4], str(fake)) == HUGE_PAGE  # the first mapping only
+    assert huge_page_bytes(a, str(tmp_path / "missing")) == 0
+    real = huge_page_bytes(a)
+    assert 0 <= real <= a.nbytes and real % HUGE_PAGE == 0
+

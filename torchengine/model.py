@@ -210,6 +210,7 @@ class Transformer(nn.Module):
         # on a CPU with the kernels, float32: the LM head in `cpu_kernels.panel_gemm`'s panels (pack_lm_head), which
         # then replace the [V, H] matrix (a tied model's embedding lookup reads them too)
         self.head_panels: torch.Tensor | None = None
+        self.cpu_arena: torch.Tensor | None = None  # pack_cpu_weights' one buffer of every panel
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
         self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
@@ -245,6 +246,7 @@ class Transformer(nn.Module):
             return 0
         # one buffer for all of them, on huge pages where the OS gives them (`cpu_kernels.huge_page_buffer`)
         arena, offsets = cpu_kernels.huge_page_buffer(sum(sizes)), np.cumsum([0] + sizes)
+        self.cpu_arena = arena
         for m, a, b in zip(linears, offsets, offsets[1:]):
             m.pack(arena[a:b])
         if head is not None:

@@ -33,6 +33,7 @@ from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
+from enginecore.native import describe_huge_pages
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -181,7 +182,7 @@ class TorchModelRunner:
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
-                        "head's argmax)", self.rank, n)
+                        "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
