@@ -208,6 +208,11 @@ def source_fingerprint() -> str:
     return h.hexdigest()
 
 
+# hashed now, with the modules that define the programs just imported: an edit made later while this process
+# runs (a test run in flight) must not store the executables of the code already imported under the new hash
+source_fingerprint()
+
+
 class _TreeUnpickler(pickle.Unpickler):
     """Unpickles the stored in/out pytree definitions (and the jaxengine classes they name), nothing else."""
 
