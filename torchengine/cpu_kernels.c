@@ -1020,6 +1020,24 @@ static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, 
         _mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), gt)));
 }
 
+// One k of a tile of R rows x P panels: every accumulator a[r * 2P + j] += x[r][k] * (panel's 8 lanes j at k).
+// The only arithmetic of panel_gemm: both its loop orders (head_tile, kblock_tile) step through it.
+static inline __attribute__((always_inline)) void panel_k_step(const int R, const int P, const float *x, int K,
+                                                             const float *w, int k, __m256 *a) {
+    __m256 wv[8];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        wv[2 * p] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16);
+        wv[2 * p + 1] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16 + 8);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * P; j++) a[r * 2 * P + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 2 * P + j]);
+    }
+}
+
 // pf_lines cache lines from pf are prefetched, evenly over the k loop (head_rows)
 static inline __attribute__((always_inline)) void head_tile(
     const int R, const int P, const float *x, int K, const float *wp, int p0, int V, float *y, head_best *best,
@@ -1036,18 +1054,7 @@ static inline __attribute__((always_inline)) void head_tile(
             _mm_prefetch(pf, _MM_HINT_T0);
             pf += 64;
         }
-        __m256 wv[8];
-#pragma GCC unroll 4
-        for (int p = 0; p < P; p++) {
-            wv[2 * p] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16);
-            wv[2 * p + 1] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16 + 8);
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
-#pragma GCC unroll 8
-            for (int j = 0; j < 2 * P; j++) a[r * 2 * P + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 2 * P + j]);
-        }
+        panel_k_step(R, P, x, K, w, k, a);
     }
     float o[HEAD_ROWS * 2 * 8];  // the tile's logits, row r's at o[r * 16 P ...]
 #pragma GCC unroll 12
@@ -1123,18 +1130,7 @@ static inline __attribute__((always_inline)) void kblock_tile(
             a[r * 2 * P + j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + (size_t)r * V + 8 * j);
     const float *w = wp + ((size_t)p0 * K + k0) * 16;
     for (int k = 0; k < k1 - k0; k++) {
-        __m256 wv[8];
-#pragma GCC unroll 4
-        for (int p = 0; p < P; p++) {
-            wv[2 * p] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16);
-            wv[2 * p + 1] = _mm256_loadu_ps(w + ((size_t)p * K + k) * 16 + 8);
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
-#pragma GCC unroll 8
-            for (int j = 0; j < 2 * P; j++) a[r * 2 * P + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 2 * P + j]);
-        }
+        panel_k_step(R, P, x, K, w, k, a);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
