@@ -140,5 +140,6 @@ def huge_page_bytes(a: np.ndarray, smaps: str = "/proc/self/smaps") -> int:
 
 
 def describe_huge_pages(a: np.ndarray) -> str:
-    """"N MiB, M on huge pages" for a `huge_page_array` (the engines log it once their weights are in)."""
+    """"N MiB, M MiB of it on huge pages" for a `huge_page_array` (the engines log it once their weights are
+    in; reading smaps takes ~20 ms, once at load)."""
     return f"{a.nbytes / 2**20:.0f} MiB, {huge_page_bytes(a) / 2**20:.0f} MiB of it on huge pages"

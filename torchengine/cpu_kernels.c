@@ -1108,12 +1108,8 @@ static inline __attribute__((always_inline)) void head_rows(
 // ascending order (a float32 store and load in between change nothing), so the bits are those of the
 // unblocked tiles.
 #define COMPUTE_BOUND_ROWS 256
-#ifndef KBLOCK
 #define KBLOCK 576
-#endif
-#ifndef ROW_BLOCK
 #define ROW_BLOCK 48  // a multiple of HEAD_ROWS
-#endif
 
 // rows x[0..R), y[0..R) (x starting at column k0), P panels from p0, k in [k0, k1)
 static inline __attribute__((always_inline)) void kblock_tile(
@@ -1129,9 +1125,7 @@ static inline __attribute__((always_inline)) void kblock_tile(
         for (int j = 0; j < 2 * P; j++)
             a[r * 2 * P + j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + (size_t)r * V + 8 * j);
     const float *w = wp + ((size_t)p0 * K + k0) * 16;
-    for (int k = 0; k < k1 - k0; k++) {
-        panel_k_step(R, P, x, K, w, k, a);
-    }
+    for (int k = 0; k < k1 - k0; k++) panel_k_step(R, P, x, K, w, k, a);
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
