@@ -32,9 +32,9 @@
 namespace ffi = xla::ffi;
 
 extern "C" {
-int panel_gemm_plan(int M, int K, int V, int nthreads, int *split_rows, int *nt);
-void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int split_rows,
-                     int lo, int hi);
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt);
+void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
+                     int hi);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
@@ -111,12 +111,15 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (T == 0 || N == 0) return ffi::Error::Success();
     const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * NP * K * 16;
     float *yp = y->typed_data();
-    int split_rows = 0, nt = 1;
+    int unit = 4, nt = 1;
     const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
-                                          &split_rows, &nt);
-    // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for
-    parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / ((int64_t)nt * 4)), [=](int64_t a, int64_t b) {
-        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, split_rows, (int)a, (int)b);
+                                          &unit, &nt);
+    // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for; two where
+    // the parts are single panels (a prefill's: each slice streams all the rows past its panels, and four a
+    // thread ran 0.9-1.0x of two)
+    const int64_t slices = (int64_t)nt * (unit == 1 ? 2 : 4);
+    parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / slices), [=](int64_t a, int64_t b) {
+        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, unit, (int)a, (int)b);
     });
     return ffi::Error::Success();
 }

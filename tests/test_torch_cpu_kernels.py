@@ -158,29 +158,33 @@ def test_panel_gemm(lib, M, V, K):
 
 
 @pytest.mark.parametrize("M,K,V,threads", [
-    (301, 1100, 203, 2),  # threads split the panels (4 chunks, 51 tiles): blocked in k
-    (263, 1100, 40, 2),  # split by rows, K > 1024: blocked; 131 rows a thread: row blocks of 48, 48, 35 (5-row tail)
-    (259, 600, 1003, 1),  # one thread: blocked; tails of 1-4 rows (259-262) after five row blocks
+    (301, 1100, 203, 2),  # 13 panels (the last partial) shared 6 / 7 between the threads; k blocks of 576 + 524
+    (263, 1100, 40, 2),  # 3 panels, 1 / 2; row blocks of 48 x 5 + 23 (a 5-row tail)
+    (259, 600, 1003, 1),  # one thread; tails of 1-4 rows (259-262) after five row blocks
     (260, 600, 1003, 1),
     (261, 600, 1003, 1),
     (262, 600, 1003, 1),
-    (300, 576, 40, 2),  # split by rows, K = 576: unblocked
+    (300, 576, 40, 2),  # K = 576: one k block
+    (256, 576, 960, 2),  # a prefill's q/k/v linear: 60 panels, 30 / 30
 ])
 def test_panel_gemm_many_rows(lib, M, K, V, threads):
-    """From 256 rows panel_gemm may block k (partial sums through y between blocks of 576): the same bits as
-    a row computed alone (one row never blocks), whatever the split, the k blocks (a short last one), the
-    row blocks and tails, and a vocabulary with a partial last panel."""
+    """From 256 rows panel_gemm shares single panels between the threads and blocks k (partial sums through
+    y between blocks of 576): the same bits as a row computed alone (one row never blocks), whatever the
+    shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary with a partial last
+    panel; the greedy head's argmax over the same split is the logits' argmax."""
     x, w = randn(M, K, seed=5), randn(V, K, seed=6)
     panels = cpu_kernels.pack_panels(w)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         logits = cpu_kernels.panel_gemm(lib, x, panels, V)
+        greedy = cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True)
     finally:
         torch.set_num_threads(n)
     torch.testing.assert_close(logits, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-6 * K)
     alone = torch.cat([cpu_kernels.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
     assert torch.equal(alone, logits)
+    assert torch.equal(greedy, logits.argmax(-1))
 
 
 def test_panel_gemm_greedy_ties_nan_and_padding(lib):

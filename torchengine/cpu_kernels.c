@@ -1095,14 +1095,14 @@ static inline __attribute__((always_inline)) void head_rows(
     }
 }
 
-// From COMPUTE_BOUND_ROWS rows on (a prefill's linears), panel_gemm_part changes its loop order where the
-// unblocked one leans on L3 and memory: a long k (K > 1024: the down projection's panel, K * 64 bytes, is
-// 96 KiB, and its 6-row activation tile leaves L1 too), or threads split by panels (a wide linear, gate / up:
-// each thread then streams all the activations past every block of its panels). kblock_part takes blocks of
+// From COMPUTE_BOUND_ROWS rows on (a prefill's linears), panel_gemm_part changes its loop order, where the
+// unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
+// stream all the activations past every block of its panels, and a long k (K > 1024: the down projection's
+// panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of L1 too. kblock_part takes blocks of
 // ROW_BLOCK rows (110 KiB of activations at K = 576: L2) past one panel's KBLOCK k values at a time (36
-// KiB). In this machine's fast minutes both orders run those two linears at its peak (~175 GFLOP/s at 2048
+// KiB). In this machine's fast minutes both orders run gate / up and down at its peak (~175 GFLOP/s at 2048
 // rows); when its shared caches and memory are busy, the blocked one holds up better: 1.13-1.37x at 512-2048
-// rows (the other linears, K = 576 split by rows, keep the unblocked order: blocked they were 0.85-0.97x).
+// rows.
 // A tile's accumulators start at zero (k0 == 0) or at the partial sums the previous k block left in y, and
 // go back to y (the next tile's prefetched meanwhile): each output is still one FMA chain over k in
 // ascending order (a float32 store and load in between change nothing), so the bits are those of the
@@ -1181,41 +1181,39 @@ static __attribute__((noinline)) void kblock_part(const float *x, int K, const f
     }
 }
 
-// How panel_gemm splits its work between threads: parts of 4 panels, or, from 256 rows (compute-bound: each
-// thread then reads every weight), whole tiles of rows where that balances better (a prefill's narrow
-// linears, 576 outputs: 9 chunks of panels for 2 threads, 5 / 4, have rows to spare). Returns the number of
-// parts, sets *split_rows and *nt (the threads worth waking, <= nthreads, <= the parts). jaxengine's custom
-// call splits the same parts between XLA's threads.
-int panel_gemm_plan(int M, int K, int V, int nthreads, int *split_rows, int *nt) {
-    const int NP = (V + 15) / 16, chunks = (NP + 3) / 4, tiles = (M + HEAD_ROWS - 1) / HEAD_ROWS;
-    int n = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
-    *split_rows = n > 1 && M >= COMPUTE_BOUND_ROWS &&
-                  (long)((tiles + n - 1) / n) * chunks < (long)((chunks + n - 1) / n) * tiles;
-    const int parts = *split_rows ? tiles : chunks;
+// How panel_gemm splits its work between threads: parts of 4 panels, or, from COMPUTE_BOUND_ROWS rows on
+// (kblock_part: each share streams all the rows past its panels), parts of one panel, so the threads' shares are
+// even (a prefill's q/k/v linear, 60 panels, is 8 / 7 chunks of 4 between 2 threads, 30 / 30 panels). Tiles of
+// rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o) at
+// 95-150 GFLOP/s at 256-2048 rows against 100-180 for even panel shares (benchmarks/README.md, session 13).
+// Returns the number of parts, sets *unit (panels a part) and *nt (the threads worth waking, <= nthreads, <= the
+// parts). jaxengine's custom call splits the same parts between XLA's threads.
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt) {
+    const int NP = (V + 15) / 16, n = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
+    *unit = M >= COMPUTE_BOUND_ROWS ? 1 : 4;
+    const int parts = (NP + *unit - 1) / *unit;
     *nt = n < parts ? n : parts;
     return parts;
 }
 
-// Parts [lo, hi) of panel_gemm_plan's split: panels in blocks of 256 KiB (L2) times activation blocks of
-// 16 KiB (L1), whole tiles of rows, or blocked in k too (kblock_part, above). `best` (argmax mode) is the
+// Parts [lo, hi) of panel_gemm_plan's split (`unit` panels each): panels in blocks of 256 KiB (L2) times
+// activation blocks of 16 KiB (L1), or blocked in k too (kblock_part, above). `best` (argmax mode) is the
 // caller's M running maxima, or NULL.
-void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best,
-                     int split_rows, int lo, int hi) {
-    const int NP = (V + 15) / 16;
+void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best, int unit,
+                     int lo, int hi) {
+    const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
+    if (best == NULL && M >= COMPUTE_BOUND_ROWS) {  // see COMPUTE_BOUND_ROWS
+        kblock_part(x, K, wp, V, y, 0, M, a, b);
+        return;
+    }
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
     if (NB < 4) NB = 4;
     if (MB < HEAD_ROWS) MB = HEAD_ROWS;
-    const int a = split_rows ? 0 : lo * 4, b = split_rows ? NP : (hi * 4 < NP ? hi * 4 : NP);
-    const int ma = split_rows ? lo * HEAD_ROWS : 0, mb = split_rows ? (hi * HEAD_ROWS < M ? hi * HEAD_ROWS : M) : M;
-    if (best == NULL && M >= COMPUTE_BOUND_ROWS && (!split_rows || K > 1024)) {  // see COMPUTE_BOUND_ROWS
-        kblock_part(x, K, wp, V, y, ma, mb, a, b);
-        return;
-    }
     for (int p0 = a; p0 < b; p0 += NB) {
         const int p1 = p0 + NB < b ? p0 + NB : b;
-        const int pe = p1 + NB < b ? p1 + NB : b, nm = (mb - ma + MB - 1) / MB;
-        for (int m0 = ma, mi = 0; m0 < mb; m0 += MB, mi++) {
-            const int m1 = m0 + MB < mb ? m0 + MB : mb;
+        const int pe = p1 + NB < b ? p1 + NB : b, nm = (M + MB - 1) / MB;
+        for (int m0 = 0, mi = 0; m0 < M; m0 += MB, mi++) {
+            const int m1 = m0 + MB < M ? m0 + MB : M;
             int m = m0;
             for (; m + HEAD_ROWS <= m1; m += HEAD_ROWS) head_rows(6, 1, x, m, K, wp, p0, p1, V, y, best, pe, mi, nm);
             switch (m1 - m) {
@@ -1232,8 +1230,8 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    int split_rows, nt;
-    const int parts = panel_gemm_plan(M, K, V, nthreads, &split_rows, &nt);
+    int unit, nt;
+    const int parts = panel_gemm_plan(M, K, V, nthreads, &unit, &nt);
     head_best *best = NULL;
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
@@ -1249,7 +1247,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, split_rows,
+        panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit,
                         (int)((long)parts * t / T), (int)((long)parts * (t + 1) / T));
     }
     if (argmax != NULL) {
