@@ -11,6 +11,11 @@ compete and one failing engine does not hide the others. Prints ONE table:
 output tokens/s, the ratio to transformers, and the fraction of this
 machine's roofline (benchmarks.bench_roofline), plus how much CPU other
 processes took during each measurement.
+
+--rounds N runs the engines N times in turn (the order rotated each round) and reports each engine's median
+tok/s, and each ratio as the median of the rounds' ratios with its range: on a shared VM whose speed drifts
+by up to 2x between minutes, engines measured minutes apart can differ more than the engines themselves
+(batch 32, one round each, three runs within an hour: jax/HF 1.4x, 1.7x and 1.8x).
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="CPU threads for every engine (default: all cores; on a busy shared machine 1 is "
                          "often faster, because OpenMP threads spin waiting for each other)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the engines this many times in turn (see above)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -194,14 +200,30 @@ def main(argv: list[str] | None = None) -> int:
     with OtherCpu() as roof_noise:
         roof = get_roofline(fresh=True)  # in this run, so every ratio below comes from one run
     cost = embedded_model_cost()
-    results = {}
-    for e in engines:
-        print(f"running {e} ...", file=sys.stderr, flush=True)
-        results[e] = run_worker(e, spec_path, args.timeout, args.threads)
+    rounds = []
+    for r in range(max(1, args.rounds)):
+        order = engines[r % len(engines):] + engines[: r % len(engines)]
+        res = {}
+        for e in order:
+            print(f"running {e} (round {r + 1} of {max(1, args.rounds)}) ...", file=sys.stderr, flush=True)
+            res[e] = run_worker(e, spec_path, args.timeout, args.threads)
+        rounds.append(res)
+    results = rounds[0] if len(rounds) == 1 else {"rounds": rounds}
+
+    def round_tok_s(res, e, b):
+        r = res.get(e, {})
+        return r.get("runs", {}).get(str(b), {}).get("output_tok_s") if "error" not in r else None
+
+    def median(xs):
+        xs = sorted(x for x in xs if x is not None)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
 
     def tok_s(e, b):
-        r = results.get(e, {})
-        return r.get("runs", {}).get(str(b), {}).get("output_tok_s") if "error" not in r else None
+        return median([round_tok_s(res, e, b) for res in rounds])
+
+    def ratios(e, base, b):
+        return [round_tok_s(res, e, b) / round_tok_s(res, base, b) for res in rounds
+                if round_tok_s(res, e, b) and round_tok_s(res, base, b)]
 
     headers = ["batch"] + [f"{e} tok/s" for e in engines]
     base = "transformers" if "transformers" in engines else None
@@ -209,14 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         headers += [f"{e}/HF" for e in others]
     headers += ["roofline tok/s"] + [f"{e} % roof" for e in engines] + ["other CPU % (max)"]
-    rows = []
+    rows, spread = [], []
     for b in batches:
         limit = roof.generate_limit(cost, b, in_len, out_len, args.dtype)
         row = [b] + [tok_s(e, b) for e in engines]
         if base:
-            row += [(tok_s(e, b) / tok_s(base, b)) if tok_s(e, b) and tok_s(base, b) else None for e in others]
+            row += [median(ratios(e, base, b)) for e in others]
+            spread += [f"  batch {b} {e}/HF by round: " + " ".join(f"{x:.2f}" for x in ratios(e, base, b))
+                       for e in others if len(rounds) > 1]
         row += [limit] + [(100 * tok_s(e, b) / limit) if tok_s(e, b) else None for e in engines]
-        noise = [results[e]["runs"][str(b)]["other_cpu"] for e in engines if tok_s(e, b)]
+        noise = [res[e]["runs"][str(b)]["other_cpu"] for res in rounds for e in engines if round_tok_s(res, e, b)]
         row.append(100 * max(noise) if noise else None)
         rows.append(row)
 
@@ -226,15 +250,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} thread(s) each; roofline {roof.peak_flops[args.dtype] / 1e9:.0f} GFLOP/s, "
           f"{roof.mem_bw / 1e9:.1f} GB/s (other CPU {roof_noise.note()} while measuring it)")
     for e in engines:
-        r = results[e]
+        r = rounds[0][e]
         print(f"  {e}: " + (r["error"] if "error" in r else f"load {r['load_s']:.1f} s, dtype {r['dtype']}"))
+    if len(rounds) > 1:
+        print(f"  tok/s: the median of {len(rounds)} rounds; X/HF: the median of the rounds' ratios")
     print(format_table(headers, rows, digits=1))
+    for line in spread:
+        print(line)
     if args.json:
         from frontend.bench.common import run_info, write_json
 
         write_json(args.json, {"results": results, "batches": batches, "input_len": in_len, "output_len": out_len,
                                "dtype": args.dtype, "table": {"headers": headers, "rows": rows}, "info": run_info()})
-    return 0 if all("error" not in results[e] for e in engines) else 1
+    return 0 if all("error" not in res[e] for res in rounds for e in engines) else 1
 
 
 if __name__ == "__main__":
