@@ -1,6 +1,6 @@
 """Structured outputs (llguidance): the bitmask in both samplers against sampling_ref, the engine on both backends
-(schemas validate, regexes full-match, choices, seeded draws identical across backends, preemption, chunked
-prefill + prefix caching, abort, reasoning start), and the frontend's request fields and 400s.
+(schemas validate, regexes full-match, choices, structural tags, seeded draws identical across backends,
+preemption, chunked prefill + prefix caching, abort, reasoning start), and the frontend's request fields and 400s.
 
 The real HTTP server test lives in tests/test_structured_outputs_server.py.
 """
@@ -368,6 +368,34 @@ def test_preemption_chunked_prefill_and_prefix_cache_give_the_same_outputs(llms,
         assert tight.llm_engine.core.scheduler._num_constrained == 0
     finally:
         tight.llm_engine.core.shutdown()
+
+
+@pytest.mark.slow
+def test_structural_tag_constrains_only_what_follows_its_trigger(llms):
+    """vLLM's structural tag: free text, but after a trigger one of the structures (begin, a JSON schema, end).
+    A few-shot prompt makes the model write tool calls; unconstrained it copies the examples' arguments, under
+    the tag every call it starts carries the schema's instead, the same text on both backends."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["<f="],
+           "structures": [{"begin": "<f=add>", "schema": schema, "end": "</f>"}]}
+    prompt = 'Tool calls:\n<f=add>{"a": 1}</f>\n<f=add>{"a": 2}</f>\n<f=add>{"a": 3}</f>\n'
+    call = re.compile(r"<f=add>(.*?)</f>", re.S)
+    free = llms["torch"].generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    first = call.search(free[0].outputs[0].text)
+    assert first is not None and not jsonschema.Draft202012Validator(schema).is_valid(json.loads(first.group(1)))
+    outs = {b: llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(
+        structural_tag=json.dumps(tag))), use_tqdm=False)[0].outputs[0] for b, llm in llms.items()}
+    assert outs["jax"].text == outs["torch"].text
+    out = outs["torch"]
+    starts = [m.start() for m in re.finditer("<f=", out.text)]
+    assert starts and call.search(out.text), out.text
+    for i, s in enumerate(starts):
+        m = call.match(out.text, s)
+        if m is None:  # only the last call may be cut short, by max_tokens
+            assert i == len(starts) - 1 and out.finish_reason == "length", out.text
+            continue
+        jsonschema.validate(json.loads(m.group(1)), schema)
 
 
 @pytest.mark.slow
