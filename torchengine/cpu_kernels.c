@@ -1146,13 +1146,13 @@ static inline __attribute__((always_inline)) void kblock_tail(
     }
 }
 
-// rows [ma, mb) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile)
-static __attribute__((noinline)) void kblock_part(const float *x, int K, const float *wp, int V, float *y, int ma, int mb, int a, int b) {
+// rows [0, M) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile)
+static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y, int a, int b) {
     const int whole = V / 16 < b ? V / 16 : b;
     for (int k0 = 0; k0 < K; k0 += KBLOCK) {
         const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
-        for (int m0 = ma; m0 < mb; m0 += ROW_BLOCK) {
-            const int m1 = m0 + ROW_BLOCK < mb ? m0 + ROW_BLOCK : mb;
+        for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
             for (int p0 = a; p0 < whole; p0 += 4) {  // groups of 4 panels: a tail of one row takes 4 at a time
                 const int p1 = p0 + 4 < whole ? p0 + 4 : whole;
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
@@ -1174,18 +1174,18 @@ static __attribute__((noinline)) void kblock_part(const float *x, int K, const f
         }
     }
     if (whole < b && whole >= a) {  // head_tile stores only the columns < V
-        int m = ma;
-        for (; m + HEAD_ROWS <= mb; m += HEAD_ROWS)
+        int m = 0;
+        for (; m + HEAD_ROWS <= M; m += HEAD_ROWS)
             head_tile(6, 1, x + (size_t)m * K, K, wp, whole, V, y + (size_t)m * V, NULL, NULL, 0);
-        for (; m < mb; m++) head_tile(1, 1, x + (size_t)m * K, K, wp, whole, V, y + (size_t)m * V, NULL, NULL, 0);
+        for (; m < M; m++) head_tile(1, 1, x + (size_t)m * K, K, wp, whole, V, y + (size_t)m * V, NULL, NULL, 0);
     }
 }
 
 // How panel_gemm splits its work between threads: parts of 4 panels, or, from COMPUTE_BOUND_ROWS rows on
 // (kblock_part: each share streams all the rows past its panels), parts of one panel, so the threads' shares are
 // even (a prefill's q/k/v linear, 60 panels, is 8 / 7 chunks of 4 between 2 threads, 30 / 30 panels). Tiles of
-// rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o) at
-// 95-150 GFLOP/s at 256-2048 rows against 100-180 for even panel shares (benchmarks/README.md, session 13).
+// rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o)
+// 0.72-0.96x as fast as even panel shares at 256-2048 rows (benchmarks/README.md, session 13).
 // Returns the number of parts, sets *unit (panels a part) and *nt (the threads worth waking, <= nthreads, <= the
 // parts). jaxengine's custom call splits the same parts between XLA's threads.
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt) {
@@ -1203,7 +1203,7 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int lo, int hi) {
     const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
     if (best == NULL && M >= COMPUTE_BOUND_ROWS) {  // see COMPUTE_BOUND_ROWS
-        kblock_part(x, K, wp, V, y, 0, M, a, b);
+        kblock_part(x, M, K, wp, V, y, a, b);
         return;
     }
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
