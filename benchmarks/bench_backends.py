@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -208,15 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {e} (round {r + 1} of {max(1, args.rounds)}) ...", file=sys.stderr, flush=True)
             res[e] = run_worker(e, spec_path, args.timeout, args.threads)
         rounds.append(res)
-    results = rounds[0] if len(rounds) == 1 else {"rounds": rounds}
 
     def round_tok_s(res, e, b):
         r = res.get(e, {})
         return r.get("runs", {}).get(str(b), {}).get("output_tok_s") if "error" not in r else None
 
     def median(xs):
-        xs = sorted(x for x in xs if x is not None)
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
 
     def tok_s(e, b):
         return median([round_tok_s(res, e, b) for res in rounds])
@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from frontend.bench.common import run_info, write_json
 
-        write_json(args.json, {"results": results, "batches": batches, "input_len": in_len, "output_len": out_len,
+        # "results": the first round (what a one-round run always wrote), "rounds": every round
+        write_json(args.json, {"results": rounds[0], "rounds": rounds, "batches": batches, "input_len": in_len,
+                               "output_len": out_len,
                                "dtype": args.dtype, "table": {"headers": headers, "rows": rows}, "info": run_info()})
     return 0 if all("error" not in res[e] for res in rounds for e in engines) else 1
 
