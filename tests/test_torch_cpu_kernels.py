@@ -292,6 +292,93 @@ def test_prefill_attention_is_decode_attention_for_every_query(lib, Hq, Hkv, D, 
             torch.testing.assert_close(out[t, h].double(), p @ V[:, h // G], rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kv_write_to_a_16bit_cache_rounds_as_torch_does(lib, dtype):
+    """kv_write converts float32 rows into a float16 / bfloat16 cache as .to(dtype) does (round to nearest
+    even, overflow to inf, subnormals), bit for bit; a NaN stays a NaN."""
+    T, Hkv, D = 5, 2, 20  # 40 floats a row: the vector body and a scalar tail
+    k, v = randn(T, Hkv, D) * 3, randn(T, Hkv, D, seed=1) * 1e-3
+    k[0, 0, :6] = torch.tensor([65519.0, 65521.0, 1e6, -1e-7, 3e38, 1.0 + 2**-8])  # f16 edges; a bf16 tie
+    k[1, 1, 17] = v[2, 0, 3] = float("nan")
+    v[3, 1, :4] = torch.tensor([1e-40, -2.5e-42, float("inf"), -0.0])  # float32 subnormals, inf, -0
+    slots = torch.tensor([3, -1, 0, 9, 4], dtype=torch.int64)
+    kc, vc = torch.zeros(3, 4, Hkv, D, dtype=dtype), torch.zeros(3, 4, Hkv, D, dtype=dtype)
+    cpu_kernels.kv_write(lib, k, v, slots, kc, vc)
+    for got, src in ((kc, k), (vc, v)):
+        want = torch.zeros_like(got).view(-1, Hkv, D)
+        keep = slots >= 0
+        want.index_copy_(0, slots[keep], src[keep].to(dtype))
+        g, w = got.view(-1, Hkv, D), want
+        assert torch.equal(g.isnan(), w.isnan())
+        ok = ~w.isnan()
+        assert torch.equal(g.view(torch.int16)[ok], w.view(torch.int16)[ok])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D,window", [(9, 3, 64, None), (8, 2, 32, 9), (6, 3, 20, None)])
+def test_attention_over_a_16bit_cache_is_float32_attention_over_its_values(lib, dtype, Hq, Hkv, D, window):
+    """decode_attention and prefill_attention over a float16 / bfloat16 cache give the bits the float32
+    kernels give over the same values (a 16-bit cache is read back exactly), and prefill still equals decode."""
+    bs, kv_lens, q_lens = 8, [37, 1, 70, 16], [37, 1, 5, 16]
+    n, P = len(kv_lens), max(-(-x // bs) for x in kv_lens)
+    k16, v16 = (randn(n * P + 1, bs, Hkv, D, seed=s).to(dtype) for s in (0, 1))
+    tables = (torch.randperm(n * P, generator=torch.Generator().manual_seed(2)) + 1).view(n, P).to(torch.int32)
+    i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
+    T = sum(q_lens)
+    q = randn(T, Hq, D, seed=3)
+    starts = [0, 37, 38, 43]
+    outs = {}
+    for name, (kc, vc) in (("16", (k16, v16)), ("32", (k16.float(), v16.float()))):
+        pre = torch.full((T, Hq, D), 5.0)
+        cpu_kernels.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, kc, vc, D**-0.5, window,
+                                      pre)
+        dec = torch.full((n, Hq, D), 5.0)  # each request's last query, decoded
+        last = torch.tensor([s + ql - 1 for s, ql in zip(starts, q_lens)], dtype=torch.int64)
+        cpu_kernels.decode_attention(lib, q[last].contiguous(), torch.arange(n), i32(kv_lens), tables, kc, vc,
+                                     D**-0.5, window, dec)
+        assert torch.equal(pre[last], dec)
+        outs[name] = pre
+    assert torch.equal(outs["16"], outs["32"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the per-key loop and the tiles
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 32), (4, 1, 24), (12, 3, 20)])
+def test_decode_attention_rows_do_not_depend_on_the_batch(lib, Hq, Hkv, D, dtype):
+    """A request's decode attention has the same bits alone (its heads split between two threads: one head or
+    one kv head's a task), with one other request and among many (a request a task): the tasks' tiles of
+    heads and keys never change a head's arithmetic."""
+    bs, lens = 16, [300, 171, 1, 64, 0, 250, 90]  # long enough to use both threads; a row with no cached token
+    n, P = len(lens), max(-(-x // bs) for x in lens)
+    kc, vc = randn(n * P + 1, bs, Hkv, D).to(dtype), randn(n * P + 1, bs, Hkv, D, seed=1).to(dtype)
+    tables = (torch.randperm(n * P, generator=torch.Generator().manual_seed(2)) + 1).view(n, P).to(torch.int32)
+    q = randn(n, Hq, D, seed=3)
+    i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def run(rows):
+            out = torch.full((n, Hq, D), 5.0)
+            idx = torch.tensor(rows)
+            cpu_kernels.decode_attention(lib, q, idx.to(torch.int64), i32([lens[r] for r in rows]),
+                                         tables[idx].contiguous(), kc, vc, D**-0.5, None, out)
+            return out[idx]
+
+        together = run(list(range(n)))
+        for r in range(n):
+            assert torch.equal(run([r]), together[r : r + 1]), r
+            assert torch.equal(run([r, (r + 1) % n])[:1], together[r : r + 1]), r
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together[4], torch.zeros(Hq, D))
+    G = Hq // Hkv
+    for r in (0, 2):
+        slots = tables[r][torch.arange(lens[r]) // bs].long() * bs + torch.arange(lens[r]) % bs
+        K, V = kc.view(-1, Hkv, D)[slots].double(), vc.view(-1, Hkv, D)[slots].double()
+        for h in range(Hq):
+            p = torch.softmax(K[:, h // G] @ q[r, h].double() * D**-0.5, 0)
+            torch.testing.assert_close(together[r, h].double(), p @ V[:, h // G], rtol=1e-5, atol=2e-6)
+
+
 def test_prefill_attention_refuses_bad_lengths(lib):
     k_cache = randn(3, 4, 1, 8)
     q, out = randn(4, 2, 8), torch.zeros(4, 2, 8)

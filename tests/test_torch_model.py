@@ -189,6 +189,37 @@ def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, promp
             layers(x, torch.tensor([runner.model.rope_cos.shape[0]]), slots, kv, bt)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16bit_kv_cache_runs_on_the_kernels(kv_dtype, tiny_model_dir, prompts, one_call_vs_python_layers):
+    """--kv-cache-dtype float16 / bfloat16 with float32 weights stays on the CPU kernels, which write and read
+    the 16-bit cache themselves: the one-call decode layers give the Python layers' bits, the cache holds twice
+    a float32 cache's blocks in the same memory, and the outputs are the float32 cache's within its rounding."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    kw = dict(max_num_batched_tokens=32, block_size=8, kv_cache_memory_bytes=1 << 18)  # memory bounds the blocks
+    ref = torch_llm(tiny_model_dir("llama"), **kw)
+    want = ref.generate(reqs, sp, use_tqdm=False)
+    blocks32 = ref.llm_engine.core.runner.kv_caches[0][0].shape[0]
+    del ref
+    llm = torch_llm(tiny_model_dir("llama"), kv_cache_dtype=kv_dtype, **kw)
+    runner = llm.llm_engine.core.runner
+    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_dtype) and runner.attn_backend.lib is not None
+    assert runner.kv_caches[0][0].shape[0] == 2 * blocks32  # the same bytes
+    assert one_call_vs_python_layers(llm, reqs, sp)
+    got = llm.generate(reqs, sp, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            if list(x) != list(y):
+                break  # a near-tie flipped: the continuations differ from here
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 0.05, (t, x[t].logprob, y[t].logprob)
+
+
 def test_linear_packed_in_panels():
     """A packed Linear (every float32 linear on a CPU with the kernels): its matrix unpacks exactly, its
     outputs are the float64 product's (+ bias) at any row count, rows the same alone as together; no rows."""

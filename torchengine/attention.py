@@ -9,9 +9,10 @@ writes this step's k/v into their slots and attends over the ragged batch:
   query length; each group is padded to [n requests, L queries] and attends
   with one masked SDPA over its requests' blocks, gathered only up to the
   group's longest kv length (never max_model_len). With the AVX2 kernels
-  (`torchengine.cpu_kernels`) and a float32 cache, all decodes are one
-  `DecodeGroup` attended in place over the paged cache (no gather, no mask),
-  and the cache writes are one call too. The plan (index tensors and masks)
+  (`torchengine.cpu_kernels`), float32 queries and a float32, float16 or
+  bfloat16 cache (`--kv-cache-dtype`), all decodes are one `DecodeGroup`
+  attended in place over the paged cache (no gather, no mask), the prefills
+  one `PrefillGroup`, and the cache writes are one call too. The plan (index tensors and masks)
   is built once per step on the host from the numpy batch and shared by every
   layer. Not capturable in a CUDA graph (its shapes depend on the lengths).
 - `TritonAttention` ("triton"): `triton_kernels.reshape_and_cache` +
@@ -136,7 +137,7 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, *args, cpu_lib=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lib = cpu_lib  # torchengine.cpu_kernels' library (float32 caches), or None: torch's ops only
+        self.lib = cpu_lib  # torchengine.cpu_kernels' library (float32 queries, a KV_TYPES cache), or None
 
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
              dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup | PrefillGroup, ...]:
@@ -210,12 +211,12 @@ class TorchAttention(AttentionBackend):
         slots = meta.slot_mapping[:T]
         if k.shape[0] != T:
             k, v = k[:T], v[:T]
-        if k.dtype != key_cache.dtype:  # (a no-op .to still costs a dispatch, 30 layers x every step)
-            k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
-        lib = self.lib if q.dtype == torch.float32 else None  # (self.lib: a float32 cache)
+        lib = self.lib if q.dtype == k.dtype == torch.float32 else None
         if lib is not None and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D:
-            cpu_kernels.kv_write(lib, k, v, slots, key_cache, value_cache)
+            cpu_kernels.kv_write(lib, k, v, slots, key_cache, value_cache)  # (converts to a 16-bit cache's dtype)
         else:
+            if k.dtype != key_cache.dtype:  # (a no-op .to still costs a dispatch, 30 layers x every step)
+                k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
             key_cache.view(-1, Hkv, D).index_copy_(0, slots, k)
             value_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
         cast = key_cache.dtype != q.dtype
@@ -300,11 +301,11 @@ _BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "reference": Re
 
 def make_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype = torch.float32,
                            **kwargs) -> AttentionBackend:
-    """`--attention-backend`: auto is triton on CUDA, torch elsewhere (with the AVX2 kernels for a float32
-    cache on a CPU that runs them)."""
+    """`--attention-backend`: auto is triton on CUDA, torch elsewhere (with the AVX2 kernels for a float32,
+    float16 or bfloat16 cache on a CPU that runs them; they serve float32 queries)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch" and device.type == "cpu" and kv_dtype == torch.float32:
+    if name == "torch" and device.type == "cpu" and kv_dtype in cpu_kernels.KV_TYPES:
         kwargs["cpu_lib"] = cpu_kernels.lib()
     if name not in _BACKENDS:
         raise ConfigError(f"--attention-backend {name!r} is not available on the torch backend "

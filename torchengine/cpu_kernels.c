@@ -220,8 +220,8 @@ int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
 // microseconds of dispatch for a few hundred floats of work; a decode step of a 30-layer model runs them
 // 30-60 times. Row strides are in floats, so views into a fused qkv output need no copy.
 
-// One 8-lane FMA chain over the floats in order, hsum8, then the scalar tail (prefill_attention's tiles
-// compute every score this way too: keep the two in step).
+// One 8-lane FMA chain over the floats in order, hsum8, then the scalar tail (dots_tile computes each
+// attention score this way too, several at a time).
 static inline float dot(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int j = 0;
@@ -281,15 +281,6 @@ static inline float exp_shift_sum(float *x, int n, float m) {
     return sum;
 }
 
-// out[i] += p * x[i]
-static inline void axpy(float *out, float p, const float *x, int n) {
-    const __m256 vp = _mm256_set1_ps(p);
-    int j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + j), _mm256_loadu_ps(out + j)));
-    for (; j < n; j++) out[j] += p * x[j];
-}
-
 // out[M, K] = h * rsqrt(mean(h^2) + eps) * w with h = x (rows `x_stride` floats apart), or, given a
 // residual [M, K] (contiguous), residual += x first and h = residual (the residual stream's add fused in)
 int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps,
@@ -336,35 +327,156 @@ int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const f
 
 // The cache writes of a step: token t's k and v rows (W floats each, k_stride / v_stride floats apart) to
 // slot slots[t] of the caches [slots, W]; slots < 0 (padding) are skipped.
+// The KV cache's element type (kv_write, decode_attention, prefill_attention, decode_layers): float32, or
+// float16 / bfloat16 (`--kv-cache-dtype`), half the bytes that decode attention streams from memory.
+// Stored rounded to nearest even (as torch's .to() rounds; a NaN stays a NaN), read back exactly into
+// float32, so attention over a 16-bit cache is the float32 kernels' arithmetic on those values, bit for bit.
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define KV_BYTES(T) ((T) == KV_F32 ? 4 : 2)
+
+static inline __attribute__((always_inline)) __m256 kv_load8(const int T, const char *p) {
+    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (T == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+static inline __attribute__((always_inline)) float kv_load1(const int T, const char *p) {
+    if (T == KV_F16) return _cvtsh_ss(*(const uint16_t *)p);
+    if (T == KV_BF16) {
+        const uint32_t u = (uint32_t)(*(const uint16_t *)p) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return *(const float *)p;
+}
+
+// float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's conversion)
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// n floats of src into a cache row of type T
+static inline void kv_store(const int T, char *dst, const float *src, int n) {
+    if (T == KV_F32) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    int j = 0;
+    if (T == KV_F16) {
+        for (; j + 8 <= n; j += 8)
+            _mm_storeu_si128((__m128i *)(d + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+        for (; j < n; j++) d[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        for (; j < n; j++) d[j] = to_bf16(src[j]);
+    }
+}
+
+// Token t's K and V rows (W floats each, rows `k_stride` / `v_stride` floats apart) into cache slot slots[t]
+// (skipped if < 0) of caches [slots, W] of type kv_type.
 int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T, const int64_t *slots,
-             float *kcache, float *vcache, int W) {
+             void *kcache, void *vcache, int W, int kv_type) {
+    if (kv_type < KV_F32 || kv_type > KV_BF16) return -1;
+    const int es = KV_BYTES(kv_type);
     for (int t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        memcpy(kcache + slots[t] * W, k + t * k_stride, sizeof(float) * W);
-        memcpy(vcache + slots[t] * W, v + t * v_stride, sizeof(float) * W);
+        kv_store(kv_type, (char *)kcache + (size_t)slots[t] * W * es, k + t * k_stride, W);
+        kv_store(kv_type, (char *)vcache + (size_t)slots[t] * W * es, v + t * v_stride, W);
     }
     return 0;
 }
+
+// out[i] += p * x[i], x: n elements of type T (one FMA a float, in order)
+static inline __attribute__((always_inline)) void axpy(const int T, float *out, float p, const char *x, int n) {
+    const __m256 vp = _mm256_set1_ps(p);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_fmadd_ps(vp, kv_load8(T, x + (size_t)j * KV_BYTES(T)), _mm256_loadu_ps(out + j)));
+    for (; j < n; j++) out[j] += p * kv_load1(T, x + (size_t)j * KV_BYTES(T));
+}
+
+// y[r][c] = dot(a[r], b[c], n) * scale for r < R, c < C (R * C <= 12 chains in registers); b: rows of type T
+static inline __attribute__((always_inline)) void dots_tile(const int T, const int R, const int C, const float *const *a,
+                                                          const char *const *b, int n, float scale, float *y,
+                                                          long y_stride) {
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 bv[4];
+        for (int c = 0; c < C; c++) bv[c] = kv_load8(T, b[c] + (size_t)j * KV_BYTES(T));
+        for (int r = 0; r < R; r++) {
+            const __m256 av = _mm256_loadu_ps(a[r] + j);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
+        }
+    }
+    if (C == 4 && j == n) {
+        for (int r = 0; r < R; r++)
+            _mm_storeu_ps(y + r * y_stride, _mm_mul_ps(hsum8x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                                       _mm_set1_ps(scale)));
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum8(acc[r][c]);
+            for (int t = j; t < n; t++) s += a[r][t] * kv_load1(T, b[c] + (size_t)t * KV_BYTES(T));
+            y[r * y_stride + c] = s * scale;
+        }
+}
+
+// o[r][d0 .. d0 + 32) (+)= sum over keys k in [k0, k1) of p[r][k] v[k][d0 ..], R rows, one FMA chain per
+// output over the keys in order; v: rows of type T. While k - k0 < pfn it also prefetches pf_bytes of pf[k - k0].
+static inline __attribute__((always_inline)) void pv_tile(const int T, const int R, float *const *o,
+                                                        const float *const *p, const char *const *v, int k0, int k1,
+                                                        int d0, const char *const *pf, int pfn, int pf_bytes) {
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
+    for (int k = k0; k < k1; k++) {
+        if (k - k0 < pfn)
+            for (int b = 0; b < pf_bytes; b += 64) _mm_prefetch(pf[k - k0] + b, _MM_HINT_T0);
+        __m256 vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = kv_load8(T, v[k] + (size_t)(d0 + 8 * c) * KV_BYTES(T));
+        for (int r = 0; r < R; r++) {
+            const __m256 pr = _mm256_set1_ps(p[r][k]);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+}
+
+// rows 0 .. R - 1 (R <= 3, not a compile-time constant) of a tile: the constant-R call
+#define TILE_R(R, call3, call2, call1) \
+    do {                               \
+        if ((R) == 3) call3;           \
+        else if ((R) == 2) call2;      \
+        else call1;                    \
+    } while (0)
 
 // Decode attention over the paged cache: request i's one query (token tokens[i] of q [T, Hq, D], rows
 // `q_stride` floats apart) attends its kv_lens[i] cached tokens (the last `window` only if window > 0),
 // whose blocks are block_tables[i, :], from caches [blocks, block_size, Hkv, D]; query head h reads kv head
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
-// A task is one request's query heads of one kv head (each cached row read once for all of them), or a
-// single query head when there are too few of those tasks to keep the threads busy.
+// A task is one request's query heads, one kv head's, or a single query head when there are too few of
+// those tasks to keep the threads busy; it reads each cached row once for all of its heads. Over a float32
+// cache (decode_tasks_f32) each key's heads are scored one dot() at a time, then summed one axpy at a time;
+// over a 16-bit one (decode_tasks) in tiles of 3 heads (of one kv head) x 4 keys and 3 heads x 32 dims, 12
+// FMA chains in registers, prefill attention's tiles. Every head gets the same arithmetic either way (the
+// tiles' chains are dot()'s and axpy's), so the same bits for the same values.
 
 // The paged cache's rows are a few hundred bytes in blocks scattered over the cache: the hardware prefetchers,
 // which follow streams within a 4 KiB page, lose them at every block, and a decode step's attention ran at
 // ~6 GB/s, a third of this memory's bandwidth (benchmarks/bench_kernels_ab.py --what attention). So the
-// kernels fetch token j + KV_PREFETCH's row (its block looked up in the table) while they work on token j.
+// kernels fetch the rows KV_PREFETCH keys ahead of the scores (and the next DECODE_KEYS of V) while they work.
 #define KV_PREFETCH 8
-
-// token j's floats [off, off + n) of its row
-static inline void prefetch_row(const float *cache, const int32_t *bt, int block_size, long kv_row, long off, int n,
-                                int j) {
-    const char *p = (const char *)(cache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row + off);
-    for (int b = 0; b < n * (int)sizeof(float); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
+#define DECODE_KEYS 16  // keys a block of the output loop (their V rows stay in L1)
 
 // query heads per task for n requests on nthreads threads: all of a request's (its token rows read whole, in
 // order) when there are requests enough to share out, else one KV head's group, else one
@@ -372,17 +484,26 @@ int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
 
-// Tasks [t0, t1) of decode attention on the calling thread (task t: request t / (Hq / hs), query heads from
-// t % (Hq / hs) * hs, each with its own KV head; every head's scores, sums and output are computed the same way
-// whatever hs). A cached token's row of a cache is `kv_row` floats long, kv head hk at hk * kv_head:
-// torch's separate K and V caches [blocks, block_size, Hkv, D] are kv_row = Hkv * D, kv_head = D; jaxengine's
-// one cache [blocks, block_size, 2 * Hkv, D] with K and V of head hk at 2hk and 2hk + 1 is kcache = cache,
-// vcache = cache + D, kv_row = 2 * Hkv * D, kv_head = 2 * D. tokens == NULL: request i's query is row i of q
-// and of out. Returns 0, or -2 if a task's scores could not be allocated.
-int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
-                           const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
-                           long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
-                           int window, float *out, int hs, int t0, int t1) {
+// the cached row of key position j (its block looked up in the table); row: bytes a cached token
+static inline const char *kv_row_at(const char *cache, const int32_t *bt, int block_size, long row, int j) {
+    return cache + ((size_t)bt[j / block_size] * block_size + j % block_size) * row;
+}
+
+// bytes [off, off + nbytes) of key position j's row (`row` bytes a token)
+static inline __attribute__((always_inline)) void prefetch_row(const char *cache, const int32_t *bt, int block_size,
+                                                              long row, long off, int nbytes, int j) {
+    const char *p = kv_row_at(cache, bt, block_size, row, j) + off;
+    for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// A float32 cache's tasks. One FMA chain at a time is bound by its latency where the tiles are not (1.6-3x
+// slower with the rows in cache), yet from memory this loop ran 1.08-1.15x faster than the tiles at 8-32
+// requests (benchmarks/README.md, session 14); a 16-bit cache's conversions make it compute-bound there,
+// and the tiles ran 1.2-1.45x faster.
+static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
+                            int window, float *out, int hs, int t0, int t1) {
     const int G = Hq / Hkv, per_req = Hq / hs;
     int rc = 0;
     for (int task = t0; task < t1; task++) {
@@ -405,8 +526,8 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         for (int j = start; j < L; j++) {
             const float *kr = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
             if (j + KV_PREFETCH < L) {
-                prefetch_row(kcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
-                prefetch_row(vcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
+                prefetch_row((const char *)kcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
+                prefetch_row((const char *)vcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
             }
             for (int g = 0; g < hs; g++) {
                 const float v = dot(qh + (size_t)g * D, kr + hoff[g], D) * scale;
@@ -418,9 +539,9 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
         memset(o, 0, sizeof(float) * (size_t)hs * D);
         for (int j = start; j < L; j++) {
             const float *vr = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
-            if (j + KV_PREFETCH < L) prefetch_row(vcache, bt, block_size, kv_row, pf_off, (int)pf_len, j + KV_PREFETCH);
+            if (j + KV_PREFETCH < L) prefetch_row((const char *)vcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
             for (int g = 0; g < hs; g++)
-                axpy(o + (size_t)g * D, s[(size_t)g * len + j - start], vr + hoff[g], D);
+                axpy(KV_F32, o + (size_t)g * D, s[(size_t)g * len + j - start], (const char *)(vr + hoff[g]), D);
         }
         for (int g = 0; g < hs; g++) {
             const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;  // no cached token (len 0): zeros, not NaN
@@ -431,21 +552,141 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
     return rc;
 }
 
+static inline __attribute__((always_inline)) int decode_tasks(
+    const int T, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+    const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
+    int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int hs, int t0, int t1) {
+    const int G = Hq / Hkv, per_req = Hq / hs, es = KV_BYTES(T);
+    const long row = kv_row * es;  // bytes
+    int rc = 0;
+    for (int task = t0; task < t1; task++) {
+        const int i = task / per_req, h0 = task % per_req * hs, hk0 = h0 / G, hk1 = (h0 + hs - 1) / G;
+        const long pf_off = hk0 * kv_head * es;  // the task's part of a row: bytes [pf_off, + pf_bytes)
+        const int pf_bytes = (int)(((hk1 - hk0) * kv_head + D) * es);
+        const int64_t tok = tokens ? tokens[i] : i;
+        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
+        float *S = (float *)malloc(sizeof(float) * (size_t)hs * (len + 1));  // scores [hs, len], inverse sums
+        if (!S) {
+            rc = -2;
+            continue;
+        }
+        float *inv = S + (size_t)hs * len;
+        const int32_t *bt = block_tables + (size_t)i * bt_stride;
+        const float *qr[hs];
+        float *orow[hs];
+        int tile[hs];  // heads in the tile from head g on: those of g's kv head, at most 3
+        for (int g = 0; g < hs; g++) {
+            qr[g] = q + tok * q_stride + (size_t)(h0 + g) * D;
+            orow[g] = out + (size_t)tok * Hq * D + (size_t)(h0 + g) * D;
+            const int left = ((h0 + g) / G + 1) * G - (h0 + g);
+            tile[g] = left < 3 ? left : 3;
+            if (tile[g] > hs - g) tile[g] = hs - g;
+        }
+        for (int j = 0; j < len; j += 4) {
+            const int nkeys = len - j < 4 ? len - j : 4;
+            for (int c = KV_PREFETCH; c < KV_PREFETCH + 4 && j + c < len; c++) {  // K and V: V read from cache later
+                prefetch_row(kcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
+                prefetch_row(vcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
+            }
+            const char *kp[4];
+            for (int c = 0; c < nkeys; c++) kp[c] = kv_row_at(kcache, bt, block_size, row, start + j + c);
+            for (int g = 0; g < hs; g += tile[g]) {
+                const long off = (long)((h0 + g) / G) * kv_head * es;
+                const char *kb[4];
+                for (int c = 0; c < nkeys; c++) kb[c] = kp[c] + off;
+                float *y = S + (size_t)g * len + j;
+                if (nkeys == 4)
+                    TILE_R(tile[g], dots_tile(T, 3, 4, qr + g, kb, D, scale, y, len),
+                           dots_tile(T, 2, 4, qr + g, kb, D, scale, y, len), dots_tile(T, 1, 4, qr + g, kb, D, scale, y, len));
+                else
+                    for (int c = 0; c < nkeys; c++)
+                        TILE_R(tile[g], dots_tile(T, 3, 1, qr + g, kb + c, D, scale, y + c, len),
+                               dots_tile(T, 2, 1, qr + g, kb + c, D, scale, y + c, len),
+                               dots_tile(T, 1, 1, qr + g, kb + c, D, scale, y + c, len));
+            }
+        }
+        for (int g = 0; g < hs; g++) {
+            float *sr = S + (size_t)g * len, mx = -INFINITY;
+            for (int k = 0; k < len; k++) mx = sr[k] > mx ? sr[k] : mx;
+            const float sum = exp_shift_sum(sr, len, mx);
+            inv[g] = sum > 0.f ? 1.f / sum : 0.f;  // no cached token (len 0): zeros, not NaN
+            memset(orow[g], 0, sizeof(float) * D);
+        }
+        for (int j0 = 0; j0 < len; j0 += DECODE_KEYS) {
+            const int nkeys = len - j0 < DECODE_KEYS ? len - j0 : DECODE_KEYS;
+            const int pfn = len - j0 - DECODE_KEYS < DECODE_KEYS ? len - j0 - DECODE_KEYS : DECODE_KEYS;
+            const char *vp[DECODE_KEYS], *pfr[DECODE_KEYS];  // this block's rows, the next block's parts
+            for (int c = 0; c < nkeys; c++) vp[c] = kv_row_at(vcache, bt, block_size, row, start + j0 + c);
+            for (int c = 0; c < pfn; c++) pfr[c] = kv_row_at(vcache, bt, block_size, row, start + j0 + DECODE_KEYS + c) + pf_off;
+            for (int g = 0; g < hs; g += tile[g]) {
+                const long off = (long)((h0 + g) / G) * kv_head * es;
+                const char *vb[DECODE_KEYS];
+                const float *pg[3];
+                for (int c = 0; c < nkeys; c++) vb[c] = vp[c] + off;
+                for (int r = 0; r < tile[g]; r++) pg[r] = S + (size_t)(g + r) * len + j0;
+                if (D % 32 == 0) {
+                    for (int d0 = 0; d0 < D; d0 += 32) {
+                        const int n = g == 0 && d0 == 0 ? pfn : 0;  // the first tile fetches the next block
+                        TILE_R(tile[g], pv_tile(T, 3, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
+                               pv_tile(T, 2, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
+                               pv_tile(T, 1, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes));
+                    }
+                } else {
+                    for (int r = 0; r < tile[g]; r++)
+                        for (int c = 0; c < nkeys; c++) axpy(T, orow[g + r], pg[r][c], vb[c], D);
+                }
+            }
+        }
+        for (int g = 0; g < hs; g++)
+            for (int d = 0; d < D; d++) orow[g][d] *= inv[g];
+        free(S);
+    }
+    return rc;
+}
+
+// Tasks [t0, t1) of decode attention on the calling thread (task t: request t / (Hq / hs), query heads from
+// t % (Hq / hs) * hs, each with its own KV head; every head's scores, sums and output are computed the same way
+// whatever hs). A cached token's row of a cache is `kv_row` elements long, kv head hk at hk * kv_head:
+// torch's separate K and V caches [blocks, block_size, Hkv, D] are kv_row = Hkv * D, kv_head = D; jaxengine's
+// one cache [blocks, block_size, 2 * Hkv, D] with K and V of head hk at 2hk and 2hk + 1 is kcache = cache,
+// vcache = cache + D elements, kv_row = 2 * Hkv * D, kv_head = 2 * D. tokens == NULL: request i's query is row
+// i of q and of out. Returns 0, -1 for an unknown kv_type, or -2 if a task's scores could not be allocated.
+int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                           const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
+                           long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
+                           int window, float *out, int hs, int t0, int t1, int kv_type) {
+#define DECODE_TASKS(T)                                                                                         \
+    decode_tasks(T, q, q_stride, tokens, kv_lens, block_tables, bt_stride, (const char *)kcache,              \
+                 (const char *)vcache, kv_row, kv_head, block_size, Hq, Hkv, D, scale, window, out, hs, t0, t1)
+    switch (kv_type) {
+        case KV_F32:
+            return decode_tasks_f32(q, q_stride, tokens, kv_lens, block_tables, bt_stride, (const float *)kcache,
+                                    (const float *)vcache, kv_row, kv_head, block_size, Hq, Hkv, D, scale, window, out,
+                                    hs, t0, t1);
+        case KV_F16: return DECODE_TASKS(KV_F16);
+        case KV_BF16: return DECODE_TASKS(KV_BF16);
+    }
+#undef DECODE_TASKS
+    return -1;
+}
+
 int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens, const int32_t *kv_lens,
-                     const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
-                     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads) {
+                     const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
+                     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int nthreads,
+                     int kv_type) {
     if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0) return -1;
+    if (kv_type < KV_F32 || kv_type > KV_BF16) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     long work = 0;  // multiply-adds of the scores
     for (int i = 0; i < n; i++) work += (long)kv_lens[i] * Hq * D;
     if (work < PARALLEL_WORK) nthreads = 1;  // less than waking a sleeping thread costs
     const int hs = decode_heads_per_task(n, Hq, Hkv, nthreads);
-    const long W = (long)Hkv * D;  // floats per cached token
+    const long W = (long)Hkv * D;  // elements per cached token
     int rc = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int task = 0; task < n * (Hq / hs); task++)
         if (decode_attention_tasks(q, q_stride, tokens, kv_lens, block_tables, bt_stride, kcache, vcache, W, D,
-                                   block_size, Hq, Hkv, D, scale, window, out, hs, task, task + 1))
+                                   block_size, Hq, Hkv, D, scale, window, out, hs, task, task + 1, kv_type))
             rc = -2;
     return rc;
 }
@@ -474,59 +715,20 @@ int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq) {
     return t > INT32_MAX ? -1 : (int)t;
 }
 
-// y[r][c] = dot(a[r], b[c], n) * scale for r < R, c < C (R * C <= 12 chains in registers)
-static inline __attribute__((always_inline)) void dots_tile(const int R, const int C, const float *const *a,
-                                                          const float *const *b, int n, float scale, float *y,
-                                                          long y_stride) {
-    __m256 acc[3][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+// n elements of type T at src -> float32 (exact)
+static inline __attribute__((always_inline)) void to_f32(const int T, const char *src, float *dst, int n) {
     int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 bv[4];
-        for (int c = 0; c < C; c++) bv[c] = _mm256_loadu_ps(b[c] + j);
-        for (int r = 0; r < R; r++) {
-            const __m256 av = _mm256_loadu_ps(a[r] + j);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
-        }
-    }
-    if (C == 4 && j == n) {
-        for (int r = 0; r < R; r++)
-            _mm_storeu_ps(y + r * y_stride, _mm_mul_ps(hsum8x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
-                                                       _mm_set1_ps(scale)));
-        return;
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float s = hsum8(acc[r][c]);
-            for (int t = j; t < n; t++) s += a[r][t] * b[c][t];
-            y[r * y_stride + c] = s * scale;
-        }
-}
-
-// o[r][d0 .. d0 + 32) (+)= sum over keys k in [k0, k1) of p[r][k] v[k][d0 ..], R rows, axpy's FMA chain
-static inline __attribute__((always_inline)) void pv_tile(const int R, float *const *o, const float *const *p,
-                                                        const float *const *v, int k0, int k1, int d0) {
-    __m256 acc[3][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
-    for (int k = k0; k < k1; k++) {
-        __m256 vv[4];
-        for (int c = 0; c < 4; c++) vv[c] = _mm256_loadu_ps(v[k] + d0 + 8 * c);
-        for (int r = 0; r < R; r++) {
-            const __m256 pr = _mm256_set1_ps(p[r][k]);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, kv_load8(T, src + (size_t)j * KV_BYTES(T)));
+    for (; j < n; j++) dst[j] = kv_load1(T, src + (size_t)j * KV_BYTES(T));
 }
 
 int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
-                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
-                            const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
-                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1) {
-    const int G = Hq / Hkv;
+                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const void *kcache,
+                            const void *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
+                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1,
+                            int kv_type) {
+    if (kv_type < KV_F32 || kv_type > KV_BF16) return -1;
+    const int G = Hq / Hkv, es = KV_BYTES(kv_type);
     int rc = 0, task = 0;
     for (int i = 0; i < n && task < t1; i++) {
         const int ql = q_lens[i], nblk = ql > 0 ? (ql + bq - 1) / bq : 0;
@@ -543,8 +745,11 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 const int p_lo = first + q0, p_hi = first + q0 + nq - 1;  // positions of the block's queries
                 const int k_lo = window > 0 && p_lo + 1 > window ? p_lo + 1 - window : 0, nk = p_hi + 1 - k_lo;
                 // scores [M, nk] (row m: query m / G, head hk * G + m % G), then M query, M output and nk key
-                // and value row pointers
-                char *buf = (char *)malloc(sizeof(float) * ((size_t)M * nk + M) + sizeof(void *) * (3 * (size_t)M + 2 * nk));
+                // and value row pointers, then (a 16-bit cache) the task's K and V rows in float32: each row
+                // converted once, not once for every tile of queries that reads it
+                const size_t conv = kv_type == KV_F32 ? 0 : 2 * (size_t)nk * D;
+                char *buf = (char *)malloc(sizeof(float) * ((size_t)M * nk + M) + sizeof(void *) * (3 * (size_t)M + 2 * nk)
+                                           + sizeof(float) * conv);
                 if (!buf) {
                     rc = -2;
                     continue;
@@ -552,7 +757,8 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 float *S = (float *)buf, *inv = S + (size_t)M * nk;
                 const float **qr = (const float **)(buf + sizeof(float) * ((size_t)M * nk + M));
                 float **orow = (float **)(qr + M);
-                const float **prow = (const float **)(orow + M), **kr = prow + M, **vr = kr + nk;
+                const float **prow = (const float **)(orow + M);
+                const char **kr = (const char **)(prow + M), **vr = kr + nk;
                 for (int m = 0; m < M; m++) {
                     const size_t tok = (size_t)q_start[i] + q0 + m / G, h = (size_t)hk * G + m % G;
                     qr[m] = q + tok * q_stride + h * D;
@@ -562,8 +768,16 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 for (int k = 0; k < nk; k++) {
                     const int pos = k_lo + k;
                     const size_t slot = (size_t)bt[pos / block_size] * block_size + pos % block_size;
-                    kr[k] = kcache + slot * kv_row + hk * kv_head;
-                    vr[k] = vcache + slot * kv_row + hk * kv_head;
+                    kr[k] = (const char *)kcache + (slot * kv_row + hk * kv_head) * es;
+                    vr[k] = (const char *)vcache + (slot * kv_row + hk * kv_head) * es;
+                }
+                if (conv) {
+                    float *f = (float *)(vr + nk);
+                    for (int k = 0; k < 2 * nk; k++, f += D) {
+                        if (kv_type == KV_F16) to_f32(KV_F16, kr[k], f, D);  // kr[nk + k] is vr[k]
+                        else to_f32(KV_BF16, kr[k], f, D);
+                        kr[k] = (const char *)f;
+                    }
                 }
                 // scores: each row needs keys [its window start, its position]; the tiles score the union up to
                 // their last row's position, 64 keys (16 KiB of K at D = 64, in L1) for every row tile at a time
@@ -575,14 +789,14 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                         const int e = c1 < last ? c1 : last;
                         int k = c0;
                         if (R == 3) {
-                            for (; k + 4 <= e; k += 4) dots_tile(3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
-                            for (; k < e; k++) dots_tile(3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                            for (; k + 4 <= e; k += 4) dots_tile(KV_F32, 3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                            for (; k < e; k++) dots_tile(KV_F32, 3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
                         } else {
                             for (int r = m; r < m + R; r++) {
                                 int kk = c0;
                                 for (; kk + 4 <= e; kk += 4)
-                                    dots_tile(1, 4, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
-                                for (; kk < e; kk++) dots_tile(1, 1, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
+                                    dots_tile(KV_F32, 1, 4, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
+                                for (; kk < e; kk++) dots_tile(KV_F32, 1, 1, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
                             }
                         }
                     }
@@ -614,12 +828,12 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                         if (D % 32 == 0) {
                             int g = 0;
                             for (; g + 3 <= G; g += 3)
-                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(3, og + g, pg + g, vr, a, b, d0);
+                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(KV_F32, 3, og + g, pg + g, vr, a, b, d0, NULL, 0, 0);
                             for (; g < G; g++)
-                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(1, og + g, pg + g, vr, a, b, d0);
+                                for (int d0 = 0; d0 < D; d0 += 32) pv_tile(KV_F32, 1, og + g, pg + g, vr, a, b, d0, NULL, 0, 0);
                         } else {
                             for (int g = 0; g < G; g++)
-                                for (int k = a; k < b; k++) axpy(og[g], pg[g][k], vr[k], D);
+                                for (int k = a; k < b; k++) axpy(KV_F32, og[g], pg[g][k], vr[k], D);
                         }
                     }
                 }
@@ -634,23 +848,23 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
 // prefill_attention_tasks over all tasks, split between OpenMP threads (heaviest-first is not needed: tasks
 // are small and taken one at a time). Checks the arguments it can: -1 on a bad one.
 int prefill_attention(const float *q, long q_stride, int n, const int32_t *q_start, const int32_t *q_lens,
-                      const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
-                      const float *vcache, int block_size, int Hq, int Hkv, int D, float scale, int window,
-                      float *out, long out_stride, int nthreads) {
-    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0)
+                      const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const void *kcache,
+                      const void *vcache, int block_size, int Hq, int Hkv, int D, float scale, int window,
+                      float *out, long out_stride, int nthreads, int kv_type) {
+    if (n < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || block_size <= 0 || kv_type < KV_F32 || kv_type > KV_BF16)
         return -1;
     for (int i = 0; i < n; i++)
         if (q_lens[i] < 0 || kv_lens[i] < q_lens[i]) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int ntasks = prefill_attention_num_tasks(n, q_lens, Hkv, PREFILL_BQ);
     if (ntasks < 0) return -1;
-    const long W = (long)Hkv * D;  // floats per cached token
+    const long W = (long)Hkv * D;  // elements per cached token
     int rc = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (ntasks > 1)
     for (int task = 0; task < ntasks; task++)
         if (prefill_attention_tasks(q, q_stride, q_start, q_lens, kv_lens, block_tables, bt_stride, kcache, vcache, W,
                                     D, block_size, Hq, Hkv, D, scale, window, out, out_stride, n, PREFILL_BQ, task,
-                                    task + 1))
+                                    task + 1, kv_type))
             rc = -2;
     return rc;
 }
@@ -1281,7 +1495,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // before the final norm). cos / sin are the model's tables [positions, D]; ws: decode_workspace(T) floats.
 typedef struct {  // *_w: panel_gemm's panels
     const float *attn_norm, *qkv_w, *qkv_b, *o_w, *mlp_norm, *gate_up_w, *down_w;
-    float *key_cache, *value_cache;
+    void *key_cache, *value_cache;  // of decode_layers' kv_type
     // --quantization gguf: a linear's 4-bit blocks (NULL: none) for steps of at most *_rows tokens (<= MAX_ROWS),
     // as torchengine.quant.Int4Linear chooses between them and the float32 weight
     const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
@@ -1302,7 +1516,7 @@ long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I) {
 int decode_layers(const decode_layer *layers, int L, const float *x, int T, const int64_t *positions,
                   int n_positions, const float *rope_cos, const float *rope_sin, const int64_t *slots, const int32_t *kv_lens,
                   const int32_t *block_tables, int bt_stride, int block_size, int H, int Hq, int Hkv, int D, int I,
-                  float eps, float scale, int window, float *ws, float *out, int nthreads) {
+                  float eps, float scale, int window, float *ws, float *out, int nthreads, int kv_type) {
     if (L <= 0 || T <= 0 || H <= 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || I <= 0) return -1;
     const int QKV = (Hq + 2 * Hkv) * D;
     for (int t = 0; t < T; t++)
@@ -1328,9 +1542,9 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
                 for (int j = 0; j < QKV; j++) qkv[(size_t)t * QKV + j] += ly->qkv_b[j];
         rc |= rope(qkv, T, Hq + Hkv, D, QKV, cos, sin);
         rc |= kv_write(qkv + (size_t)Hq * D, qkv + (size_t)(Hq + Hkv) * D, QKV, QKV, T, slots, ly->key_cache,
-                       ly->value_cache, Hkv * D);
+                       ly->value_cache, Hkv * D, kv_type);
         rc |= decode_attention(qkv, QKV, T, tokens, kv_lens, block_tables, bt_stride, ly->key_cache,
-                               ly->value_cache, block_size, Hq, Hkv, D, scale, window, att, nthreads);
+                               ly->value_cache, block_size, Hq, Hkv, D, scale, window, att, nthreads, kv_type);
         rc |= linear(att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, H, y, nthreads);
         rc |= rms_norm(y, T, H, H, residual, ly->mlp_norm, eps, h);
         rc |= linear(h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, 2 * I, gu, nthreads);

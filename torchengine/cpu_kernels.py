@@ -101,9 +101,9 @@ _SIGNATURES = {
     "q8_gemm": "p i i p i p i",
     "rms_norm": "p i i l p p f p",
     "rope": "p i i i l p p",
-    "kv_write": "p p l l i p p p i",
-    "decode_attention": "p l i p p p i p p i i i i f i p i",
-    "prefill_attention": "p l i p p p p i p p i i i i f i p l i",
+    "kv_write": "p p l l i p p p i i",
+    "decode_attention": "p l i p p p i p p i i i i f i p i i",
+    "prefill_attention": "p l i p p p p i p p i i i i f i p l i i",
     "silu_mul": "p i i p",
     "log_softmax_rows": "p i i l p i",
     "inverse_cdf_rows": "p i i l p p",
@@ -111,7 +111,7 @@ _SIGNATURES = {
     "top_n_rows": "p i i l i p p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
-    "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i",
+    "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
 }
 
 
@@ -315,13 +315,18 @@ def top_n(lib: ctypes.CDLL, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torc
     return vals, ids
 
 
+# the KV cache dtypes the kernels read and write (cpu_kernels.c's KV_F32, KV_F16, KV_BF16): a 16-bit cache
+# is stored rounded to nearest even, as .to() rounds, and read back exactly
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def kv_write(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] (heads contiguous) into cache slots `slots` [T] int64 (< 0: skipped) of the
-    contiguous caches [blocks, block_size, Hkv, D]."""
+    """k, v [T, Hkv, D] float32 (heads contiguous) into cache slots `slots` [T] int64 (< 0: skipped) of the
+    contiguous caches [blocks, block_size, Hkv, D] (a `KV_TYPES` dtype: converted as `.to` would)."""
     T, Hkv, D = k.shape
     _check(lib.kv_write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, slots.data_ptr(),
-                        key_cache.data_ptr(), value_cache.data_ptr(), Hkv * D), "kv_write")
+                        key_cache.data_ptr(), value_cache.data_ptr(), Hkv * D, KV_TYPES[key_cache.dtype]), "kv_write")
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv_lens: torch.Tensor,
@@ -329,13 +334,13 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, tokens: torch.Tensor, kv
                      window: int | None, out: torch.Tensor) -> None:
     """One query token per request attends its cached tokens: q [T, Hq, D] (heads contiguous), tokens [n]
     int64 (the query rows), kv_lens [n] int32, block_tables [n, P] int32 contiguous, caches [blocks,
-    block_size, Hkv, D] contiguous; writes rows `tokens` of out [T, Hq, D] (contiguous)."""
+    block_size, Hkv, D] contiguous (a `KV_TYPES` dtype); writes rows `tokens` of out [T, Hq, D] (contiguous)."""
     n = tokens.shape[0]
     _, block_size, Hkv, D = key_cache.shape
     _check(lib.decode_attention(q.data_ptr(), q.stride(0), n, tokens.data_ptr(), kv_lens.data_ptr(),
                                 block_tables.data_ptr(), block_tables.shape[1], key_cache.data_ptr(),
                                 value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale, window or 0,
-                                out.data_ptr(), torch.get_num_threads()), "decode_attention")
+                                out.data_ptr(), torch.get_num_threads(), KV_TYPES[key_cache.dtype]), "decode_attention")
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor,
@@ -345,13 +350,15 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, q_start: torch.Tensor, 
     their request's cached tokens causally (kv_lens[i] after this step; the queries are the last q_lens[i]),
     with decode_attention's arithmetic for each query (bit for bit: a token's attention is the same decoded,
     prefilled or recomputed). q_start/q_lens/kv_lens [n] int32, block_tables [n, P] int32 contiguous, caches
-    [blocks, block_size, Hkv, D] contiguous; writes those rows of out [T, Hq, D] (contiguous)."""
+    [blocks, block_size, Hkv, D] contiguous (a `KV_TYPES` dtype); writes those rows of out [T, Hq, D]
+    (contiguous)."""
     n = q_start.shape[0]
     _, block_size, Hkv, D = key_cache.shape
     _check(lib.prefill_attention(q.data_ptr(), q.stride(0), n, q_start.data_ptr(), q_lens.data_ptr(),
                                  kv_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                                  key_cache.data_ptr(), value_cache.data_ptr(), block_size, q.shape[1], Hkv, D, scale,
-                                 window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads()),
+                                 window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+                                 KV_TYPES[key_cache.dtype]),
            "prefill_attention")
 
 
@@ -426,7 +433,10 @@ class DecodeLayers:
             if not all(p is not None and f32(p[0]) and f32(p[1]) for p in parts) or any(p[1] is not None
                                                                                       for p in parts[1:]):
                 return None
-            if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight, kc, vc)):
+            if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight)):
+                return None
+            if not (kc.dtype == vc.dtype == kv_caches[0][0].dtype in KV_TYPES and kc.is_contiguous()
+                    and vc.is_contiguous() and kc.is_cpu):
                 return None
         if not (f32(model.rope_cos) and f32(model.rope_sin)):
             return None
@@ -448,5 +458,6 @@ class DecodeLayers:
             self.model.rope_cos.shape[0], self.model.rope_cos.data_ptr(),
             self.model.rope_sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, block_tables.ctypes.data,
             block_tables.shape[1], self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
-            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads()), "decode_layers")
+            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(), KV_TYPES[self.kv_caches[0][0].dtype]),
+            "decode_layers")
         return out
