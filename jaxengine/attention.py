@@ -242,7 +242,8 @@ def ragged_paged_attention_xla(
 
     `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` and the prefill and mixed
     rows as `cpu_kernels.prefill_attention` (the cache read in place, every query with the same arithmetic;
-    on a CPU, float32, no soft cap; otherwise this path's own loops)."""
+    on a CPU, float32 queries, a float32 / float16 / bfloat16 cache, no soft cap; otherwise this path's own
+    loops)."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
     table = block_tables.reshape(R, -1)
@@ -261,7 +262,8 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    cpu = cpu_decode and soft_cap is None and q.dtype == kv_cache.dtype == jnp.float32
+    cpu = cpu_decode and soft_cap is None and q.dtype == jnp.float32 and kv_cache.dtype in (
+        jnp.float32, jnp.float16, jnp.bfloat16)  # (jaxengine.cpu_kernels.KV_DTYPES)
     if cpu:
         from jaxengine import cpu_kernels
 

@@ -39,9 +39,10 @@ int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
 int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
-                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const float *kcache,
-                            const float *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
-                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1);
+                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const void *kcache,
+                            const void *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
+                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1,
+                            int kv_type);
 int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
 int silu_mul(const float *gu, int M, int I, float *out);
 int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin);
@@ -49,14 +50,19 @@ int log_softmax_rows(const float *x, int M, int V, long x_stride, float *out, in
 int inverse_cdf_rows(const float *probs, int M, int V, long p_stride, const float *u, int64_t *out);
 int top_p_thresholds(const float *probs, int M, int V, long p_stride, const float *top_p, float *out);
 int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
-                           const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
+                           const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
-                           int window, float *out, int hs, int t0, int t1);
+                           int window, float *out, int hs, int t0, int t1, int kv_type);
 }
 
 namespace {
 
-constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
+constexpr int64_t kParallelWork = 1 << 15;
+// the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16), its bytes; -1: another
+int KvType(ffi::DataType t) {
+    return t == ffi::DataType::F32 ? 0 : t == ffi::DataType::F16 ? 1 : t == ffi::DataType::BF16 ? 2 : -1;
+}
+int64_t KvBytes(int kv_type) { return kv_type == 0 ? 4 : 2; }  // multiply-adds below which one thread does it all
 
 // Runs fn(t0, t1) over [0, n) in slices of `per` on the calling thread and up to `tasks - 1` of XLA's
 // intra-op threads; returns when every slice is done. A thread that starts after the work is gone does
@@ -189,7 +195,7 @@ ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<
 // including its own, blocks table[i, :]) over jaxengine's cache [blocks, block_size, 2 * Hkv, D]; out
 // [R, Hq, D], rows from num_decode on zero. cpu_kernels.c's decode_attention_tasks: exact softmax in
 // float32, a task per request and kv head (or query head), spread over XLA's threads.
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> num_decode, ffi::ResultBuffer<ffi::F32> out, float scale,
                            int32_t window) {
@@ -199,6 +205,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     const int64_t R = qd[0], Hq = qd[1], D = qd[2], NB = cd[0], bs = cd[1], Hkv = cd[2] / 2, W = td[1];
     if (cd[3] != D || cd[2] % 2 || Hkv == 0 || Hq % Hkv || td[0] != R || kv_lens.dimensions()[0] != R)
         return ffi::Error::InvalidArgument("decode attention: shapes disagree");
+    const int kv = KvType(cache.element_type());
+    if (kv < 0) return ffi::Error::InvalidArgument("decode attention: the cache is not float32, float16 or bfloat16");
     const int64_t n = std::min<int64_t>(std::max<int32_t>(num_decode.typed_data()[0], 0), R);
     const int32_t *lens = kv_lens.typed_data(), *bt = table.typed_data();
     for (int64_t i = 0; i < n; i++) {  // every block a row reads lies in the cache
@@ -215,11 +223,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     const int hs = decode_heads_per_task((int)n, (int)Hq, (int)Hkv, (int)threads);
     const int64_t ntasks = n * (Hq / hs);
     std::atomic<int> rc{0};
-    const float *c = cache.typed_data();
+    const char *c = static_cast<const char *>(cache.untyped_data());
     parallel_for(pool, ntasks, std::min(threads, ntasks), 1, [&, c, o](int64_t a, int64_t b) {
-        if (decode_attention_tasks(q.typed_data(), Hq * D, nullptr, lens, bt, (int)W, c, c + D, 2 * Hkv * D,
-                                   2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o, hs, (int)a,
-                                   (int)b))
+        if (decode_attention_tasks(q.typed_data(), Hq * D, nullptr, lens, bt, (int)W, c, c + D * KvBytes(kv),
+                                   2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o, hs,
+                                   (int)a, (int)b, kv))
             rc.store(1);
     });
     if (rc.load()) return ffi::Error::Internal("decode attention: out of memory");
@@ -229,7 +237,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 // Attention of the prefill and mixed rows of a ragged step (requests [decode_end, mixed_end) of
 // distribution), every query with decode attention's arithmetic (cpu_kernels.c's prefill_attention_tasks):
 // written into `out` (aliased to `base`, whose other rows it keeps), tasks spread over XLA's threads.
-ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache,
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                             ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
                             ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
                             ffi::Buffer<ffi::F32> base, ffi::ResultBuffer<ffi::F32> out, float scale,
@@ -245,6 +253,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         cu_q_lens.dimensions()[0] != R + 1 || (int64_t)base.element_count() != T * Hq * D ||
         (int64_t)out->element_count() != T * Hq * D)
         return ffi::Error::InvalidArgument("prefill attention: shapes disagree");
+    const int kv = KvType(cache.element_type());
+    if (kv < 0) return ffi::Error::InvalidArgument("prefill attention: the cache is not float32, float16 or bfloat16");
     float *o = out->typed_data();
     if (base.typed_data() != o) std::copy(base.typed_data(), base.typed_data() + T * Hq * D, o);
     const int32_t *dist = distribution.typed_data(), *cu = cu_q_lens.typed_data(), *lens = kv_lens.typed_data();
@@ -266,12 +276,12 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     if (ntasks < 0) return ffi::Error::InvalidArgument("prefill attention: too many tasks");
     if (ntasks == 0) return ffi::Error::Success();
     std::atomic<int> rc{0};
-    const float *c = cache.typed_data();
+    const char *c = static_cast<const char *>(cache.untyped_data());
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     parallel_for(pool, ntasks, std::min<int64_t>(threads, ntasks), 1, [&, c, o](int64_t t0, int64_t t1) {
         if (prefill_attention_tasks(q.typed_data(), Hq * D, qs.data(), ql.data(), kl.data(), bt + a * W, (int)W, c,
-                                    c + D, 2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o,
-                                    Hq * D, n, bq, (int)t0, (int)t1))
+                                    c + D * KvBytes(kv), 2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale,
+                                    window, o, Hq * D, n, bq, (int)t0, (int)t1, kv))
             rc.store(1);
     });
     if (rc.load()) return ffi::Error::Internal("prefill attention: out of memory");
@@ -334,7 +344,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -346,7 +356,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPrefillAttention, PrefillAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

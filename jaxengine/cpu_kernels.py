@@ -177,10 +177,15 @@ def top_p_thresholds(probs, top_p):
     return call(probs, top_p.astype(jnp.float32))
 
 
+# the caches the attention calls read: float32, or float16 / bfloat16 (`--kv-cache-dtype`; the torch backend's
+# kernels on the same values, read back exactly into float32)
+KV_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):
     """Rows [0, num_decode) of q [R, Hq, D] (float32), one query each, attend their kv_lens[i] cached tokens
     (their own included; the last `sliding_window` only when set) in blocks table[i, :] of cache
-    [NB, block_size, 2 * Hkv, D] (float32; K of kv head h at 2h, V at 2h + 1). -> [R, Hq, D] float32, rows
+    [NB, block_size, 2 * Hkv, D] (`KV_DTYPES`; K of kv head h at 2h, V at 2h + 1). -> [R, Hq, D] float32, rows
     from num_decode on zero. Exact softmax in float32. A kv_len past the table or a block id outside the
     cache is an error, not a read out of bounds."""
     call = jax.ffi.ffi_call(DECODE_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -193,7 +198,7 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
                       sliding_window: int | None = None):
     """The prefill and mixed rows of a ragged step (requests [distribution[0], distribution[2]), queries
     cu_q_lens[r] ..., the last of their kv_lens[r] tokens) attend their cached tokens causally in blocks
-    table[r, :] of cache [NB, block_size, 2 * Hkv, D] (float32), each query with `decode_attention`'s
+    table[r, :] of cache [NB, block_size, 2 * Hkv, D] (`KV_DTYPES`), each query with `decode_attention`'s
     arithmetic (bit for bit). -> out [T, Hq, D] with those rows written, the others kept. An out-of-range
     block id, length or row is an error, not a read out of bounds."""
     call = jax.ffi.ffi_call(PREFILL_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32),

@@ -234,9 +234,9 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
         q = norm(q, lp.q_norm, eps)
         k = norm(k, lp.k_norm, eps)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    kv_dt = kv_cache.dtype
+    kv_dt = kv_cache.dtype  # (q stays in its dtype: the Pallas wrapper casts it, the XLA and CPU paths read it whole)
     attn, kv_cache = attention_fn(
-        q.astype(kv_dt), k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
+        q, k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
         md.cu_q_lens, md.distribution, sm_scale=arch.sm_scale, sliding_window=arch.sliding_window,
     )
     x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")

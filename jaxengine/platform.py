@@ -74,10 +74,21 @@ def pallas_attention(platform: str, device_kind: str, *, group: int, block_size:
                                                   group=group, head_dim=head_dim, dtype=kv_dtype)
         if tuned:
             logger.info("pallas attention on %s: %s", device_kind, tuned)
-        return _padded_cache(functools.partial(pallas_kernels.ragged_paged_attention, **tuned))
+        return _q_in_cache_dtype(_padded_cache(functools.partial(pallas_kernels.ragged_paged_attention, **tuned)))
     from jax.experimental.pallas import tpu as pltpu
 
-    return functools.partial(pallas_kernels.ragged_paged_attention, interpret=pltpu.InterpretParams())
+    return _q_in_cache_dtype(functools.partial(pallas_kernels.ragged_paged_attention,
+                                               interpret=pltpu.InterpretParams()))
+
+
+def _q_in_cache_dtype(kernel):
+    """`kernel` with q in the cache's dtype, as the Pallas kernel takes it (the model passes q in its own dtype:
+    float32 queries over a 16-bit cache stay float32 on the XLA and CPU paths)."""
+
+    def fn(q, k, v, kv_cache, *metadata, **kw):
+        return kernel(q.astype(kv_cache.dtype), k, v, kv_cache, *metadata, **kw)
+
+    return fn
 
 
 def pallas_cache_heads(kv_heads: int, head_dim: int, platform: str, attention_backend: str) -> tuple[int, int]:

@@ -138,8 +138,8 @@ class JaxModelRunner:
         # CPU, float32, one device: jaxengine.cpu_kernels' custom calls, off where they cannot run (the log
         # says why). Every linear and the LM head on weights packed at load (model.pack_cpu_panels: they
         # read each layer's weights where they lie, where XLA's dots in the scan copy them first, with the
-        # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Decode attention
-        # over the cache in place (with a float32 KV cache): {"cpu_decode_attention": False} turns it off.
+        # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Attention over the
+        # cache in place (a float32, float16 or bfloat16 one): {"cpu_decode_attention": False} turns it off.
         self.cpu_linears, self.cpu_decode_attention = False, False
         linears = bool(opts.get("cpu_linears", True))
         decode = bool(opts.get("cpu_decode_attention", True))
@@ -184,7 +184,7 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) == jnp.float32:
+            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) in (jnp.float32, jnp.float16, jnp.bfloat16):
                 return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,

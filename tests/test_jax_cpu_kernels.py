@@ -301,7 +301,10 @@ def test_prefill_attention_is_decode_attention_for_every_query(Hq, Hkv, D, bs, w
     np.testing.assert_allclose(got[rows], want[rows], rtol=2e-5, atol=2e-5)
 
 
-def test_prefill_attention_bits_equal_the_torch_backends():
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
+def test_attention_bits_equal_the_torch_backends(kv_dtype):
+    """The prefill and decode custom calls give the torch backend's kernels' bits, over a float32 cache or a
+    16-bit one (`--kv-cache-dtype`), whose values they read back exactly."""
     import torch
 
     from torchengine import cpu_kernels as torch_kernels
@@ -312,15 +315,24 @@ def test_prefill_attention_bits_equal_the_torch_backends():
     q_lens, kv_lens = [40, 300], [40, 333]
     Hq, Hkv, D, bs = 6, 2, 64, 16
     q, cache, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, bs, seed=7)
+    cache = jnp.asarray(cache).astype(kv_dtype)
     got = np.asarray(jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=0.125))(
         q, cache, table, lens, cu, dist, np.zeros(q.shape, np.float32)))
-    kc = torch.from_numpy(np.ascontiguousarray(cache[:, :, 0::2]))  # the torch backend's separate caches
-    vc = torch.from_numpy(np.ascontiguousarray(cache[:, :, 1::2]))
+    tc = torch.from_numpy(np.asarray(cache.astype(jnp.float32))).to(getattr(torch, kv_dtype))
+    kc, vc = tc[:, :, 0::2].contiguous(), tc[:, :, 1::2].contiguous()  # the torch backend's separate caches
     out = torch.zeros(q.shape)
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
     torch_kernels.prefill_attention(lib, torch.from_numpy(q), i32(cu[:-1]), i32(q_lens), i32(lens),
                                     i32(table), kc, vc, 0.125, None, out)
     assert np.array_equal(got, out.numpy())
+    # each request's last query, decoded
+    last = np.asarray(cu[1:3]) - 1
+    dec = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))(
+        q[last], cache, table, lens, np.int32(2)))
+    dout = torch.zeros((2, Hq, D))
+    torch_kernels.decode_attention(lib, torch.from_numpy(q[last]), torch.arange(2), i32(lens), i32(table), kc, vc,
+                                   0.125, None, dout)
+    assert np.array_equal(dec, dout.numpy()) and np.array_equal(dec, got[last])
 
 
 def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():

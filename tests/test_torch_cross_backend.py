@@ -45,9 +45,9 @@ PARAMS = {
 }
 
 
-def engine(backend: str, model_dir: str) -> LLM:
+def engine(backend: str, model_dir: str, **kw) -> LLM:
     return LLM(model_dir, backend=backend, platform="cpu", dtype="float32", max_model_len=256, max_num_seqs=8,
-               max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0)
+               max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,19 @@ def test_logprobs_are_the_same_bits(outputs):
                     assert s[tok].logprob == t[tok].logprob, (tok, s[tok].logprob, t[tok].logprob)
                 else:  # each backend's own ops (no AVX2 here)
                     assert s[tok].logprob == pytest.approx(t[tok].logprob, abs=1e-3)
+
+
+@pytest.mark.skipif(not SAME_KERNELS, reason="the AVX2 kernels do not run here")
+def test_a_16bit_kv_cache_gives_the_same_bits_on_both_backends(smollm2_hf_dir):
+    """--kv-cache-dtype bfloat16 under float32 weights: both backends round K and V the same way and attend
+    over them with the same kernels (float32 queries), so tokens and logprobs are still the same bits."""
+    prompts = [{"prompt": t} for t in TEXTS[:3]]
+    res = {}
+    for backend in ("jax", "torch"):
+        llm = engine(backend, smollm2_hf_dir, kv_cache_dtype="bfloat16")
+        res[backend] = llm.generate(prompts, PARAMS["greedy"][:3], use_tqdm=False)
+        llm.llm_engine.core.shutdown()
+    for x, y in zip(res["jax"], res["torch"]):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert {k: v.logprob for k, v in s.items()} == {k: v.logprob for k, v in t.items()}
