@@ -16,6 +16,9 @@ processes took during each measurement.
 tok/s, and each ratio as the median of the rounds' ratios with its range: on a shared VM whose speed drifts
 by up to 2x between minutes, engines measured minutes apart can differ more than the engines themselves
 (batch 32, one round each, three runs within an hour: jax/HF 1.4x, 1.7x and 1.8x).
+
+An engine may name a KV-cache dtype, `--engines torch,torch:float16,transformers`: our engine with
+`--kv-cache-dtype float16` (half the bytes a decode step's attention reads; not float32's bits).
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def timed(fn) -> dict:
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "other_cpu": noise.share}
 
 
-def worker_engine(backend: str, spec: dict) -> dict:
+def worker_engine(name: str, spec: dict) -> dict:
     from enginecore.llm import LLM
     from enginecore.sampling_params import SamplingParams
 
+    backend, _, kv_dtype = name.partition(":")  # "torch:float16": --kv-cache-dtype float16
     t0 = time.perf_counter()
     max_b = max(len(p) for p in spec["prompts"].values())
     need = spec["input_len"] + spec["output_len"] + 1
@@ -68,7 +72,7 @@ def worker_engine(backend: str, spec: dict) -> dict:
     while max_len < need:
         max_len *= 2
     llm = LLM(backend=backend, dtype=spec["dtype"], max_model_len=max_len, max_num_seqs=max(max_b, 8),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv_dtype or "auto")
     load = time.perf_counter() - t0
     sp_warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
     out = {"load_s": load, "dtype": llm.llm_engine.config.model_config.canonical_dtype, "runs": {}}
@@ -81,7 +85,7 @@ def worker_engine(backend: str, spec: dict) -> dict:
             res = llm.generate(prompts, sp, use_tqdm=False)
             return sum(len(r.outputs[0].token_ids) for r in res)
         out["runs"][b] = timed(run)
-        print(f"  {backend} batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        print(f"  {name} batch {b}: {out['runs'][b]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
 

@@ -2,7 +2,7 @@
 against the working tree's.
 
     python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears]
-    python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64]
+    python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -13,7 +13,9 @@ memory as in a real step. `--what attention`: one decode step's attention instea
 `decode_attention` over paged caches of the embedded model's shape (9 query heads, 3 KV heads of 64, blocks of
 16 tokens, separate K and V caches as the torch backend keeps them, ~380 MB), every row --context tokens long
 in blocks scattered at random as a long-running server's are. Both builds must give the same bits (checked
-first): the kernels' outputs do not depend on how they are tiled.
+first): the kernels' outputs do not depend on how they are tiled. `--kv-dtype float16` (or bfloat16): the
+working tree's build reads a cache of that dtype (the same values rounded, half the bytes), the base's a float32
+one; their outputs then differ by that rounding, so the bits are not compared.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--what", choices=("linears", "attention"), default="linears")
     ap.add_argument("--context", type=int, default=170, help="--what attention: tokens each row attends")
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
 
     import torch
@@ -133,6 +137,10 @@ def attention(libs, args, threads: int) -> int:
     num_blocks = max(rows) * per_row + 1
     caches = [(torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g),
                torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g)) for _ in range(LAYERS)]
+    from torchengine.cpu_kernels import KV_TYPES
+
+    kv_dtype = getattr(torch, args.kv_dtype)
+    new_caches = caches if kv_dtype == torch.float32 else [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
     print(f"decode step attention, SmolLM2-135M shapes, {LAYERS} layers, {args.context} tokens a row in scattered "
           f"blocks of {BLOCK}, {threads} thread(s); base {args.base} vs the working tree, best of {args.reps} "
           "interleaved")
@@ -147,19 +155,20 @@ def attention(libs, args, threads: int) -> int:
 
         def step(name: str) -> None:
             lib, out = libs[name], outs[name]
-            for kc, vc in caches:
+            # the last argument, the cache's dtype (cpu_kernels.KV_TYPES), is ignored by a base from before it
+            for kc, vc in (new_caches if name == "new" else caches):
                 if lib.decode_attention(q.data_ptr(), q.stride(0), M, tokens.data_ptr(), kv_lens.data_ptr(),
                                         tables.data_ptr(), per_row, kc.data_ptr(), vc.data_ptr(), BLOCK, HQ, HKV,
-                                        HEAD_DIM, HEAD_DIM ** -0.5, 0, out.data_ptr(), threads):
+                                        HEAD_DIM, HEAD_DIM ** -0.5, 0, out.data_ptr(), threads, KV_TYPES[kc.dtype]):
                     raise RuntimeError("decode_attention refused its arguments")
 
         for name in libs:
             step(name)
-        if not torch.equal(outs["base"], outs["new"]):
+        if kv_dtype == torch.float32 and not torch.equal(outs["base"], outs["new"]):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
         best = best_of(libs, step, args.reps)
-        nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once
+        nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once (float32: the base's)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
               f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
     return 0

@@ -82,7 +82,8 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
                      kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1, load_format: str = "auto",
                      model: str | None = None, compilation_cache_dir: str | None = None) -> str:
     """`--backend auto` on a CPU: torch where its AVX2 kernels run and the settings are the ones they serve
-    (float32 weights and KV cache, one replica on one process, torch's attention), else jax (which also
+    (float32 weights, a float32, float16 or bfloat16 KV cache, one replica on one process, torch's
+    attention), else jax (which also
     repeats KV heads for tensor parallelism wider than the model's KV heads; torch refuses that). jax also
     for its own features, orbax weights (the flag or the folder) and an XLA compilation cache, unless
     `--attention-backend torch` asks for torch.
@@ -95,7 +96,7 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
     if cpu_kernels_unavailable():
         return "jax"
     if resolve_dtype(dtype, "cpu") != "float32" or DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) not in (
-            "auto", "float32"):
+            "auto", "float32", "float16", "bfloat16"):
         return "jax"
     if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"

@@ -227,11 +227,14 @@ def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
     orbax = tmp_path / "orbax-model"
     (orbax / "orbax").mkdir(parents=True)
     (orbax / "xlaserve_orbax.json").write_text("{}")
-    for kw in (dict(dtype="bfloat16"), dict(kv_cache_dtype="bfloat16"), dict(attention_backend="reference"),
+    for kw in (dict(dtype="bfloat16"), dict(dtype="bfloat16", kv_cache_dtype="bfloat16"),
+               dict(attention_backend="reference"),
                dict(data_parallel_size=2), dict(tensor_parallel_size=2), dict(backend="jax"),
                dict(load_format="orbax"), dict(model=str(orbax)), dict(compilation_cache_dir=str(tmp_path))):
         assert backend(**kw) == "jax", kw
     assert backend(backend="torch", dtype="bfloat16") == "torch"
+    for kv in ("float16", "bfloat16"):  # a 16-bit cache under float32 weights: the kernels serve it
+        assert backend(kv_cache_dtype=kv) == ("jax" if cpu_kernels_unavailable() else "torch"), kv
     if not cpu_kernels_unavailable():  # an explicit torch-only flag wins over jax's features
         assert backend(attention_backend="torch", compilation_cache_dir=str(tmp_path)) == "torch"
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "torch")
