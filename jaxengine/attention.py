@@ -262,10 +262,12 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    cpu = cpu_decode and soft_cap is None and q.dtype == jnp.float32 and kv_cache.dtype in (
-        jnp.float32, jnp.float16, jnp.bfloat16)  # (jaxengine.cpu_kernels.KV_DTYPES)
+    cpu = cpu_decode and soft_cap is None and q.dtype == jnp.float32
     if cpu:
         from jaxengine import cpu_kernels
+
+        cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
+    if cpu:
 
         dec = cpu_kernels.decode_attention(q[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
                                            sliding_window=sliding_window)

@@ -57,12 +57,13 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
 
 namespace {
 
-constexpr int64_t kParallelWork = 1 << 15;
-// the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16), its bytes; -1: another
+constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
+
+// the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16); -1: another
 int KvType(ffi::DataType t) {
     return t == ffi::DataType::F32 ? 0 : t == ffi::DataType::F16 ? 1 : t == ffi::DataType::BF16 ? 2 : -1;
 }
-int64_t KvBytes(int kv_type) { return kv_type == 0 ? 4 : 2; }  // multiply-adds below which one thread does it all
+int64_t KvBytes(int kv_type) { return kv_type == 0 ? 4 : 2; }
 
 // Runs fn(t0, t1) over [0, n) in slices of `per` on the calling thread and up to `tasks - 1` of XLA's
 // intra-op threads; returns when every slice is done. A thread that starts after the work is gone does

@@ -184,7 +184,9 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) in (jnp.float32, jnp.float16, jnp.bfloat16):
+            from jaxengine.cpu_kernels import KV_DTYPES
+
+            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) in KV_DTYPES:
                 return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,

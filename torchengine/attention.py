@@ -12,9 +12,9 @@ writes this step's k/v into their slots and attends over the ragged batch:
   (`torchengine.cpu_kernels`), float32 queries and a float32, float16 or
   bfloat16 cache (`--kv-cache-dtype`), all decodes are one `DecodeGroup`
   attended in place over the paged cache (no gather, no mask), the prefills
-  one `PrefillGroup`, and the cache writes are one call too. The plan (index tensors and masks)
-  is built once per step on the host from the numpy batch and shared by every
-  layer. Not capturable in a CUDA graph (its shapes depend on the lengths).
+  one `PrefillGroup`, and the cache writes are one call too. The plan (index
+  tensors and masks) is built once per step on the host from the numpy batch
+  and shared by every layer. Not capturable in a CUDA graph (its shapes depend on the lengths).
 - `TritonAttention` ("triton"): `triton_kernels.reshape_and_cache` +
   `unified_attention`; reads lengths on the device only, so decode steps can
   be captured in CUDA graphs. The default on CUDA.

@@ -325,8 +325,6 @@ int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const f
     return 0;
 }
 
-// The cache writes of a step: token t's k and v rows (W floats each, k_stride / v_stride floats apart) to
-// slot slots[t] of the caches [slots, W]; slots < 0 (padding) are skipped.
 // The KV cache's element type (kv_write, decode_attention, prefill_attention, decode_layers): float32, or
 // float16 / bfloat16 (`--kv-cache-dtype`), half the bytes that decode attention streams from memory.
 // Stored rounded to nearest even (as torch's .to() rounds; a NaN stays a NaN), read back exactly into
@@ -377,8 +375,8 @@ static inline void kv_store(const int T, char *dst, const float *src, int n) {
     }
 }
 
-// Token t's K and V rows (W floats each, rows `k_stride` / `v_stride` floats apart) into cache slot slots[t]
-// (skipped if < 0) of caches [slots, W] of type kv_type.
+// The cache writes of a step: token t's K and V rows (W floats each, k_stride / v_stride floats apart) to
+// slot slots[t] of the caches [slots, W] of type kv_type; slots < 0 (padding) are skipped.
 int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T, const int64_t *slots,
              void *kcache, void *vcache, int W, int kv_type) {
     if (kv_type < KV_F32 || kv_type > KV_BF16) return -1;
@@ -452,7 +450,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
         for (int c = 0; c < 4; c++) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
 }
 
-// rows 0 .. R - 1 (R <= 3, not a compile-time constant) of a tile: the constant-R call
+// a tile's call for R rows (R <= 3, known at run time) with R a compile-time constant, as the tiles need it
 #define TILE_R(R, call3, call2, call1) \
     do {                               \
         if ((R) == 3) call3;           \
@@ -552,6 +550,8 @@ static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens
     return rc;
 }
 
+// A 16-bit cache's tasks (T: KV_F16 or KV_BF16), each key's row read once for the task's heads in the score
+// pass (its V part prefetched with it) and in the output pass, DECODE_KEYS keys at a time.
 static inline __attribute__((always_inline)) int decode_tasks(
     const int T, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
     const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
