@@ -58,7 +58,9 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "enable_prefix_caching": ("CacheConfig", "Reuse KV blocks of identical prompt prefixes.", None),
     "prefix_caching_hash_algo": ("CacheConfig", "Hash of prefix-cache blocks.",
                                  ("sha256", "sha256_cbor", "xxhash", "builtin")),
-    "kv_cache_dtype": ("CacheConfig", "KV-cache dtype ('auto': the model dtype).",
+    "kv_cache_dtype": ("CacheConfig", "KV-cache dtype ('auto': the model dtype). On a CPU with float32 weights, "
+                       "float16 / bfloat16 hold twice the tokens and speed decode attention up; attention stays "
+                       "float32 arithmetic on the rounded K/V.",
                        ("auto", "bfloat16", "float16", "float32")),
     "kv_cache_memory_bytes": ("CacheConfig", "Bytes of KV cache (overrides --gpu-memory-utilization for the "
                               "cache; on CPU the default budget). Accepts K/M/G suffixes.", None),
