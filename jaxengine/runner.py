@@ -184,9 +184,7 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            from jaxengine.cpu_kernels import KV_DTYPES
-
-            if self.cpu_decode_attention and jnp_dtype(self.kv_dtype) in KV_DTYPES:
+            if self.cpu_decode_attention:  # (the attention checks the cache's dtype itself: cpu_kernels.KV_DTYPES)
                 return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
