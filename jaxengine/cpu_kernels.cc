@@ -16,14 +16,24 @@
 //   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
 //   same as the torch backend's on a CPU.
 //
-// Both split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
+// - XlaserveCpuLayers: every decoder layer of a ragged step in one call, the kernels above in the order the
+//   scan over layers calls them (the same bits), run by a Team of XLA's threads held for the whole call
+//   (`model.forward` on a CPU by default; compilation_config={"cpu_layers": False} goes back to the scan).
+//
+// All split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
 // for the cores). Built by jaxengine/cpu_kernels.py with the system C and C++ compilers against
 // jax.ffi.include_dir().
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -46,6 +56,8 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
 int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
 int silu_mul(const float *gu, int M, int I, float *out);
 int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin);
+int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T, const int64_t *slots, void *kcache,
+             void *vcache, int W, int kv_type);
 int log_softmax_rows(const float *x, int M, int V, long x_stride, float *out, int probs);
 int inverse_cdf_rows(const float *probs, int M, int V, long p_stride, const float *u, int64_t *out);
 int top_p_thresholds(const float *probs, int M, int V, long p_stride, const float *top_p, float *out);
@@ -100,6 +112,99 @@ void parallel_for(ffi::ThreadPool &pool, int64_t n, int64_t tasks, int64_t per, 
         }
     }
 }
+
+// A team of XLA's intra-op threads held for a whole call of many phases (`Layers`: ~9 a layer). The caller
+// publishes phase after phase and waits for each; the helpers, scheduled once a call, spin between phases
+// instead of going back to XLA's pool. Split into one custom call a phase (what the scan over layers did),
+// every phase woke its helpers anew, and they came late: the caller did ~60% of the slices, and a decode step
+// of the embedded model at 32 rows ran 15-20% slower than the torch backend's, whose OpenMP threads spin
+// between kernels. A helper that starts late joins whatever phase is current; the caller alone can do all the
+// work, so nothing ever waits for a helper that does not come (XLA's threads may be busy elsewhere).
+class Team {
+  public:
+    int64_t threads() const { return threads_; }
+
+    // fn(a, b) over [0, n) in slices of `per` by the caller and whichever helpers are in; returns when done
+    void run(int64_t n, int64_t per, std::function<void(int64_t, int64_t)> fn) {
+        if (n <= 0) return;
+        if (threads_ == 1 || per >= n) {  // the caller's alone: not worth publishing
+            fn(0, n);
+            return;
+        }
+        phases_.emplace_back(n, per, std::move(fn));
+        Phase *p = &phases_.back();  // deque: earlier phases stay where they are (a late helper may read one)
+        current_.store(p, std::memory_order_release);
+        p->mine = p->work();
+        for (int spins = 0; p->done.load(std::memory_order_acquire) < n; spins++) pause(spins);
+    }
+    // the helpers go back to the pool (call once, after the last phase)
+    void finish() {
+        current_.store(&finished_, std::memory_order_release);
+        if (getenv("XLASERVE_TEAM_DEBUG")) {
+            int64_t mine = 0, all = 0;
+            for (auto &p : phases_) { mine += p.mine; all += p.n; }
+            fprintf(stderr, "team: %zu phases, threads %ld, caller did %ld of %ld\n", phases_.size(), (long)threads_, (long)mine, (long)all);
+        }
+    }
+
+    // shared by the helpers, so a helper that starts after the call returned finds a valid (finished) team
+    static std::shared_ptr<Team> make(ffi::ThreadPool &pool, int64_t threads) {
+        auto t = std::shared_ptr<Team>(new Team(threads));
+        for (int64_t i = 1; i < t->threads_; i++) pool.Schedule([t] { t->help(); });
+        return t;
+    }
+
+  private:
+    struct Phase {
+        std::atomic<int64_t> next{0}, done{0};
+        const int64_t n, per;
+        const std::function<void(int64_t, int64_t)> fn;
+        Phase(int64_t n_, int64_t per_, std::function<void(int64_t, int64_t)> f) : n(n_), per(per_), fn(std::move(f)) {}
+        int64_t mine = 0;
+        int64_t work() {
+            int64_t did = 0;
+            for (;;) {
+                const int64_t a = next.fetch_add(per, std::memory_order_relaxed);
+                if (a >= n) return did;
+                did += std::min(a + per, n) - a;
+                const int64_t b = std::min(a + per, n);
+                fn(a, b);
+                done.fetch_add(b - a, std::memory_order_release);
+            }
+        }
+    };
+    explicit Team(int64_t threads) : threads_(std::max<int64_t>(1, threads)) {}
+
+    static void pause(int spins) {
+        // after ~a millisecond of spinning, yield: on a busy machine the thread we wait for may need this core
+        if (spins < (1 << 14)) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            std::this_thread::yield();
+        }
+    }
+    void help() {
+        Phase *seen = nullptr;
+        for (int spins = 0;;) {
+            Phase *p = current_.load(std::memory_order_acquire);
+            if (p == &finished_) return;
+            if (p != seen && p != nullptr) {
+                seen = p;
+                p->work();
+                spins = 0;
+            } else {
+                pause(spins++);
+            }
+        }
+    }
+
+    const int64_t threads_;
+    std::deque<Phase> phases_;
+    std::atomic<Phase *> current_{nullptr};
+    Phase finished_{0, 1, nullptr};
+};
 
 // y [T, N] = x [T, K] . W_l^T with every layer's W packed in panel_gemm's panels, stacked [L, NP, K, 16]
 // (NP = ceil(N / 16), zero rows padding the last panel): the torch backend's float32 linears and LM head
@@ -289,6 +394,184 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::Success();
 }
 
+// A step's activations, reused between calls (it only grows: ~36 KiB a token for the embedded model) so a
+// step does not fault in fresh pages; a second call running at the same time gets its own.
+struct Workspace {
+    std::mutex mu;
+    std::vector<float> buf;
+};
+Workspace g_workspace;
+
+// Every decoder layer of a ragged step in one call (a float32 Llama-family decoder whose linears are packed
+// in panel_gemm's panels, `model.forward`'s CPU path): the kernels of the per-layer custom calls, in their
+// order on the same data, so the hidden states are the same bits as through them (and as the torch
+// backend's): RMSNorm (the residual add fused in), the q/k/v linear, the q/k/v bias and the q/k norms where
+// the model has them, RoPE, the new K/V written into layer l's blocks of the cache ([L * NB, bs, 2 Hkv, D],
+// layer l's block b at row l * NB + b), decode attention of the decode rows and prefill attention of the
+// others, the o linear, RMSNorm, gate/up, SiLU and down. x [T, H] (the embeddings) -> out [T, H] (the residual
+// stream after the last layer, before the final norm). The phases run on one Team of XLA's threads.
+ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm,
+                  ffi::Buffer<ffi::F32> mlp_norm, ffi::Buffer<ffi::F32> qkv_w, ffi::Buffer<ffi::F32> o_w,
+                  ffi::Buffer<ffi::F32> gate_up_w, ffi::Buffer<ffi::F32> down_w, ffi::Buffer<ffi::F32> qkv_b,
+                  ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
+                  ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> table,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale,
+                  int32_t window, int32_t num_heads) {
+    const auto xd = x.dimensions(), cd = cache.dimensions(), td = table.dimensions();
+    const auto qd = qkv_w.dimensions(), od = o_w.dimensions(), gd = gate_up_w.dimensions(), dd = down_w.dimensions();
+    if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || qd.size() != 4 || od.size() != 4 || gd.size() != 4 ||
+        dd.size() != 4 || kv_lens.dimensions().size() != 1 || cu_q_lens.dimensions().size() != 1 ||
+        distribution.element_count() != 3)
+        return ffi::Error::InvalidArgument("layers: x [T, H], panels [L, NP, K, 16], cache [L NB, bs, 2 Hkv, D], "
+                                           "table [R, W], kv_lens [R], cu_q_lens [R + 1], distribution [3]");
+    const int64_t T = xd[0], H = xd[1], L = qd[0], bs = cd[1], Hkv = cd[2] / 2, D = cd[3], Hq = num_heads;
+    const int64_t R = td[0], W = td[1], I = dd[2], QKV = (Hq + 2 * Hkv) * D;
+    const auto fits = [](const ffi::Span<const int64_t> &p, int64_t L, int64_t K, int64_t N) {
+        return p[0] == L && p[2] == K && p[3] == 16 && N <= p[1] * 16 && N > (p[1] - 1) * 16;
+    };
+    if (L <= 0 || H <= 0 || cd[2] % 2 || Hkv == 0 || Hq <= 0 || Hq % Hkv || D <= 0 || D % 2 || D > 1024 ||
+        cd[0] % L || !fits(qd, L, H, QKV) || !fits(od, L, Hq * D, H) || !fits(gd, L, H, 2 * I) ||
+        !fits(dd, L, I, H) || attn_norm.element_count() != (size_t)(L * H) ||
+        mlp_norm.element_count() != (size_t)(L * H) || (qkv_b.element_count() != 0 && qkv_b.element_count() != (size_t)(L * QKV)) ||
+        (q_norm.element_count() != 0 && q_norm.element_count() != (size_t)(L * D)) ||
+        k_norm.element_count() != q_norm.element_count() || cos.element_count() != (size_t)(T * D) ||
+        sin.element_count() != (size_t)(T * D) || kv_lens.dimensions()[0] != R || cu_q_lens.dimensions()[0] != R + 1 ||
+        out->element_count() != (size_t)(T * H) || cache_out->element_count() != cache.element_count())
+        return ffi::Error::InvalidArgument("layers: shapes disagree");
+    const int kv_type = KvType(cache.element_type());
+    if (kv_type < 0 || cache_out->element_type() != cache.element_type())
+        return ffi::Error::InvalidArgument("layers: the cache must be float32, float16 or bfloat16");
+    const int64_t es = KvBytes(kv_type), NB = cd[0] / L, layer_bytes = NB * bs * 2 * Hkv * D * es;
+    char *c = static_cast<char *>(cache_out->untyped_data());
+    if (cache.untyped_data() != c) std::memcpy(c, cache.untyped_data(), cache.size_bytes());
+    if (T == 0) return ffi::Error::Success();
+
+    // the requests' tokens: every row they read lies in x and every block in the cache
+    const int32_t *dist = distribution.typed_data(), *cu = cu_q_lens.typed_data(), *lens = kv_lens.typed_data();
+    const int32_t *bt = table.typed_data();
+    const int64_t d0 = std::clamp<int64_t>(dist[0], 0, R), d2 = std::clamp<int64_t>(dist[2], d0, R);
+    std::vector<int64_t> slot(T, -1), dec_tok(d0);  // each token's cache row in a layer's blocks (-1: padding)
+    std::vector<int32_t> qs, ql, kl;
+    for (int64_t r = 0; r < d2; r++) {
+        const int32_t s0 = cu[r], s1 = cu[r + 1], len = lens[r];
+        if (s0 < 0 || s1 < s0 || s1 > T || (r > 0 && s0 < cu[r - 1]) || (r < d0 && s1 - s0 != 1))
+            return ffi::Error::InvalidArgument("layers: cu_q_lens outside the tokens (or a decode row's not one)");
+        if (len < s1 - s0 || len > W * bs) return ffi::Error::InvalidArgument("layers: kv_len shorter than q_len or past the table");
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
+            if (bt[r * W + j] < 0 || bt[r * W + j] >= NB) return ffi::Error::InvalidArgument("layers: block id out of range");
+        for (int32_t t = s0; t < s1; t++) {
+            const int64_t pos = len - (s1 - s0) + (t - s0);
+            slot[t] = (int64_t)bt[r * W + pos / bs] * bs + pos % bs;
+        }
+        if (r < d0) {
+            dec_tok[r] = s0;
+        } else {
+            qs.push_back(s0);
+            ql.push_back(s1 - s0);
+            kl.push_back(len);
+        }
+    }
+    const int np = (int)qs.size(), bq = prefill_attention_bq();
+    const int p_tasks = prefill_attention_num_tasks(np, ql.data(), (int)Hkv, bq);
+    if (p_tasks < 0) return ffi::Error::InvalidArgument("layers: too many prefill attention tasks");
+
+    // the activations: residual, h, y [T, H], qkv [T, QKV], att [T, Hq D], gu [T, 2 I], act [T, I]
+    std::unique_lock<std::mutex> lock(g_workspace.mu, std::try_to_lock);
+    std::vector<float> own;
+    std::vector<float> &ws = lock.owns_lock() ? g_workspace.buf : own;
+    const size_t need = (size_t)T * (3 * H + QKV + Hq * D + 3 * I);
+    if (ws.size() < need) ws.resize(need);
+    float *residual = ws.data(), *h = residual + T * H, *y = h + T * H, *qkv = y + T * H, *att = qkv + T * QKV;
+    float *gu = att + T * Hq * D, *act = gu + T * 2 * I;
+    std::fill(att, att + T * Hq * D, 0.f);  // padding tokens' rows stay 0 (attention writes the others)
+    std::copy(x.typed_data(), x.typed_data() + T * H, residual);
+
+    auto team = Team::make(pool, std::max<int64_t>(1, pool.num_threads()));
+    const int64_t threads = team->threads();
+    // rows [0, M) of `row_work` floats each, split when there is enough work
+    const auto rows = [&](int64_t M, int64_t row_work, std::function<void(int64_t, int64_t)> fn) {
+        const bool split = M * row_work >= 4 * kParallelWork;
+        team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
+    };
+    const auto linear = [&](const float *in, int64_t K, const float *wp, int64_t N, float *o) {
+        int split_rows = 0, nt = 1;
+        const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &split_rows, &nt);
+        team->run(parts, nt == 1 ? parts : std::max<int64_t>(1, parts / ((int64_t)nt * 4)), [=](int64_t a, int64_t b) {
+            panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, split_rows, (int)a, (int)b);
+        });
+    };
+    int64_t dec_work = 0;  // multiply-adds of the decode rows' scores
+    for (int64_t r = 0; r < d0; r++) dec_work += (int64_t)lens[r] * Hq * D;
+    const int hs = decode_heads_per_task((int)d0, (int)Hq, (int)Hkv, dec_work < kParallelWork ? 1 : (int)threads);
+    const int64_t d_tasks = d0 * (Hq / hs), a_tasks = d_tasks + p_tasks;
+    const bool att_alone = p_tasks == 0 && dec_work < kParallelWork;
+    const float *cs = cos.typed_data(), *sn = sin.typed_data(), *bias = qkv_b.typed_data();
+    const float *qn = q_norm.typed_data(), *kn = k_norm.typed_data();
+    const bool has_bias = qkv_b.element_count() != 0, has_qk_norm = q_norm.element_count() != 0;
+    std::atomic<int> rc{0};
+
+    for (int64_t l = 0; l < L; l++) {
+        char *kvc = c + l * layer_bytes;
+        const size_t P = (size_t)l;
+        const float *an = attn_norm.typed_data() + P * H, *mn = mlp_norm.typed_data() + P * H;
+        // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
+        rows(T, H, [=](int64_t a, int64_t b) {
+            rms_norm((l == 0 ? residual : y) + a * H, (int)(b - a), (int)H, H, l == 0 ? nullptr : residual + a * H,
+                     an, eps, h + a * H);
+        });
+        linear(h, H, qkv_w.typed_data() + P * qd[1] * H * 16, QKV, qkv);
+        // bias, q/k norms, RoPE and the cache write, token by token
+        rows(T, QKV * 4, [=](int64_t a, int64_t b) {
+            for (int64_t t = a; t < b; t++) {
+                float *row = qkv + t * QKV;
+                if (has_bias)
+                    for (int64_t j = 0; j < QKV; j++) row[j] += bias[P * QKV + j];
+                if (has_qk_norm) {
+                    rms_norm(row, (int)Hq, (int)D, D, nullptr, qn + P * D, eps, row);
+                    rms_norm(row + Hq * D, (int)Hkv, (int)D, D, nullptr, kn + P * D, eps, row + Hq * D);
+                }
+                rope(row, 1, (int)(Hq + Hkv), (int)D, QKV, cs + t * D, sn + t * D);
+                if (slot[t] < 0) continue;
+                // head k's K and V rows of slot s at s * 2 Hkv + 2k and + 1 (rows of D): kv_write rounds to the
+                // cache's type as the scan path's astype does
+                for (int64_t k = 0; k < Hkv; k++) {
+                    const int64_t at = slot[t] * 2 * Hkv + 2 * k;
+                    kv_write(row + (Hq + k) * D, row + (Hq + Hkv + k) * D, 0, 0, 1, &at, kvc, kvc + D * es, (int)D,
+                             kv_type);
+                }
+            }
+        });
+        team->run(a_tasks, att_alone ? a_tasks : 1, [&, kvc](int64_t a, int64_t b) {
+            int e = 0;
+            if (a < d_tasks)
+                e |= decode_attention_tasks(qkv, QKV, dec_tok.data(), lens, bt, (int)W, kvc, kvc + D * es, 2 * Hkv * D,
+                                            2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, att, hs, (int)a,
+                                            (int)std::min(b, d_tasks), kv_type);
+            if (b > d_tasks)
+                e |= prefill_attention_tasks(qkv, QKV, qs.data(), ql.data(), kl.data(), bt + d0 * W, (int)W, kvc,
+                                             kvc + D * es, 2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale,
+                                             window, att, Hq * D, np, bq, (int)(std::max(a, d_tasks) - d_tasks),
+                                             (int)(b - d_tasks), kv_type);
+            if (e) rc.store(1);
+        });
+        linear(att, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, H, y);
+        rows(T, H, [=](int64_t a, int64_t b) {
+            rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
+        });
+        linear(h, H, gate_up_w.typed_data() + P * gd[1] * H * 16, 2 * I, gu);
+        rows(T, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
+        linear(act, I, down_w.typed_data() + P * dd[1] * I * 16, H, y);
+    }
+    float *o = out->typed_data();
+    rows(T, H, [=](int64_t a, int64_t b) {
+        for (int64_t i = a * H; i < b * H; i++) o[i] = residual[i] + y[i];
+    });
+    team->finish();
+    if (rc.load()) return ffi::Error::Internal("layers: attention out of memory");
+    return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The sampler's rows (torch backend's log_softmax_rows, inverse_cdf_rows, top_p_thresholds): each row on one
@@ -416,3 +699,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuTopPThresholds, TopPThresholds,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLayers, Layers,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
+                                  .Arg<ffi::AnyBuffer>()         // the cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // distribution
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // hidden
+                                  .Ret<ffi::AnyBuffer>()         // the cache (aliased)
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window")
+                                  .Attr<int32_t>("num_heads"));

@@ -15,6 +15,9 @@
   `rope` likewise, so the two backends' logits are the same bits on a CPU.
 - `prefill_attention(...)`: its prefill and mixed rows, each query with decode attention's arithmetic (the
   torch backend's `prefill_attention`): a token's attention is the same decoded, prefilled or recomputed.
+- `layers(...)`: every decoder layer of a step in one call, the kernels above in the order `model.forward`'s
+  scan calls them (the same bits), its phases run by XLA's threads held for the call instead of woken for
+  each of ~300 custom calls a step (the default; compilation_config={"cpu_layers": False}: the scan).
 - `log_softmax`, `inverse_cdf`, `top_p_thresholds`: the sampler's row work (`sampler.sample(...,
   cpu_kernels=True)`), the torch sampler's kernels: the same logprobs and seeded draws on both backends.
 
@@ -51,6 +54,7 @@ ROPE = "xlaserve_cpu_rope"
 LOG_SOFTMAX = "xlaserve_cpu_log_softmax"
 INVERSE_CDF = "xlaserve_cpu_inverse_cdf"
 TOP_P_THRESHOLDS = "xlaserve_cpu_top_p_thresholds"
+LAYERS = "xlaserve_cpu_layers"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -78,7 +82,7 @@ def available() -> str:
         jax.ffi.register_ffi_target(SILU_MUL, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(ROPE, jax.ffi.pycapsule(lib.XlaserveCpuRope), platform="cpu")
         for name, fn in ((LOG_SOFTMAX, lib.XlaserveCpuLogSoftmax), (INVERSE_CDF, lib.XlaserveCpuInverseCdf),
-                         (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds)):
+                         (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds), (LAYERS, lib.XlaserveCpuLayers)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return f"cannot load {path}: {e}"
@@ -208,7 +212,29 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
                 scale=np.float32(sm_scale), window=np.int32(sliding_window or 0))
 
 
-__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
+def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_norm, cos, sin, kv_cache, table,
+           kv_lens, cu_q_lens, distribution, *, num_heads: int, eps: float, sm_scale: float,
+           sliding_window: int | None = None):
+    """Every decoder layer of a ragged step in one call (`model.forward` on a CPU with the panels): x [T, H] the
+    embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
+    qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
+    [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
+    float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1], distribution [3]: `model.RaggedMetadata`'s.
+    -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
+    the same bits as through them, with the work of all layers split between the same XLA threads, held for
+    the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    call = jax.ffi.ffi_call(LAYERS, (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+                            input_output_aliases={12: 1})
+    return call(f32(x), f32(attn_norm), f32(mlp_norm), qkv, o, gate_up, down, f32(qkv_bias), f32(q_norm),
+                f32(k_norm), f32(cos), f32(sin), kv_cache, i32(table), i32(kv_lens), i32(cu_q_lens),
+                i32(distribution), eps=np.float32(eps), scale=np.float32(sm_scale),
+                window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads))
+
+
+__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
            "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention", "inverse_cdf",
-           "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
+           "layers", "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
            "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]

@@ -262,6 +262,7 @@ def forward(
     attention_fn: AttentionFn,
     scan_layers: bool = True,
     weights_first_rows: int = 0,
+    cpu_layers: bool = False,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
 
@@ -272,7 +273,9 @@ def forward(
     With `params.panels` (`pack_cpu_panels`: float32 on one CPU device, the runner decides) the linears run
     as `jaxengine.cpu_kernels.panel_linear` on every layer's packed weights where they lie (the scan then
     carries only the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights
-    before a dot reads it, every layer of every step).
+    before a dot reads it, every layer of every step). With `cpu_layers` too (the runner decides), every
+    layer runs in one custom call, `cpu_kernels.layers`: the same kernels in the same order (the same bits),
+    without a call per kernel (~9 a layer, each waking XLA's threads anew).
 
     One cache array holds every layer (layer l's block b is row l * num_blocks + b), so
     a scan over layers carries it and updates it in place, and the attention kernels
@@ -292,6 +295,8 @@ def forward(
         n = panel_outputs(arch)
         panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
         cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
+        if cpu_layers:
+            return _cpu_layers(params, x, cos, sin, kv_cache, md, arch)
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
@@ -309,6 +314,23 @@ def forward(
             lp = jax.tree.map(lambda a: a[l], layers)
             x, kv_cache = layer(x, kv_cache, lp, l)
     return x, kv_cache
+
+
+def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, arch: ArchConfig):
+    """`forward`'s layers as one custom call (`cpu_kernels.layers`): the small per-layer parameters as the
+    kernel takes them (q/k/v biases side by side, as the qkv panels' outputs lie; empty where absent)."""
+    from jaxengine.cpu_kernels import layers
+
+    lp, p, L = params.layers, params.panels, arch.num_hidden_layers
+    none = jnp.zeros((0,), jnp.float32)
+    bias = none if lp.q_bias is None else jnp.concatenate(
+        [b.reshape(L, -1) for b in (lp.q_bias, lp.k_bias, lp.v_bias)], axis=1)
+    R = md.kv_lens.shape[0]
+    return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
+                  none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
+                  kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution,
+                  num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
+                  sliding_window=arch.sliding_window)
 
 
 def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0):

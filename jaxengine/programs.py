@@ -111,14 +111,14 @@ class ModelLayout:
 
 
 def model_step(params, kv_cache, last_tokens, rope, packed, *, layout: ModelLayout, num_rows: int,
-               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0):
+               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0, cpu_layers: bool = False):
     """-> (hidden [Tp, H] before the final norm, rows [num_rows, H] at logits_indices, kv_cache)."""
     f = layout.unpack(packed)
     src = f["input_from_row"]
     ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], f["input_ids"])
     md = RaggedMetadata(f["kv_lens"], f["block_tables"], f["cu_q_lens"], f["distribution"])
     hidden, kv_cache = forward(params, kv_cache, ids, f["positions"], md, rope, arch, attention_fn,
-                               scan_layers=scan_layers, weights_first_rows=weights_first_rows)
+                               scan_layers=scan_layers, weights_first_rows=weights_first_rows, cpu_layers=cpu_layers)
     rows = hidden[f["logits_indices"]]
     rows = jnp.pad(rows, ((0, num_rows - layout.reqs), (0, 0)))
     return hidden, rows, kv_cache

@@ -153,6 +153,9 @@ class JaxModelRunner:
                 self.cpu_linears, self.cpu_decode_attention = linears, decode
                 logger.info("jax CPU kernels: linears %s, decode attention %s", "on" if linears else "off",
                             "on" if decode else "off")
+        # ... and with both: every layer of a step in one custom call (cpu_kernels.layers; {"cpu_layers": False}:
+        # one call per kernel, in a scan over layers)
+        self.cpu_layers = self.cpu_linears and self.cpu_decode_attention and bool(opts.get("cpu_layers", True))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
@@ -312,7 +315,7 @@ class JaxModelRunner:
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
                                            attention_fn=self._attention, scan_layers=self.scan_layers,
-                                           weights_first_rows=self.weights_first_rows),
+                                           weights_first_rows=self.weights_first_rows, cpu_layers=self.cpu_layers),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
             return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":
@@ -364,7 +367,7 @@ class JaxModelRunner:
             c, model_config=dataclasses.replace(c.model_config, model=None, tokenizer=None, served_model_name=None),
             device_config=dataclasses.replace(c.device_config, warmup="all", compilation_cache_dir=None))
         context = "\n".join([repr(config), repr(self.arch), self.platform, self.attention_backend,
-                              f"cpu_linears={self.cpu_linears} {self.cpu_decode_attention}",
+                              f"cpu_linears={self.cpu_linears} {self.cpu_decode_attention} {self.cpu_layers}",
                               repr([(d.platform, d.device_kind, d.id) for d in self.devices]),
                               repr(self.abstract_inputs())])
         return ExecutableStore(self.cache_dir, context)

@@ -108,6 +108,57 @@ def test_tiny_archs_greedy_match_transformers(arch, tiny_model_dir):
     assert token_ids(outs) == hf_greedy(d, prompts, 12)
 
 
+def perturbed(model_dir: str, to, **config) -> str:
+    """A copy of a tiny model with its 1-D weights (norms, q/k/v biases: the fixture leaves them at 1 and 0)
+    made random, and `config` (None: unchanged) in its config.json."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = shutil.copytree(model_dir, to)
+    rng = np.random.default_rng(0)
+    for f in d.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k: (v + rng.normal(0, 0.2, v.shape)).astype(v.dtype) if v.ndim == 1 else v
+                   for k, v in t.items()}, f, metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **{k: v for k, v in config.items() if v is not None}}))
+    return str(d)
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("llama", "bfloat16"), ("mistral", "auto"),
+                                     ("qwen2", "float16"), ("qwen3", "auto")])
+def test_layers_in_one_call_give_the_bits_of_a_call_per_kernel(arch, kv, tiny_model_dir, tmp_path):
+    """On a CPU every decoder layer of a step runs in one custom call (`cpu_kernels.layers`, the default); with
+    compilation_config={"cpu_layers": False} the scan over layers makes a custom call per kernel. Same kernels,
+    same order: the same tokens and logprob bits through chunked prefill, mixed steps and padded buckets, for
+    q/k/v biases (qwen2), q/k norms (qwen3), a sliding window (mistral: 24 tokens) and 16-bit caches; the
+    norms and biases random (`perturbed`)."""
+    from jaxengine import cpu_kernels
+
+    if cpu_kernels.available():
+        pytest.skip(cpu_kernels.available())
+    d = perturbed(tiny_model_dir(arch), tmp_path / arch, sliding_window=24 if arch == "mistral" else None)
+    prompts = [[1] + [(29 * i + 7 * j) % 900 + 50 for j in range(n)] for i, n in enumerate([45, 6, 19, 70, 2])]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    res = {}
+    for on in (True, False):
+        llm = jax_llm(d, max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_dtype=kv,
+                      compilation_config={"cpu_layers": on})
+        try:
+            runner = llm.llm_engine.core.runner
+            assert runner.cpu_layers == on
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            hlo = [p.as_text() for k, p in runner.programs.items() if k.kind == "model"]
+            assert hlo and all((cpu_kernels.LAYERS in t) == on for t in hlo)
+        finally:
+            llm.llm_engine.core.shutdown()
+        res[on] = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                   for o in outs]
+    assert res[True] == res[False]
+
+
 # -- scheduling invariance on the tiny llama ----------------------------------------------------
 
 SCHED_PROMPTS = [[1] + [(37 * i + 11 * j) % 3000 + 100 for j in range(n)] for i, n in enumerate([40, 7, 75, 23, 55, 3])]
@@ -172,9 +223,10 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
     hlo = {k: p.as_text() for k, p in runner.programs.items()}
     assert any(k.kind == "model" for k in hlo) and any(k.kind == "sample" for k in hlo)
     for k, t in hlo.items():
-        assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
-        assert (cpu_kernels.DECODE_ATTENTION in t) == (k.kind == "model"), k
-        assert (cpu_kernels.ROPE in t and cpu_kernels.SILU_MUL in t) == (k.kind == "model"), k
+        if k.kind == "model":  # every layer in one call (test_layers_in_one_call_give_the_bits_of_a_call_per_kernel)
+            assert cpu_kernels.LAYERS in t, k
+        else:
+            assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                   compilation_config={"cpu_linears": False, "cpu_decode_attention": False})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
