@@ -3,6 +3,7 @@ against the working tree's.
 
     python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears]
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
+    python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -15,7 +16,10 @@ memory as in a real step. `--what attention`: one decode step's attention instea
 in blocks scattered at random as a long-running server's are. Both builds must give the same bits (checked
 first): the kernels' outputs do not depend on how they are tiled. `--kv-dtype float16` (or bfloat16): the
 working tree's build reads a cache of that dtype (the same values rounded, half the bytes), the base's a float32
-one; their outputs then differ by that rounding, so the bits are not compared.
+one; their outputs then differ by that rounding, so the bits are not compared. `--what layers`: one whole
+`decode_layers` call (what the torch backend runs for a decode step: every layer's norms, linears, RoPE, KV
+write and attention; random weights, the attention's scattered float32 caches), so a change that moves work
+between the kernels (e.g. fetching the next layer's cache during this one's MLP) is timed as a step sees it.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ def main() -> int:
     ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
     ap.add_argument("--rows", default="1,8,32,64", help="tokens a step")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--what", choices=("linears", "attention"), default="linears")
-    ap.add_argument("--context", type=int, default=170, help="--what attention: tokens each row attends")
+    ap.add_argument("--what", choices=("linears", "attention", "layers"), default="linears")
+    ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -91,6 +95,8 @@ def main() -> int:
 
     if args.what == "attention":
         return attention(libs, args, threads)
+    if args.what == "layers":
+        return decode_step(libs, args, threads)
     g = torch.Generator().manual_seed(0)
     layers = [[cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5) for k, n in SHAPES]
               for _ in range(LAYERS)]
@@ -171,6 +177,67 @@ def attention(libs, args, threads: int) -> int:
         nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once (float32: the base's)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
               f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
+    return 0
+
+
+def decode_step(libs, args, threads: int) -> int:
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    from torchengine import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    per_row = -(-args.context // BLOCK)
+    num_blocks = max(rows) * per_row + 1
+    inter = SHAPES[3][0]
+    weights = []  # (the tensors of a layer, kept alive), one decode_layer struct each
+    structs = (cpu_kernels._DecodeLayer * LAYERS)()
+    for c in structs:
+        t = {name: cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5)
+             for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), SHAPES)}
+        t["norm"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+        t["k"], t["v"] = (torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g) for _ in range(2))
+        c.attn_norm = c.mlp_norm = t["norm"].data_ptr()
+        c.key_cache, c.value_cache = t["k"].data_ptr(), t["v"].data_ptr()
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(c, f"{name}_w", t[name].data_ptr())
+        weights.append(t)
+    ang = torch.arange(args.context + 1.0)[:, None] * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    cos, sin = (torch.cat([a, a], dim=1).contiguous() for a in (ang.cos(), ang.sin()))  # [positions, D]
+    print(f"decode step decode_layers, SmolLM2-135M shapes (float32, random weights), {LAYERS} layers, "
+          f"{args.context} tokens a row in scattered blocks of {BLOCK}, {threads} thread(s); base {args.base} vs "
+          f"the working tree, best of {args.reps} interleaved")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'speedup':>7}")
+    for M in rows:
+        tables = np.ascontiguousarray(np.random.default_rng(M).permutation(num_blocks - 1)[: M * per_row]
+                                      .reshape(M, per_row).astype(np.int32) + 1)
+        kv_lens = np.full(M, args.context, dtype=np.int32)
+        pos = args.context - 1
+        positions = torch.full((M,), pos, dtype=torch.int64)
+        slots = torch.from_numpy(tables[:, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK)
+        x = torch.randn(M, HIDDEN, generator=g)
+        ws = torch.empty(libs["new"].decode_workspace(M, HIDDEN, HQ, HKV, HEAD_DIM, inter), dtype=torch.float32)
+        outs = {name: torch.empty(M, HIDDEN) for name in libs}
+
+        def step(name: str) -> None:
+            if libs[name].decode_layers(
+                    ctypes.addressof(structs), LAYERS, x.data_ptr(), M, positions.data_ptr(), cos.shape[0],
+                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, tables.ctypes.data,
+                    per_row, BLOCK, HIDDEN, HQ, HKV, HEAD_DIM, inter, 1e-5, HEAD_DIM ** -0.5, 0, ws.data_ptr(),
+                    outs[name].data_ptr(), threads, 0):
+                raise RuntimeError("decode_layers refused its arguments")
+
+        for name in libs:
+            step(name)
+        if not torch.equal(outs["base"], outs["new"]):
+            print(f"{M:>5}  the two builds give different outputs")
+            return 1
+        best = best_of(libs, step, args.reps)
+        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {best['base'] / best['new']:>6.2f}x",
+              flush=True)
     return 0
 
 
