@@ -18,7 +18,10 @@ by up to 2x between minutes, engines measured minutes apart can differ more than
 (batch 32, one round each, three runs within an hour: jax/HF 1.4x, 1.7x and 1.8x).
 
 An engine may name a KV-cache dtype, `--engines torch,torch:float16,transformers`: our engine with
-`--kv-cache-dtype float16` (half the bytes a decode step's attention reads; not float32's bits).
+`--kv-cache-dtype float16` (half the bytes a decode step's attention reads; not float32's bits); and
+compilation-config options after `+`, `--engines jax,jax+cpu_layers=false`: the jax engine with
+`compilation_config={"cpu_layers": False}` (values parsed as JSON), to time one option against the default in
+the same rounds.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def worker_engine(name: str, spec: dict) -> dict:
     from enginecore.llm import LLM
     from enginecore.sampling_params import SamplingParams
 
-    backend, _, kv_dtype = name.partition(":")  # "torch:float16": --kv-cache-dtype float16
+    engine, *opts = name.split("+")  # "jax+cpu_layers=false": compilation_config={"cpu_layers": False}
+    backend, _, kv_dtype = engine.partition(":")  # "torch:float16": --kv-cache-dtype float16
+    cc = {k: json.loads(v) for k, _, v in (o.partition("=") for o in opts)} or None
     t0 = time.perf_counter()
     max_b = max(len(p) for p in spec["prompts"].values())
     need = spec["input_len"] + spec["output_len"] + 1
@@ -72,7 +77,7 @@ def worker_engine(name: str, spec: dict) -> dict:
     while max_len < need:
         max_len *= 2
     llm = LLM(backend=backend, dtype=spec["dtype"], max_model_len=max_len, max_num_seqs=max(max_b, 8),
-              enable_prefix_caching=False, kv_cache_dtype=kv_dtype or "auto")
+              enable_prefix_caching=False, kv_cache_dtype=kv_dtype or "auto", compilation_config=cc)
     load = time.perf_counter() - t0
     sp_warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
     out = {"load_s": load, "dtype": llm.llm_engine.config.model_config.canonical_dtype, "runs": {}}
