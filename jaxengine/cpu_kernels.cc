@@ -25,8 +25,6 @@
 // jax.ffi.include_dir().
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -116,9 +114,10 @@ void parallel_for(ffi::ThreadPool &pool, int64_t n, int64_t tasks, int64_t per, 
 // A team of XLA's intra-op threads held for a whole call of many phases (`Layers`: ~9 a layer). The caller
 // publishes phase after phase and waits for each; the helpers, scheduled once a call, spin between phases
 // instead of going back to XLA's pool. Split into one custom call a phase (what the scan over layers did),
-// every phase woke its helpers anew, and they came late: the caller did ~60% of the slices, and a decode step
-// of the embedded model at 32 rows ran 15-20% slower than the torch backend's, whose OpenMP threads spin
-// between kernels. A helper that starts late joins whatever phase is current; the caller alone can do all the
+// every phase woke its helpers anew, and they came late or found their core taken: the caller did ~60% of the
+// slices, the process switched context ~5x as often as with the team, and the whole offline run of 32
+// requests was 1.01-1.18x slower (docs/design-notes.md; the torch backend's OpenMP threads spin between
+// kernels the same way). A helper that starts late joins whatever phase is current; the caller alone can do all the
 // work, so nothing ever waits for a helper that does not come (XLA's threads may be busy elsewhere).
 class Team {
   public:
@@ -134,18 +133,11 @@ class Team {
         phases_.emplace_back(n, per, std::move(fn));
         Phase *p = &phases_.back();  // deque: earlier phases stay where they are (a late helper may read one)
         current_.store(p, std::memory_order_release);
-        p->mine = p->work();
+        p->work();
         for (int spins = 0; p->done.load(std::memory_order_acquire) < n; spins++) pause(spins);
     }
     // the helpers go back to the pool (call once, after the last phase)
-    void finish() {
-        current_.store(&finished_, std::memory_order_release);
-        if (getenv("XLASERVE_TEAM_DEBUG")) {
-            int64_t mine = 0, all = 0;
-            for (auto &p : phases_) { mine += p.mine; all += p.n; }
-            fprintf(stderr, "team: %zu phases, threads %ld, caller did %ld of %ld\n", phases_.size(), (long)threads_, (long)mine, (long)all);
-        }
-    }
+    void finish() { current_.store(&finished_, std::memory_order_release); }
 
     // shared by the helpers, so a helper that starts after the call returned finds a valid (finished) team
     static std::shared_ptr<Team> make(ffi::ThreadPool &pool, int64_t threads) {
@@ -160,13 +152,11 @@ class Team {
         const int64_t n, per;
         const std::function<void(int64_t, int64_t)> fn;
         Phase(int64_t n_, int64_t per_, std::function<void(int64_t, int64_t)> f) : n(n_), per(per_), fn(std::move(f)) {}
-        int64_t mine = 0;
-        int64_t work() {
-            int64_t did = 0;
+        // slices until none is left (a helper late for a phase the caller has finished takes none)
+        void work() {
             for (;;) {
                 const int64_t a = next.fetch_add(per, std::memory_order_relaxed);
-                if (a >= n) return did;
-                did += std::min(a + per, n) - a;
+                if (a >= n) return;
                 const int64_t b = std::min(a + per, n);
                 fn(a, b);
                 done.fetch_add(b - a, std::memory_order_release);
