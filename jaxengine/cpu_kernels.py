@@ -219,7 +219,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
     [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
-    float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1], distribution [3]: `model.RaggedMetadata`'s.
+    float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1],
+    distribution [3]: `model.RaggedMetadata`'s.
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""
@@ -234,7 +235,7 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
                 window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads))
 
 
-__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION", "RMS_NORM",
-           "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention", "inverse_cdf",
-           "layers", "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows", "prefill_attention",
-           "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]
+__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION",
+           "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention",
+           "inverse_cdf", "layers", "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows",
+           "prefill_attention", "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]

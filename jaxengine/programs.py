@@ -111,7 +111,8 @@ class ModelLayout:
 
 
 def model_step(params, kv_cache, last_tokens, rope, packed, *, layout: ModelLayout, num_rows: int,
-               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0, cpu_layers: bool = False):
+               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0,
+               cpu_layers: bool = False):
     """-> (hidden [Tp, H] before the final norm, rows [num_rows, H] at logits_indices, kv_cache)."""
     f = layout.unpack(packed)
     src = f["input_from_row"]
