@@ -151,11 +151,12 @@ class JaxModelRunner:
                 logger.info("jax CPU kernels: XLA's ops (%s)", why)
             else:
                 self.cpu_linears, self.cpu_decode_attention = linears, decode
-                logger.info("jax CPU kernels: linears %s, decode attention %s", "on" if linears else "off",
-                            "on" if decode else "off")
         # ... and with both: every layer of a step in one custom call (cpu_kernels.layers; {"cpu_layers": False}:
         # one call per kernel, in a scan over layers)
         self.cpu_layers = self.cpu_linears and self.cpu_decode_attention and bool(opts.get("cpu_layers", True))
+        if self.cpu_linears or self.cpu_decode_attention:
+            logger.info("jax CPU kernels: linears %s, decode attention %s, every layer in one call %s",
+                        *("on" if on else "off" for on in (linears, decode, self.cpu_layers)))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
