@@ -268,7 +268,6 @@ def ragged_paged_attention_xla(
 
         cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
     if cpu:
-
         dec = cpu_kernels.decode_attention(q[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
                                            sliding_window=sliding_window)
     else:

@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -287,6 +288,25 @@ ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<
     return ffi::Error::Success();
 }
 
+// Why the blocks of a row with kv_len `len` (its table row `row`, W columns) would lie outside a cache of NB
+// blocks of bs tokens, or nullptr if they do not
+const char *BlocksOutside(const int32_t *row, int64_t len, int64_t W, int64_t bs, int64_t NB) {
+    if (len < 0 || len > W * bs) return "kv_len past the block table";
+    for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
+        if (row[j] < 0 || row[j] >= NB) return "block id out of range";
+    return nullptr;
+}
+
+// ... and for a request row r of a ragged step: its tokens cu[r] .. cu[r + 1] within the T tokens and no more
+// of them than its kv_len, then its blocks
+const char *RowOutside(const int32_t *cu, const int32_t *lens, const int32_t *bt, int64_t r, int64_t T, int64_t W,
+                       int64_t bs, int64_t NB) {
+    const int32_t s0 = cu[r], s1 = cu[r + 1], len = lens[r];
+    if (s0 < 0 || s1 < s0 || s1 > T) return "cu_q_lens outside the tokens";
+    if (len < s1 - s0 || len > W * bs) return "kv_len shorter than q_len or past the table";
+    return BlocksOutside(bt + r * W, len, W, bs, NB);
+}
+
 // Decode attention of rows [0, num_decode) of q [R, Hq, D] (one query each, kv_lens[i] cached tokens
 // including its own, blocks table[i, :]) over jaxengine's cache [blocks, block_size, 2 * Hkv, D]; out
 // [R, Hq, D], rows from num_decode on zero. cpu_kernels.c's decode_attention_tasks: exact softmax in
@@ -305,11 +325,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     if (kv < 0) return ffi::Error::InvalidArgument("decode attention: the cache is not float32, float16 or bfloat16");
     const int64_t n = std::min<int64_t>(std::max<int32_t>(num_decode.typed_data()[0], 0), R);
     const int32_t *lens = kv_lens.typed_data(), *bt = table.typed_data();
-    for (int64_t i = 0; i < n; i++) {  // every block a row reads lies in the cache
-        if (lens[i] < 0 || lens[i] > W * bs) return ffi::Error::InvalidArgument("kv_len past the block table");
-        for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; j++)
-            if (bt[i * W + j] < 0 || bt[i * W + j] >= NB) return ffi::Error::InvalidArgument("block id out of range");
-    }
+    for (int64_t i = 0; i < n; i++)  // every block a row reads lies in the cache
+        if (const char *why = BlocksOutside(bt + i * W, lens[i], W, bs, NB)) return ffi::Error::InvalidArgument(why);
     float *o = out->typed_data();
     std::fill(o + n * Hq * D, o + R * Hq * D, 0.f);
     if (n == 0) return ffi::Error::Success();
@@ -358,14 +375,10 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const int64_t a = std::clamp<int64_t>(dist[0], 0, R), b = std::clamp<int64_t>(dist[2], a, R);
     std::vector<int32_t> qs, ql, kl;
     for (int64_t r = a; r < b; r++) {  // every row it reads lies in q and every block in the cache
-        const int32_t s0 = cu[r], s1 = cu[r + 1], L = lens[r];
-        if (s0 < 0 || s1 < s0 || s1 > T) return ffi::Error::InvalidArgument("cu_q_lens outside the tokens");
-        if (L < s1 - s0 || L > W * bs) return ffi::Error::InvalidArgument("kv_len shorter than q_len or past the table");
-        for (int64_t j = 0; j < (L + bs - 1) / bs; j++)
-            if (bt[r * W + j] < 0 || bt[r * W + j] >= NB) return ffi::Error::InvalidArgument("block id out of range");
-        qs.push_back(s0);
-        ql.push_back(s1 - s0);
-        kl.push_back(L);
+        if (const char *why = RowOutside(cu, lens, bt, r, T, W, bs, NB)) return ffi::Error::InvalidArgument(why);
+        qs.push_back(cu[r]);
+        ql.push_back(cu[r + 1] - cu[r]);
+        kl.push_back(lens[r]);
     }
     const int n = (int)qs.size(), bq = prefill_attention_bq();
     const int ntasks = prefill_attention_num_tasks(n, ql.data(), (int)Hkv, bq);
@@ -444,12 +457,11 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     std::vector<int64_t> slot(T, -1), dec_tok(d0);  // each token's cache row in a layer's blocks (-1: padding)
     std::vector<int32_t> qs, ql, kl;
     for (int64_t r = 0; r < d2; r++) {
+        if (const char *why = RowOutside(cu, lens, bt, r, T, W, bs, NB))
+            return ffi::Error::InvalidArgument(std::string("layers: ") + why);
         const int32_t s0 = cu[r], s1 = cu[r + 1], len = lens[r];
-        if (s0 < 0 || s1 < s0 || s1 > T || (r > 0 && s0 < cu[r - 1]) || (r < d0 && s1 - s0 != 1))
-            return ffi::Error::InvalidArgument("layers: cu_q_lens outside the tokens (or a decode row's not one)");
-        if (len < s1 - s0 || len > W * bs) return ffi::Error::InvalidArgument("layers: kv_len shorter than q_len or past the table");
-        for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
-            if (bt[r * W + j] < 0 || bt[r * W + j] >= NB) return ffi::Error::InvalidArgument("layers: block id out of range");
+        if ((r > 0 && s0 < cu[r - 1]) || (r < d0 && s1 - s0 != 1))
+            return ffi::Error::InvalidArgument("layers: cu_q_lens out of order (or a decode row's not one token)");
         for (int32_t t = s0; t < s1; t++) {
             const int64_t pos = len - (s1 - s0) + (t - s0);
             slot[t] = (int64_t)bt[r * W + pos / bs] * bs + pos % bs;

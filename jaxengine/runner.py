@@ -156,7 +156,8 @@ class JaxModelRunner:
         self.cpu_layers = self.cpu_linears and self.cpu_decode_attention and bool(opts.get("cpu_layers", True))
         if self.cpu_linears or self.cpu_decode_attention:
             logger.info("jax CPU kernels: linears %s, decode attention %s, every layer in one call %s",
-                        *("on" if on else "off" for on in (linears, decode, self.cpu_layers)))
+                        *("on" if on else "off" for on in (self.cpu_linears, self.cpu_decode_attention,
+                                                           self.cpu_layers)))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
