@@ -349,6 +349,44 @@ def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the
         np.asarray(f(q, cache, table, lens, np.asarray([0, 20, 99], np.int32), dist, base))
 
 
+def test_layers_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
+    """The one-call layers (`cpu_kernels.layers`) check every request row of a step before it writes a cache
+    row: a block id outside the cache, a kv_len past the table or shorter than the row's tokens, tokens
+    outside x, a decode row of more than one token are errors, and a well-formed step runs."""
+    L, H, Hq, Hkv, D, I = 2, 32, 4, 2, 8, 40
+    _, cache1, table, lens, cu, dist = ragged([1, 9, 6], [5, 20, 6], Hq, Hkv, D, 4, decodes=1, seed=11)
+    rng = np.random.default_rng(12)
+    T = int(cu[-1]) + 3
+    cache = np.concatenate([cache1] * L)  # [L * NB, bs, 2 Hkv, D]: layer l's block b at row l * NB + b
+    w = lambda *shape: cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
+    qkv, o, gate_up, down = w(L, (Hq + 2 * Hkv) * D, H), w(L, H, Hq * D), w(L, 2 * I, H), w(L, H, I)
+    ang = rng.uniform(0, 3, (T, D // 2)).astype(np.float32)
+    cos, sin = cpu_kernels.rope_tables(jnp.cos(ang), jnp.sin(ang))
+    x = rng.standard_normal((T, H), np.float32)
+    none = np.zeros((0,), np.float32)
+    norms = np.ones((L, H), np.float32)
+    f = jax.jit(functools.partial(cpu_kernels.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
+
+    def run(table=table, lens=lens, cu=cu):
+        return f(x, norms, norms, qkv, o, gate_up, down, none, none, none, cos, sin, jnp.asarray(cache), table,
+                 lens, cu, dist)
+
+    out, new_cache = run()
+    assert np.isfinite(np.asarray(out)).all() and not np.array_equal(np.asarray(new_cache), cache)
+    bad = table.copy()
+    bad[1, 4] = cache1.shape[0]  # row 1's 5th block (20 tokens of 4): one past the layer's blocks
+    with pytest.raises(Exception, match="block id out of range"):
+        run(table=bad)
+    with pytest.raises(Exception, match="kv_len shorter than q_len or past the table"):
+        run(lens=np.asarray([5, 8, 6], np.int32))  # 9 new tokens, 8 in the cache
+    with pytest.raises(Exception, match="kv_len shorter than q_len or past the table"):
+        run(lens=np.asarray([5, table.shape[1] * 4 + 1, 6], np.int32))
+    with pytest.raises(Exception, match="cu_q_lens outside the tokens"):
+        run(cu=np.asarray([0, 1, 10, T + 1], np.int32))
+    with pytest.raises(Exception, match="a decode row's not one token"):
+        run(cu=np.asarray([0, 2, 10, 16], np.int32))
+
+
 def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_torch_backend():
     """Same logits and requests through jax's `sample(cpu_kernels=True)` and the torch sampler: the same seeded
     tokens (temperature, min-p, top-k, top-p) and logprobs equal to the bit; a row alone gives its bits in the
