@@ -58,19 +58,24 @@ LAYERS = "xlaserve_cpu_layers"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
-@functools.lru_cache(maxsize=None)
 def available() -> str:
     """"" once the custom calls are registered with XLA's CPU platform, else why they cannot run here."""
+    return _library()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, its custom calls registered, "") or (None, why not)."""
     why = cpu_kernels_unavailable()
     if why:
-        return why
+        return None, why
     # built against this jaxlib's FFI headers: its version is in the flags, so the library's hash
     # (enginecore.native) changes with it. No OpenMP: the work is split between XLA's threads.
     cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-DXLASERVE_JAXLIB={jaxlib.__version__}"]
     cflags = [f for f in CPU_KERNELS_FLAGS if f != "-fopenmp"] + ["-DXLASERVE_NO_OPENMP"]
     path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", cflags), (SOURCE, "c++", cxx)])
     if path is None:
-        return why
+        return None, why
     try:
         lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(PANEL_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuPanelLinear), platform="cpu")
@@ -84,9 +89,11 @@ def available() -> str:
         for name, fn in ((LOG_SOFTMAX, lib.XlaserveCpuLogSoftmax), (INVERSE_CDF, lib.XlaserveCpuInverseCdf),
                          (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds), (LAYERS, lib.XlaserveCpuLayers)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+        lib.pack_panels_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+        lib.pack_panels_f32.restype = ctypes.c_int
     except (OSError, AttributeError, ValueError) as e:
-        return f"cannot load {path}: {e}"
-    return ""
+        return None, f"cannot load {path}: {e}"
+    return lib, ""
 
 
 def pack_panels(w):
@@ -98,24 +105,49 @@ def pack_panels(w):
     return jnp.swapaxes(w.reshape(*lead, NP, PANEL, K), -1, -2)
 
 
-def onto_huge_pages(arrays: dict) -> dict:
-    """{name: float32 CPU array} -> the same arrays moved into one buffer on transparent huge pages where
-    the OS gives them (`enginecore.native.huge_page_array`; each array zero-copy over its slice, with its
-    own sharding). Each source is deleted once copied, so the extra memory is one array, not all. An array
-    jax would copy instead of aliasing keeps its copy (small pages): the same values either way."""
+def pack_onto_huge_pages(groups: dict) -> dict:
+    """{name: [(w, shape), ...]}, each w a float32 CPU array read as `shape` [..., N_i, K] (a reshape: a
+    group's leading dims and K shared) -> {name:
+    `pack_panels` of the group's rows concatenated}, every group in one buffer on transparent huge pages where
+    the OS gives them (`enginecore.native.huge_page_array`; each result zero-copy over its slice, with its
+    source's sharding). Packed on the host by the kernels' `pack_panels_f32`, a leading index at a time: as
+    jnp ops each shape was an XLA program compiled and run at load (~4 s of a start for the embedded model). Each source is deleted once packed,
+    so the extra memory is one group's weights, not the model's. A result jax would copy instead of aliasing
+    keeps its copy (small pages): the same values either way. Traced (`abstract_inputs`' eval_shape of
+    `model.pack_cpu_panels`): `pack_panels`, for the shapes."""
     from enginecore.native import describe_huge_pages, huge_page_array
 
-    if any(isinstance(a, jax.core.Tracer) for a in arrays.values()):  # traced (abstract_inputs' eval_shape)
-        return arrays
-    sizes = {k: int(np.prod(a.shape)) for k, a in arrays.items()}
-    arena, out, o = huge_page_array(sum(sizes.values()), np.float32), {}, 0
-    for k, a in arrays.items():
-        view = arena[o : o + sizes[k]].reshape(a.shape)
-        view[...] = np.asarray(a)
-        sharding = a.sharding
-        a.delete()
-        out[k] = jax.device_put(view, sharding)
-        o += sizes[k]
+    if any(isinstance(w, jax.core.Tracer) for ws in groups.values() for w, _ in ws):
+        return {k: pack_panels(jnp.concatenate([w.reshape(s) for w, s in ws], axis=-2)) for k, ws in groups.items()}
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels do not run here ({why}): nothing runs on panels")
+    shapes = {}
+    for k, ws in groups.items():
+        *lead, _, K = ws[0][1]
+        if any(tuple(s[:-2]) != tuple(lead) or s[-1] != K for _, s in ws):
+            raise ValueError(f"{k}: weights of different leading shapes or K: {[s for _, s in ws]}")
+        shapes[k] = (*lead, -(-sum(s[-2] for _, s in ws) // PANEL), K, PANEL)
+    arena, out, o = huge_page_array(sum(int(np.prod(s)) for s in shapes.values()), np.float32), {}, 0
+    for k, ws in groups.items():
+        *lead, NP, K, _ = shapes[k]
+        dst = arena[o : o + int(np.prod(shapes[k]))].reshape(shapes[k])
+        rows = np.empty((sum(s[-2] for _, s in ws), K), np.float32)  # one leading index's rows, concatenated
+        src = [np.asarray(w).reshape(s) for w, s in ws]  # views of the jax arrays' buffers
+        for i in np.ndindex(*lead):
+            r = 0
+            for a in src:
+                rows[r : r + a.shape[-2]] = a[i]
+                r += a.shape[-2]
+            out_i = dst[i]
+            if lib.pack_panels_f32(rows.ctypes.data, len(rows), K, K, out_i.ctypes.data):
+                raise ValueError(f"{k}: cannot pack rows of {K} floats")
+        del src, a, out_i
+        sharding = ws[0][0].sharding
+        for w, _ in ws:
+            w.delete()
+        out[k] = jax.device_put(dst, sharding)
+        o += dst.size
     logger.info("CPU panels in one buffer: %s", describe_huge_pages(arena))
     return out
 
@@ -237,5 +269,5 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
 
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION",
            "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention",
-           "inverse_cdf", "layers", "log_softmax", "onto_huge_pages", "pack_panels", "panel_linear", "panel_rows",
+           "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels", "panel_linear", "panel_rows",
            "prefill_attention", "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]

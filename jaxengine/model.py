@@ -17,6 +17,7 @@ rows the sampler needs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -370,26 +371,29 @@ PANEL_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_u
 
 def pack_cpu_panels(params: ModelParams) -> ModelParams:
     """The float32 params of one CPU device with every linear and the LM head packed for
-    `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout.
-    Consumes `params`: each weight is dropped from it once packed (eagerly, the extra memory is one group's
-    weights, not the model's). A tied embedding is then looked up in the LM head's panels (`embed`)."""
-    from jaxengine.cpu_kernels import onto_huge_pages, pack_panels
+    `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout, all in
+    one buffer on huge pages where the OS gives them (a step streams them all). Consumes `params`: each
+    weight is dropped from it once packed (the extra memory is one group's weights, not the model's). A tied
+    embedding is then looked up in the LM head's panels (`embed`)."""
+    from jaxengine.cpu_kernels import pack_onto_huge_pages
 
     lp = params.layers
-    packed = {}
-    for group, names in PANEL_GROUPS.items():
-        packed[group] = pack_panels(jnp.concatenate(
-            [_as_out_in(n, getattr(lp, n), stacked=True) for n in names], axis=1))
+    def as_rows(n):  # (the weight, its [L, N, K] shape: `_as_out_in`'s reshape, traced, not run)
+        w = getattr(lp, n)
+        return w, jax.eval_shape(functools.partial(_as_out_in, n, stacked=True), w).shape
+
+    groups = {group: [as_rows(n) for n in names] for group, names in PANEL_GROUPS.items()}
+    for names in PANEL_GROUPS.values():
         for n in names:
             setattr(lp, n, None)
     tied = params.lm_head is None
-    packed["head"] = pack_panels((params.embed if tied else params.lm_head)[None])
+    head = params.embed if tied else params.lm_head
+    groups["head"] = [(head, (1, *head.shape))]
     params.lm_head = None
     if tied:
         params.embed = None
-    # every group in one buffer on huge pages where the OS gives them (a step streams them all)
     return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm,
-                       panels=CpuPanels(**onto_huge_pages(packed)))
+                       panels=CpuPanels(**pack_onto_huge_pages(groups)))
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,

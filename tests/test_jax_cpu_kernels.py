@@ -432,20 +432,31 @@ def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_tor
         np.testing.assert_array_equal(bits(alone[2][0]), bits(lps[i]))
 
 
-def test_onto_huge_pages_aliases_one_aligned_buffer_and_keeps_values():
-    """`pack_cpu_panels` moves the packed weights into one huge-page buffer: the values kept, each array
-    jax's view of its slice (no copy: they sit back to back from a 2 MiB boundary), the sources freed."""
+def test_pack_onto_huge_pages_packs_each_group_into_one_aligned_buffer():
+    """`pack_cpu_panels` packs the weights on the host into one huge-page buffer: each group `pack_panels` of its
+    weights' rows concatenated (read through a reshape, as `_as_out_in` gives them; a partial last panel
+    zero-padded), each result jax's view of its slice (no copy: back to back from a 2 MiB boundary), the
+    sources freed; traced, the shapes `pack_panels` gives."""
     from enginecore.native import HUGE_PAGE
 
-    src = {"a": jnp.arange(3 * 5 * 16, dtype=jnp.float32).reshape(1, 3, 5, 16),
-           "b": -jnp.arange(2 * 7 * 16, dtype=jnp.float32).reshape(1, 2, 7, 16)}
-    want = {k: np.asarray(v).copy() for k, v in src.items()}
-    out = cpu_kernels.onto_huge_pages(dict(src))
-    for k in src:
-        assert src[k].is_deleted() and np.array_equal(np.asarray(out[k]), want[k])
+    rng = np.random.default_rng(5)
+    a1, a2 = (jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((2, 32, 7), (2, 16, 7)))
+    o = jnp.asarray(rng.standard_normal((2, 7, 3, 5), np.float32))  # [L, N, Hq, D]: read as [L, 7, 15]
+    b = jnp.asarray(rng.standard_normal((20, 9), np.float32))  # 20 rows: a partial second panel
+    want = {"a": np.asarray(cpu_kernels.pack_panels(jnp.concatenate([a1, a2], axis=1))),
+            "o": np.asarray(cpu_kernels.pack_panels(o.reshape(2, 7, 15))),
+            "b": np.asarray(cpu_kernels.pack_panels(b[None]))}
+    groups = {"a": [(a1, a1.shape), (a2, a2.shape)], "o": [(o, (2, 7, 15))], "b": [(b, (1, 20, 9))]}
+    out = cpu_kernels.pack_onto_huge_pages(groups)
+    assert want["b"].shape == (1, 2, 9, 16) and not want["b"][0, 1, :, 4:].any()
+    for k in want:
+        assert np.array_equal(np.asarray(out[k]), want[k]), k
         assert out[k].sharding == jax.devices("cpu")[0] or out[k].sharding.device_set == {jax.devices("cpu")[0]}
-    a = out["a"].unsafe_buffer_pointer()
-    assert a % HUGE_PAGE == 0 and out["b"].unsafe_buffer_pointer() == a + want["a"].nbytes
-    # traced (abstract_inputs' eval_shape of pack_cpu_panels): left alone
-    shapes = jax.eval_shape(lambda x: cpu_kernels.onto_huge_pages({"x": x * 2}), jnp.zeros((2, 16)))
-    assert shapes["x"].shape == (2, 16)
+    assert all(w.is_deleted() for w in (a1, a2, o, b))
+    p = out["a"].unsafe_buffer_pointer()
+    assert p % HUGE_PAGE == 0 and out["o"].unsafe_buffer_pointer() == p + want["a"].nbytes
+    assert out["b"].unsafe_buffer_pointer() == p + want["a"].nbytes + want["o"].nbytes
+    # traced (abstract_inputs' eval_shape of pack_cpu_panels)
+    shapes = jax.eval_shape(lambda x: cpu_kernels.pack_onto_huge_pages({"x": [(x * 2, (1, 24, 3))]}),
+                            jnp.zeros((24, 3)))
+    assert shapes["x"].shape == (1, 2, 3, 16)

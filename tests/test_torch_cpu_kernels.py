@@ -142,6 +142,24 @@ def test_pack_panels_round_trip():
     assert torch.equal(into, panels) and into.is_contiguous() and into.data_ptr() == buf[n:].data_ptr()
 
 
+def test_pack_panels_kernel_gives_the_reference_layout(lib):
+    """The C packer (what both backends pack their weights with at load) against the layout written out in torch:
+    row v at [v // 16, :, v % 16], zero rows padding the last panel; k past one 64-wide block and rows `ld`
+    floats apart."""
+    for V, K, ld in ((37, 10, 10), (203, 130, 130), (48, 576, 600), (1, 1, 1)):
+        big = randn(V, ld, seed=V)
+        w = big[:, :K]
+        P = -(-V // 16)
+        padded = torch.zeros((P * 16, K))
+        padded[:V] = w
+        want = padded.view(P, 16, K).transpose(1, 2)
+        got = torch.full((P * K * 16,), float("nan"))
+        assert lib.pack_panels_f32(w.data_ptr(), V, K, ld, got.data_ptr()) == 0
+        assert torch.equal(got.view(P, K, 16), want), (V, K, ld)
+        assert torch.equal(cpu_kernels.pack_panels(w), want)
+    assert lib.pack_panels_f32(w.data_ptr(), 4, 5, 4, got.data_ptr()) != 0  # rows closer than K floats
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 70])
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
 def test_panel_gemm(lib, M, V, K):

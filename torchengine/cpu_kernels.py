@@ -111,6 +111,7 @@ _SIGNATURES = {
     "top_n_rows": "p i i l i p p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
+    "pack_panels_f32": "p i i l p",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
 }
 
@@ -165,6 +166,13 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     (contiguous float32, `panels_size(w)` floats: a slice of `huge_page_buffer`) when given."""
     V, K = w.shape
     P = -(-V // PANEL)
+    lib_ = lib()
+    if lib_ is not None and w.dtype == torch.float32 and w.is_cpu and w.stride(1) == 1 and V > 0 and K > 0:
+        if out is None:
+            out = torch.empty(P * K * PANEL, dtype=torch.float32)
+        assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == P * K * PANEL
+        _check(lib_.pack_panels_f32(w.data_ptr(), V, K, w.stride(0), out.data_ptr()), "pack_panels_f32")
+        return out.view(P, K, PANEL)
     padded = torch.zeros((P * PANEL, K), dtype=torch.float32)
     padded[:V] = w
     panels = padded.view(P, PANEL, K).transpose(1, 2)
