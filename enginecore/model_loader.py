@@ -364,13 +364,27 @@ def _f16_column(raw: np.ndarray, at: int) -> np.ndarray:
     return raw[:, at : at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
 
 
+def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
+    """Q4_0 / Q4_1 / Q8_0 blocks (flat uint8) -> float32, flat: `enginecore.native.gguf_dequantizer`, the gguf
+    package's values; None for other types, a partial block, or where the dequantizer cannot be built."""
+    from enginecore.native import GGUF_BLOCK_BYTES, gguf_dequantizer
+
+    size = GGUF_BLOCK_BYTES.get(ggml_type)
+    if size is None or data.size % size or (fn := gguf_dequantizer()) is None:
+        return None
+    out = np.empty(data.size // size * 32, np.float32)
+    return out if fn(ggml_type, np.ascontiguousarray(data, np.uint8), out) else None
+
+
 def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
 
     reader = reader or read_gguf(path)
     for t in reader.tensors:
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = _dequantize(t.data, int(t.tensor_type))
+            if arr is None:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from None
         shape = tuple(reversed(t.shape))

@@ -25,6 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torchengine/cpu_kernels.c: the AVX2 kernels both backends link (x86-64 with AVX2, FMA and F16C)
 CPU_KERNELS_C = os.path.join(REPO, "torchengine", "cpu_kernels.c")
 CPU_KERNELS_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11"]
+# enginecore/gguf_dequant.c: GGUF's Q4_0 / Q4_1 / Q8_0 blocks to float32 at load (portable C)
+GGUF_DEQUANT_C = os.path.join(REPO, "enginecore", "gguf_dequant.c")
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the GGML types it reads (Q4_0, Q4_1, Q8_0): bytes a block of 32
 
 
 def cxx_compiler() -> str | None:
@@ -93,6 +96,33 @@ def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags:
 
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_dequantizer():
+    """gguf_dequantize(type, blocks, out) -> bool from `GGUF_DEQUANT_C` (the gguf package's values, ~10x
+    faster), or None where it cannot be built (no C compiler, an unwritable cache): then the gguf package's."""
+    import ctypes
+
+    path, _why = build_shared("gguf_dequant", [(GGUF_DEQUANT_C, "c", ["-O3", "-ffp-contract=off", "-fPIC",
+                                                                        "-std=c11"])])
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(path).gguf_dequantize
+    except OSError:  # e.g. a noexec mount
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def dequantize(ggml_type: int, blocks: np.ndarray, out: np.ndarray) -> bool:
+        """blocks: uint8, whole blocks of `ggml_type`, C-contiguous; out: float32 [32 per block], C-contiguous."""
+        n = blocks.size // GGUF_BLOCK_BYTES[ggml_type]
+        assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and out.flags.c_contiguous
+        assert out.dtype == np.float32 and out.size == 32 * n and n * GGUF_BLOCK_BYTES[ggml_type] == blocks.size
+        return fn(ggml_type, blocks.ctypes.data, n, out.ctypes.data) == 0
+
+    return dequantize
 
 
 def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
