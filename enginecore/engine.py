@@ -141,10 +141,15 @@ def _grammar_compiler(config: EngineConfig, model: ModelSource, tokenizer: Token
     return GrammarCompiler(factory, soc.disable_any_whitespace, soc.disable_additional_properties)
 
 
+def build_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
+    """Resolve the model and freeze the config: all an engine core needs to start (its tokenizer comes later)."""
+    model = resolve_model(args.model)
+    return args.create_engine_config(model_max_len=model.config.max_position_embeddings), model
+
+
 def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Tokenizer]:
     """Resolve the model and tokenizer and freeze the config (shared by every entry point)."""
-    model = resolve_model(args.model)
-    config = args.create_engine_config(model_max_len=model.config.max_position_embeddings)
+    config, model = build_engine_config(args)
     return config, model, load_engine_tokenizer(config, model)
 
 

@@ -16,6 +16,7 @@ in-flight request with `EngineDeadError` (HTTP 503) and calls `on_dead`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import multiprocessing
@@ -88,15 +89,35 @@ class RequestStream:
             self._client._abort(self.request_id)
 
 
+def load_in_thread(fn: Callable, *args) -> concurrent.futures.Future:
+    """fn(*args) on a daemon thread (a start-up interrupted meanwhile does not wait for it to finish)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=f"load-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut
+
+
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer,
+    def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer | concurrent.futures.Future,
                  observer: StatsObserver | None = None):
+        """`tokenizer` may still be loading (a Future, `load_in_thread`): `start` launches the engine core first
+        and has it by the time the engine is ready (a server's start-up: transformers' import alone took ~7 s
+        of it on 2 cores, before the engine even began loading its weights)."""
         self.config = config
         self.model = model
-        self.tokenizer = tokenizer
         self.observer = observer
-        self.input_processor = InputProcessor(config, tokenizer, max(model.config.vocab_size, 0))
-        self.output_processor = OutputProcessor(tokenizer, observer)
+        self.tokenizer: Tokenizer | None = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor: OutputProcessor | None = None
+        self._tokenizer_future = tokenizer if isinstance(tokenizer, concurrent.futures.Future) else None
+        if self._tokenizer_future is None:
+            self._set_tokenizer(tokenizer)
         self.stats = SchedulerStats()
         self.num_blocks = 0
         self.dead_reason: str | None = None
@@ -115,6 +136,11 @@ class AsyncEngineClient:
         self._ctx: zmq.asyncio.Context | None = None  # shadows _sync_ctx (inproc needs one context)
         self._in: zmq.Socket | None = None  # PUSH, API -> engine (sync: sends never block, HWM 0)
         self._out: zmq.asyncio.Socket | None = None  # PULL, engine -> API
+
+    def _set_tokenizer(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(self.config, tokenizer, max(self.model.config.vocab_size, 0))
+        self.output_processor = OutputProcessor(tokenizer, self.observer)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -156,6 +182,9 @@ class AsyncEngineClient:
             self._start_process(in_addr, out_addr)
         else:
             self._start_thread(in_addr, out_addr, core_factory)
+        if self._tokenizer_future is not None:  # while the engine core loads
+            self._set_tokenizer(await asyncio.wrap_future(self._tokenizer_future))
+            self._tokenizer_future = None
         await self._ready
 
     def _start_process(self, in_addr: str, out_addr: str) -> None:
@@ -175,7 +204,8 @@ class AsyncEngineClient:
         def factory() -> EngineCore:
             if core_factory is not None:
                 return core_factory(self.config, self.model)
-            return EngineCore(self.config, self.model, tokenizer=self.tokenizer)  # in-process: one tokenizer
+            tokenizer = self._tokenizer_future.result() if self._tokenizer_future is not None else self.tokenizer
+            return EngineCore(self.config, self.model, tokenizer=tokenizer)  # in-process: one tokenizer
 
         loop = asyncio.get_running_loop()
 
@@ -291,6 +321,8 @@ class AsyncEngineClient:
         self._in.send(wire.pack(msg), zmq.NOBLOCK)
 
     def _queues(self):
+        if self.output_processor is None:  # the tokenizer is still loading: no request yet
+            return []
         return [st.queue for st in self.output_processor.states.values() if st.queue is not None]
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
@@ -360,7 +392,7 @@ class AsyncEngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.output_processor.states)
+        return 0 if self.output_processor is None else len(self.output_processor.states)
 
     # ---- the engine's messages ----------------------------------------------------------
 

@@ -117,7 +117,7 @@ async def run_batch(ns: argparse.Namespace, core_factory=None) -> int:
         return 0
     config, model, tokenizer = build_engine_parts(engine_args_from_namespace(ns))
     names = served_model_names(config, model)
-    options = frontend_options(ns, config, model, tokenizer)
+    options = frontend_options(ns, config, model)
     client = AsyncEngineClient(config, model, tokenizer)
     await client.start(multiprocess=False, core_factory=core_factory)
     handlers = {"/v1/completions": (CompletionRequest, ServingCompletion(client, names, options)),

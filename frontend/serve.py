@@ -113,7 +113,7 @@ def _http_options(ns: argparse.Namespace):
     )
 
 
-def frontend_options(ns: argparse.Namespace, config, model, tokenizer):
+def frontend_options(ns: argparse.Namespace, config, model):
     from enginecore.config import ConfigError
     from frontend.serving_common import FrontendOptions, load_sampling_defaults, resolve_chat_template
 
@@ -215,9 +215,9 @@ async def drain(state, client, grace_s: float, forced=lambda: False) -> None:
 
 async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     from enginecore.config import ConfigError
-    from enginecore.engine import build_engine_parts, served_model_names
+    from enginecore.engine import build_engine_config, load_engine_tokenizer, served_model_names
     from frontend.api_server import ServerState, build_app
-    from frontend.engine_client import AsyncEngineClient, EngineStartupError
+    from frontend.engine_client import AsyncEngineClient, EngineStartupError, load_in_thread
     from frontend.metrics import ServerMetrics, StatsLogger
 
     if not ns.shutdown_timeout >= 0:  # (NaN too)
@@ -226,13 +226,17 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     engine_args = engine_args_from_namespace(ns)
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
-    config, model, tokenizer = build_engine_parts(engine_args)
+    config, model = build_engine_config(engine_args)
     names = served_model_names(config, model)
-    options = frontend_options(ns, config, model, tokenizer)
+    options = frontend_options(ns, config, model)
     http_opts = _http_options(ns)
     sock = bind_socket(ns.host, ns.port, ns.uds)
     metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size)
-    client = AsyncEngineClient(config, model, tokenizer, observer=metrics)
+    # the tokenizer loads while the engine core starts (client.start waits for both); what starting the core
+    # imports is imported first, so the two threads never import the same modules at once
+    import enginecore.engine_proc  # noqa: F401
+
+    client = AsyncEngineClient(config, model, load_in_thread(load_engine_tokenizer, config, model), observer=metrics)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     in_main_thread = threading.current_thread() is threading.main_thread()

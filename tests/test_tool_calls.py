@@ -506,14 +506,14 @@ def test_serve_flags():
     ns = parse()
     assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser) == (False, None, None)
     with pytest.raises(ConfigError, match="--tool-call-parser"):
-        frontend_options(parse("--enable-auto-tool-choice"), None, None, None)
+        frontend_options(parse("--enable-auto-tool-choice"), None, None)
     with pytest.raises(SystemExit):
         parse("--tool-call-parser", "nonesuch")
     # --structured-outputs-config's reasoning_parser (vLLM's other spelling) must agree and exist
     for flag, so_value, msg in (("qwen3", "deepseek_r1", "differ"), (None, "granite", "not one of")):
         config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=so_value))
         with pytest.raises(ConfigError, match=msg):
-            frontend_options(parse(*(["--reasoning-parser", flag] if flag else [])), config, None, None)
+            frontend_options(parse(*(["--reasoning-parser", flag] if flag else [])), config, None)
 
 
 def test_stop_token_is_not_in_the_text(tok):
