@@ -98,9 +98,7 @@ async def until(cond, timeout: float = 30.0) -> None:
 
 async def hold_until_queued(app: App) -> None:
     """With the runner's gate closed: wait until the first request's step is held and the other requests'
-    adds wait in the engine's socket; the step after this one then schedules them all together. (0.3 s was
-    once too short on a loaded 2-core CI machine: an add arrived after the release, and the overload test
-    counted a third rejection.)"""
+    adds wait in the engine's socket; the step after this one then schedules them all together."""
     assert await asyncio.to_thread(app.runner.in_step.wait, 10)
     await asyncio.sleep(1.0)
 
@@ -206,8 +204,12 @@ def test_overload_is_503_with_retry_after_counted_and_drains(engine_parts):
         runner: ControlledRunner = app.runner
         runner.gate.clear()
         runner.in_step.clear()
-        long = [asyncio.create_task(app.http.post("/v1/completions", json=completion(i, max_tokens=200)))
-                for i in range(4)]  # --max-num-seqs 4: the batch is full
+        # --max-num-seqs 4: the batch is full. The first alone until its step is held: sent together, all four
+        # adds could reach the engine before its first step, and the fourth found 3 waiting (a rejection)
+        long = [asyncio.create_task(app.http.post("/v1/completions", json=completion(0, max_tokens=200)))]
+        assert await asyncio.to_thread(runner.in_step.wait, 10)
+        long += [asyncio.create_task(app.http.post("/v1/completions", json=completion(i, max_tokens=200)))
+                 for i in range(1, 4)]
         await hold_until_queued(app)
         runner.in_step.clear()
         runner.gate.set()  # release that step only: the next one schedules all four, and is held
