@@ -5,6 +5,8 @@
   request served alone; a request that can never fit is a 400 at admission.
 - SIGTERM with tensor-parallel ranks: new requests get 503 while the streams in flight run to their end,
   then the server exits 0 and nothing is left: engine process, ranks, zmq ipc sockets, the port.
+- A tokenizer that fails to load while the engine core starts (the two load side by side): the server says
+  why and exits 2 (as for any model error), and the engine core process it had spawned is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -153,5 +156,25 @@ def test_sigterm_drains_then_exits_0_leaving_nothing(tmp_path, tiny_llama):
         log = srv.log_tail(20000)
         assert "waiting up to 60s for 2 request(s) in flight" in log and "server stopped" in log
         http.close()
+    finally:
+        srv.stop()
+
+
+def test_a_tokenizer_that_fails_beside_the_starting_engine_ends_the_start_cleanly(tmp_path, tiny_llama):
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    srv = ServerProcess([tiny_llama, "--backend", "torch", "--platform", "cpu", "--tokenizer", str(empty),
+                         "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-stats"], str(tmp_path / "server.log"))
+    try:
+        assert srv.proc.wait(300) == 2  # as any model or config error
+        log = srv.log_tail(20000)
+        assert "cannot load the tokenizer" in log, log
+        started = re.search(r"engine core process started \(pid (\d+)\)", log)
+        assert started, log  # the engine core was already starting when the tokenizer failed
+        pid = int(started.group(1))
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"engine core {pid} outlived the server"
+            time.sleep(0.1)
     finally:
         srv.stop()
