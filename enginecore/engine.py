@@ -8,8 +8,11 @@ is used by the offline `LLM` API and by the server with
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
+from typing import Callable
 
 from enginecore.config import EngineArgs, EngineConfig
 from enginecore.faults import FaultInjector
@@ -45,7 +48,8 @@ class EngineCore:
     (see `Scheduler.update_from_output`).
     """
 
-    def __init__(self, config: EngineConfig, model: ModelSource, runner=None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, model: ModelSource, runner=None,
+                 tokenizer: Tokenizer | concurrent.futures.Future | None = None):
         self.config = config
         self.model = model
         t0 = time.perf_counter()
@@ -127,18 +131,36 @@ class EngineCore:
         self.runner.shutdown()
 
 
-def _grammar_compiler(config: EngineConfig, model: ModelSource, tokenizer: Tokenizer | None,
-                      vocab_size: int | None) -> GrammarCompiler:
+def _grammar_compiler(config: EngineConfig, model: ModelSource,
+                      tokenizer: Tokenizer | concurrent.futures.Future | None, vocab_size: int | None) -> GrammarCompiler:
     """The structured-output grammar compiler; its llguidance tokenizer is built on first use (the engine
-    process loads the tokenizer then; in-process engines share the frontend's)."""
+    process loads the tokenizer then; in-process engines share the frontend's, which may still be loading)."""
     soc = config.structured_outputs_config
     V = vocab_size or max(model.config.vocab_size, 0)
 
     def factory():
-        tok = tokenizer or load_engine_tokenizer(config, model)
+        if isinstance(tokenizer, concurrent.futures.Future):
+            tok = tokenizer.result()
+        else:
+            tok = tokenizer or load_engine_tokenizer(config, model)
         return build_ll_tokenizer(tok.hf, V, tok.eos_token_ids)
 
     return GrammarCompiler(factory, soc.disable_any_whitespace, soc.disable_additional_properties)
+
+
+def load_in_thread(fn: Callable, *args) -> concurrent.futures.Future:
+    """fn(*args) on a daemon thread (a start-up that fails or is interrupted meanwhile does not wait for it):
+    the tokenizer loads so while the engine loads its weights (transformers' import alone is ~7 s on 2 cores)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=f"load-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut
 
 
 def build_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
@@ -179,8 +201,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        config, model, tokenizer = build_engine_parts(args)
-        return cls(config, model, tokenizer)
+        config, model = build_engine_config(args)
+        tokenizer = load_in_thread(load_engine_tokenizer, config, model)  # beside the engine's load
+        core = EngineCore(config, model, tokenizer=tokenizer)
+        return cls(config, model, tokenizer.result(), core=core)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> list[str]:
         """Validate and submit; returns the engine ids of its children. Raises as the server's client does."""

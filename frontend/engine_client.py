@@ -89,20 +89,6 @@ class RequestStream:
             self._client._abort(self.request_id)
 
 
-def load_in_thread(fn: Callable, *args) -> concurrent.futures.Future:
-    """fn(*args) on a daemon thread (a start-up interrupted meanwhile does not wait for it to finish)."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits it
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name=f"load-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-    return fut
-
-
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, model: ModelSource, tokenizer: Tokenizer | concurrent.futures.Future,
                  observer: StatsObserver | None = None):
@@ -204,8 +190,8 @@ class AsyncEngineClient:
         def factory() -> EngineCore:
             if core_factory is not None:
                 return core_factory(self.config, self.model)
-            tokenizer = self._tokenizer_future.result() if self._tokenizer_future is not None else self.tokenizer
-            return EngineCore(self.config, self.model, tokenizer=tokenizer)  # in-process: one tokenizer
+            # in-process: one tokenizer (still loading, maybe: the grammar compiler waits for it on first use)
+            return EngineCore(self.config, self.model, tokenizer=self._tokenizer_future or self.tokenizer)
 
         loop = asyncio.get_running_loop()
 

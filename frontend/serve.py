@@ -215,9 +215,9 @@ async def drain(state, client, grace_s: float, forced=lambda: False) -> None:
 
 async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     from enginecore.config import ConfigError
-    from enginecore.engine import build_engine_config, load_engine_tokenizer, served_model_names
+    from enginecore.engine import build_engine_config, load_engine_tokenizer, load_in_thread, served_model_names
     from frontend.api_server import ServerState, build_app
-    from frontend.engine_client import AsyncEngineClient, EngineStartupError, load_in_thread
+    from frontend.engine_client import AsyncEngineClient, EngineStartupError
     from frontend.metrics import ServerMetrics, StatsLogger
 
     if not ns.shutdown_timeout >= 0:  # (NaN too)
