@@ -342,9 +342,11 @@ def build_model(arch: ArchConfig, max_positions: int, device: torch.device, dtyp
 
 
 def to_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A tensor of `arr`'s values: sharing a writable contiguous array's memory (a dequantized GGUF tensor), else
+    a contiguous copy (a memory-mapped file, which torch must not alias; a strided view)."""
     if arr.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it directly
         return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(arr, copy=True))
+    return torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, copy=True))
 
 
 # Where each logical parameter (enginecore.arch.WEIGHTS) lives in this model.
