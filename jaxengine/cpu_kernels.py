@@ -106,15 +106,15 @@ def pack_panels(w):
 
 
 def pack_onto_huge_pages(groups: dict) -> dict:
-    """{name: [(w, shape), ...]}, each w a float32 CPU array read as `shape` [..., N_i, K] (a reshape: a
-    group's leading dims and K shared) -> {name:
-    `pack_panels` of the group's rows concatenated}, every group in one buffer on transparent huge pages where
-    the OS gives them (`enginecore.native.huge_page_array`; each result zero-copy over its slice, with its
-    source's sharding). Packed on the host by the kernels' `pack_panels_f32`, a leading index at a time: as
-    jnp ops each shape was an XLA program compiled and run at load (~4 s of a start for the embedded model). Each source is deleted once packed,
-    so the extra memory is one group's weights, not the model's. A result jax would copy instead of aliasing
-    keeps its copy (small pages): the same values either way. Traced (`abstract_inputs`' eval_shape of
-    `model.pack_cpu_panels`): `pack_panels`, for the shapes."""
+    """{name: [(w, shape), ...]}, each w a float32 CPU array read as `shape` [..., N_i, K] (a reshape: a group's
+    leading dims and K shared) -> {name: `pack_panels` of the group's rows concatenated}, every group in one
+    buffer on transparent huge pages where the OS gives them (`enginecore.native.huge_page_array`; each result
+    zero-copy over its slice, with its source's sharding). Packed on the host by the kernels'
+    `pack_panels_f32`, a leading index at a time: as jnp ops each shape was an XLA program compiled and run at
+    load (~4 s of a start for the embedded model). Each source is deleted once packed, so the extra memory is
+    one group's weights, not the model's. A result jax would copy instead of aliasing keeps its copy (small
+    pages): the same values either way. Traced (`abstract_inputs`' eval_shape of `model.pack_cpu_panels`):
+    `pack_panels`, for the shapes."""
     from enginecore.native import describe_huge_pages, huge_page_array
 
     if any(isinstance(w, jax.core.Tracer) for ws in groups.values() for w, _ in ws):
