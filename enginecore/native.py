@@ -100,7 +100,7 @@ HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 
 @functools.lru_cache(maxsize=None)
 def gguf_dequantizer():
-    """gguf_dequantize(type, blocks, out) -> bool from `GGUF_DEQUANT_C` (the gguf package's values, ~10x
+    """gguf_dequantize(type, blocks, out) -> bool from `GGUF_DEQUANT_C` (the gguf package's values, ~4x
     faster), or None where it cannot be built (no C compiler, an unwritable cache): then the gguf package's."""
     import ctypes
 

@@ -378,6 +378,7 @@ def pack_cpu_panels(params: ModelParams) -> ModelParams:
     from jaxengine.cpu_kernels import pack_onto_huge_pages
 
     lp = params.layers
+
     def as_rows(n):  # (the weight, its [L, N, K] shape: `_as_out_in`'s reshape, traced, not run)
         w = getattr(lp, n)
         return w, jax.eval_shape(functools.partial(_as_out_in, n, stacked=True), w).shape
