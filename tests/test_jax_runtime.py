@@ -148,6 +148,45 @@ def test_tensor_parallel_greedy_tokens_identical(tiny, reference_tokens, tp):
     assert generate(llm) == reference_tokens
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_params_on_host_and_on_devices(tiny, dtype, caplog):
+    # one CPU device: stacked params filled in numpy, placed once; two devices: zeros + a donated update-slice
+    # a layer, on the devices. The same arrays either way, the checkpoint's values cast to the dtype; a
+    # layer missing from the checkpoint is named either way.
+    import logging
+    from dataclasses import replace
+
+    from enginecore.arch import ModelLoadError
+    from enginecore.model_loader import resolve_model
+    from jaxengine.loader import load_params
+    from jaxengine.model import abstract_params
+    from jaxengine.sharding import ShardingRules, make_mesh, param_shardings
+
+    src = resolve_model(tiny)
+    arch = src.config
+    hf = dict(src.iter_weights())
+    loaded, compiles = [], []
+    for n in (1, 2):
+        mesh = make_mesh(n, 1, jax.devices()[:n])
+        shardings = param_shardings(abstract_params(arch, dtype), ShardingRules.for_model(arch, mesh), mesh)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+            params = load_params(src, arch, dtype, shardings)
+        compiles.append([r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()])
+        assert len(params.layers.gate_proj.sharding.device_set) == n
+        loaded.append(params)
+        missing = replace(src)
+        missing.iter_weights = lambda: ((k, v) for k, v in hf.items() if k != "model.layers.1.mlp.up_proj.weight")
+        with pytest.raises(ModelLoadError, match=r"up_proj of layer\(s\) \[1\]"):
+            load_params(missing, arch, dtype, shardings)
+    assert compiles[0] == [] and compiles[1] != []  # the host path compiles nothing
+    for a, b in zip(jax.tree.leaves(loaded[0]), jax.tree.leaves(loaded[1])):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = np.asarray(hf["model.layers.1.mlp.gate_proj.weight"]).astype(loaded[0].layers.gate_proj.dtype)
+    np.testing.assert_array_equal(np.asarray(loaded[0].layers.gate_proj[1]).reshape(want.shape), want)
+
+
 def test_orbax_round_trip(tiny, reference_tokens, tmp_path):
     from enginecore.model_loader import resolve_model
     from jaxengine.checkpoint import convert_to_orbax, is_orbax_checkpoint
