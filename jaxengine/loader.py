@@ -126,11 +126,11 @@ def load_params(
         raise ModelLoadError(
             f"{source.path}: missing weights for {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
         )
+    stacked = None
     while on_host:  # placed without a copy (`_host_array`): the device array holds the host one
         (_, field), host = on_host.popitem()
         path = ("layers", 0, field)
         _set(out, path, jax.device_put(host, _get(shardings, path)))
-        del host
     if log:
         log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
     return out

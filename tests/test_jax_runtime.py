@@ -174,6 +174,8 @@ def test_load_params_on_host_and_on_devices(tiny, dtype, caplog):
             params = load_params(src, arch, dtype, shardings)
         compiles.append([r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()])
         assert len(params.layers.gate_proj.sharding.device_set) == n
+        if n == 1:  # the host arrays themselves, not copies (`_host_array`: 2 MiB-aligned)
+            assert params.layers.gate_proj.unsafe_buffer_pointer() % 2**21 == 0
         loaded.append(params)
         missing = replace(src)
         missing.iter_weights = lambda: ((k, v) for k, v in hf.items() if k != "model.layers.1.mlp.up_proj.weight")
