@@ -78,7 +78,6 @@ def load_params(
     abstract = abstract_params(arch, dtype)
     out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
-    on_host: dict[tuple, np.ndarray] = {}  # stacked params filled on the host (one CPU device), by path
     for name, arr in source.iter_weights():
         path = param_path(name)
         if path is None:
@@ -102,13 +101,12 @@ def load_params(
         key = ("layers", path[2])
         stacked = _get(out, path)
         _check_size(name, arr, spec.shape[1:], spec)
-        if isinstance(stacked, ParamSpec) and _host_memory(sharding):
-            stacked = on_host[key] = _host_array(spec.shape, spec.dtype)
+        if isinstance(stacked, ParamSpec):  # on one CPU device a host array, placed once complete (below)
+            stacked = (_host_array(spec.shape, spec.dtype) if _host_memory(sharding) else
+                       jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)())
         if isinstance(stacked, np.ndarray):
             stacked[layer] = np.asarray(arr).reshape(spec.shape[1:])  # cast to the param's dtype by numpy
         else:
-            if isinstance(stacked, ParamSpec):
-                stacked = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()
             x = _put(arr, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
             stacked = _set_layer(stacked, x, jnp.int32(layer))
         _set(out, path, stacked)
@@ -126,11 +124,10 @@ def load_params(
         raise ModelLoadError(
             f"{source.path}: missing weights for {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
         )
-    stacked = None
-    while on_host:  # placed without a copy (`_host_array`): the device array holds the host one
-        (_, field), host = on_host.popitem()
-        path = ("layers", 0, field)
-        _set(out, path, jax.device_put(host, _get(shardings, path)))
+    for field, host in vars(out.layers).items():  # placed without a copy (`_host_array`)
+        if isinstance(host, np.ndarray):
+            path = ("layers", 0, field)
+            _set(out, path, jax.device_put(host, _get(shardings, path)))
     if log:
         log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
     return out
