@@ -49,6 +49,11 @@ class SamplingBatch:
         """Some row needs the [Rp, V] bias / penalty inputs."""
         return self.bias is not None or self.output_counts is not None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: no token masks, penalties, biases or logprobs."""
+        return self.all_greedy and self.num_logprobs < 0 and not self.masked and not self.processed
+
 
 def _pad(a: np.ndarray, n: int, fill, dtype) -> np.ndarray:
     out = np.full(n, fill, dtype)

@@ -165,7 +165,8 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
 def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, prompts, one_call_vs_python_layers):
     """Decode steps run every layer in one C call (cpu_kernels.DecodeLayers) where the model is on the float32
     kernels' path: the same tokens and the same logprobs, to the bit, as the Python layers (a bias on q/k/v:
-    qwen2; q/k norms are not in the C path: qwen3 runs the Python layers both times)."""
+    qwen2; q/k norms are not in the C path: qwen3 runs the Python layers both times), whether the rows are
+    plain greedy, want logprobs or draw with a penalty."""
     from torchengine import cpu_kernels
 
     if cpu_kernels.lib() is None:
@@ -176,9 +177,14 @@ def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, promp
             for i, layer in enumerate(llm.llm_engine.core.runner.model.layers):
                 b = layer.attn.qkv_proj.bias
                 b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i)))
+    reqs = [{"prompt_token_ids": p} for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    ran = one_call_vs_python_layers(llm, [{"prompt_token_ids": p} for p in prompts], sp)
+    ran = one_call_vs_python_layers(llm, reqs, sp)
     assert ran == (arch != "qwen3")
+    # plain greedy (the LM head's argmax without logits), and seeded draws with a penalty (the sampler's tensors)
+    for sp in (SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+               SamplingParams(temperature=0.9, seed=3, presence_penalty=0.5, max_tokens=12, ignore_eos=True)):
+        assert one_call_vs_python_layers(llm, reqs, sp) == ran
     if ran:  # a position past the RoPE tables is refused, not read
         runner = llm.llm_engine.core.runner
         layers = runner._decode_layers()

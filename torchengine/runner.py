@@ -43,7 +43,7 @@ from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from torchengine import cpu_kernels
 from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
 from torchengine.model import build_model, load_weights
-from torchengine.sampler import SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
+from torchengine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -328,42 +328,18 @@ class TorchModelRunner:
     @torch.inference_mode()
     def _run(self, batch: StepBatch) -> PendingStep:
         T, R = batch.num_tokens, batch.num_reqs
-        put = self.to_device
-        input_ids = put("input_ids", batch.input_ids, torch.int64)  # [Tp]
-        if (batch.input_from_row >= 0).any():  # tokens the previous step sampled, still only on the device
-            src = put("input_from_row", batch.input_from_row, torch.int64)
-            input_ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], input_ids)
-        positions = put("positions", batch.positions, torch.int64)  # [Tp]
-        logits_indices = put("logits_indices", batch.logits_indices, torch.int64)  # [Rp]
-        meta = AttentionMetadata(
-            slot_mapping=put("slot_mapping", self._slot_mapping(batch), torch.int64),
-            cu_q_lens=put("cu_q_lens", batch.cu_q_lens),
-            kv_lens=put("kv_lens", batch.kv_lens),
-            block_tables=put("block_tables", batch.block_tables[:, : batch.num_block_cols]),
-            num_reqs=R,
-            num_tokens=T,
-        )
         hidden = None
-        st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
-        if self.cuda_graphs is not None and not batch.prompt_logprobs and self.cuda_graphs.can_replay(batch):
-            out = sample(self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R], st)
-        elif T == R and not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
-            # every token its request's only query: all layers in one C call (the same kernels as the model's)
-            hidden = layers(self.model.embed(input_ids[:T]), positions[:T], meta.slot_mapping[:T], batch.kv_lens,
-                            batch.block_tables)
-            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
-                                   self.model.greedy_tokens)
+        if T == R and not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
+            out = self._decode_on_cpu(batch, layers)
         else:
-            # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
-            meta.slot_mapping = meta.slot_mapping[:T]
-            meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
-            attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
-            hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
-            out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
-                                   self.model.greedy_tokens)
+            out, hidden = self._forward(batch)
         rows = batch.sample_rows[:R]
-        if (rows >= 0).any():  # the tokens the next step may read before this one's results reach the host
-            r = put("sample_rows", np.where(rows >= 0, rows, self.last_tokens.shape[0] - 1), torch.int64)
+        if self.device.type == "cpu":  # the tokens the next step may read before this step's results are read
+            on = rows >= 0
+            if on.any():
+                self.last_tokens.numpy()[rows[on]] = out.sampled.numpy()[:R][on]
+        elif (rows >= 0).any():
+            r = self.to_device("sample_rows", np.where(rows >= 0, rows, self.last_tokens.shape[0] - 1), torch.int64)
             self.last_tokens.index_copy_(0, r, out.sampled)
         results = {"sampled": out.sampled}
         if out.topk_ids is not None:
@@ -379,6 +355,55 @@ class TorchModelRunner:
         return PendingStep(self._finish, batch, host=host, event=event,
                            hidden=hidden if batch.prompt_logprobs else None)
 
+    def _decode_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput:
+        """A step whose every token is its request's only query, on the CPU kernels: all layers in one C call
+        (the same kernels as the model's) and, for plain greedy rows, the LM head's argmax without logits. Its
+        inputs stay numpy until the C calls (a torch op costs several numpy ones; at batch 1 the step is mostly
+        such glue); no attention metadata, no sampling tensors unless a row needs them."""
+        T = batch.num_tokens
+        ids = batch.input_ids[:T]
+        src = batch.input_from_row[:T]
+        if (src >= 0).any():  # tokens the previous step sampled (already in last_tokens on a CPU)
+            ids = np.where(src >= 0, self.last_tokens.numpy()[src], ids)
+        positions = batch.positions[:T].astype(np.int64)
+        slots = self._slot_mapping(batch)[:T]
+        hidden = layers(self.model.embed(torch.from_numpy(ids.astype(np.int64))), torch.from_numpy(positions),
+                        torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
+        if batch.sampling.plain_greedy and (tokens := self.model.greedy_tokens(hidden)) is not None:
+            return SamplerOutput(sampled=tokens)
+        st = SamplingTensors.from_batch(batch.sampling, self.device, None, T)
+        return sample_in_chunks(self.model.compute_logits, hidden, st, self.logits_chunk_rows)
+
+    def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
+        """Any step: (the sampler's output, the hidden states: None from a CUDA graph)."""
+        T, R = batch.num_tokens, batch.num_reqs
+        put = self.to_device
+        input_ids = put("input_ids", batch.input_ids, torch.int64)  # [Tp]
+        if (batch.input_from_row >= 0).any():  # tokens the previous step sampled, still only on the device
+            src = put("input_from_row", batch.input_from_row, torch.int64)
+            input_ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], input_ids)
+        positions = put("positions", batch.positions, torch.int64)  # [Tp]
+        logits_indices = put("logits_indices", batch.logits_indices, torch.int64)  # [Rp]
+        meta = AttentionMetadata(
+            slot_mapping=put("slot_mapping", self._slot_mapping(batch), torch.int64),
+            cu_q_lens=put("cu_q_lens", batch.cu_q_lens),
+            kv_lens=put("kv_lens", batch.kv_lens),
+            block_tables=put("block_tables", batch.block_tables[:, : batch.num_block_cols]),
+            num_reqs=R,
+            num_tokens=T,
+        )
+        st = SamplingTensors.from_batch(batch.sampling, self.device, lambda name, a: put("sampling." + name, a), R)
+        if self.cuda_graphs is not None and not batch.prompt_logprobs and self.cuda_graphs.can_replay(batch):
+            return sample(self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R], st), None
+        # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
+        meta.slot_mapping = meta.slot_mapping[:T]
+        meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
+        attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
+        hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
+        out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
+                               self.model.greedy_tokens)
+        return out, hidden
+
     def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
         """The one-call decode layers for these caches (None off the float32 CPU kernels' path)."""
         if self.device.type != "cpu":
@@ -393,7 +418,7 @@ class TorchModelRunner:
         """[Tp] cache slot of every token (block * block_size + offset); -1 for padding (writes nothing)."""
         T, R, bs = batch.num_tokens, batch.num_reqs, self.block_size
         cu = batch.cu_q_lens
-        tok_req = np.repeat(np.arange(R), np.diff(cu[: R + 1]))
+        tok_req = np.arange(R) if T == R else np.repeat(np.arange(R), np.diff(cu[: R + 1]))
         pos = batch.positions[:T]
         slot = np.full(batch.padded_num_tokens, -1, np.int64)
         slot[:T] = batch.block_tables[tok_req, pos // bs].astype(np.int64) * bs + pos % bs
