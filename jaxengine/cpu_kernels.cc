@@ -7,6 +7,8 @@
 //   reading them (about 40% of a batch-1 step of the embedded model). This reads W_l where it lies, with the
 //   torch backend's panel_gemm: every output one FMA chain over k in order, so a row's result depends neither
 //   on the other rows nor on the split, and equals the torch backend's bit for bit.
+// - XlaserveCpuPanelArgmax: each row's argmax of PanelLinear's product, without writing it (greedy sampling;
+//   the torch backend's greedy_tokens).
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
 // - XlaserveCpuRmsNorm, XlaserveCpuSiluMul, XlaserveCpuRope: RMSNorm of each row (XLA's reduction order
@@ -42,6 +44,9 @@ namespace ffi = xla::ffi;
 
 extern "C" {
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt);
+int head_best_bytes(void);
+void head_best_init(void *b, size_t n);
+int32_t head_best_argmax(const void *b, int n, size_t stride);
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
                      int hi);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
@@ -224,6 +229,39 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / slices), [=](int64_t a, int64_t b) {
         panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, unit, (int)a, (int)b);
     });
+    return ffi::Error::Success();
+}
+
+// out [T] = the first index of each row's maximum of x [T, K] . W_l^T over W's first n rows (NaN counting as
+// the largest: torch.argmax's), W packed as PanelLinear's: greedy sampling without writing and re-reading the
+// [T, n] logits, PanelLinear's products folded into a running maximum per row and slice, the slices merged
+// (a merge whose result does not depend on their order). The torch backend's greedy_tokens, the same tokens.
+ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int32_t n) {
+    const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+    if (xd.size() != 2 || wd.size() != 4 || od.size() != 1)
+        return ffi::Error::InvalidArgument("x [T, K], w [L, NP, K, 16] and out [T] expected");
+    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], N = n;
+    if (wd[2] != K || wd[3] != 16 || K == 0 || od[0] != T || N <= 0 || N > NP * 16 || N <= (NP - 1) * 16)
+        return ffi::Error::InvalidArgument("x, w, out and n disagree (K, the panels, or n)");
+    const int32_t l = layer.typed_data()[0];
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+    if (T == 0) return ffi::Error::Success();
+    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * NP * K * 16;
+    int unit = 4, nt = 1;
+    const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
+                                          &unit, &nt);
+    const int64_t per = std::max<int64_t>(1, parts / ((int64_t)nt * 4)), slices = (parts + per - 1) / per;
+    const size_t bytes = (size_t)head_best_bytes();
+    std::vector<char> best(bytes * (size_t)T * slices);  // slice s's T maxima at s * T
+    char *bp = best.data();
+    head_best_init(bp, (size_t)T * slices);
+    parallel_for(pool, parts, nt, per, [=](int64_t a, int64_t b) {
+        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, nullptr, bp + bytes * (size_t)T * (a / per), unit, (int)a,
+                        (int)b);
+    });
+    int32_t *op = out->typed_data();
+    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, (size_t)T);
     return ffi::Error::Success();
 }
 
@@ -659,6 +697,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelLinear, PanelLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelArgmax, PanelArgmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRmsNorm, RmsNorm,
                               ffi::Ffi::Bind()

@@ -7,6 +7,8 @@
   every step copied all the weights before reading them. The product is the torch backend's `panel_gemm`
   (the same machine code, the same weights layout): a row's result does not depend on the other rows, and
   is the torch backend's bit for bit.
+- `panel_argmax(x, panels, l, n)`: each row's argmax of that product without writing it: greedy sampling's LM
+  head (the torch backend's `greedy_tokens`: the same tokens).
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
@@ -46,6 +48,7 @@ logger = logging.getLogger("xlaserve.jaxengine")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 PANEL_LINEAR = "xlaserve_cpu_panel_linear"
+PANEL_ARGMAX = "xlaserve_cpu_panel_argmax"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
 RMS_NORM = "xlaserve_cpu_rms_norm"
@@ -79,6 +82,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     try:
         lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(PANEL_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuPanelLinear), platform="cpu")
+        jax.ffi.register_ffi_target(PANEL_ARGMAX, jax.ffi.pycapsule(lib.XlaserveCpuPanelArgmax), platform="cpu")
         jax.ffi.register_ffi_target(DECODE_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(PREFILL_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuPrefillAttention),
@@ -162,6 +166,14 @@ def panel_linear(x, panels, layer, n: int):
     int32 scalar -> [T, n] float32 = x . W_layer^T."""
     call = jax.ffi.ffi_call(PANEL_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def panel_argmax(x, panels, layer, n: int):
+    """`panel_linear(x, panels, layer, n)`'s argmax per row -> [T] int32 (the first index of the maximum, NaN
+    counting as the largest: jnp.argmax's), without writing the [T, n] products: greedy sampling's LM head,
+    the torch backend's `greedy_tokens`."""
+    call = jax.ffi.ffi_call(PANEL_ARGMAX, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()), n=np.int32(n))
 
 
 def rms_norm(x, w, eps: float):
@@ -267,7 +279,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
                 window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads))
 
 
-__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_LINEAR", "PREFILL_ATTENTION",
-           "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available", "decode_attention",
-           "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels", "panel_linear", "panel_rows",
-           "prefill_attention", "rms_norm", "rope", "rope_tables", "silu_mul", "top_p_thresholds"]
+__all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_ARGMAX", "PANEL_LINEAR",
+           "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available",
+           "decode_attention", "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels",
+           "panel_argmax", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope", "rope_tables",
+           "silu_mul", "top_p_thresholds"]

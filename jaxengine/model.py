@@ -347,6 +347,18 @@ def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_
     return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
 
 
+def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig):
+    """hidden [N, H] -> [N] int32, `compute_logits(...).argmax(-1)` without writing the logits, on the CPU
+    panels (`cpu_kernels.panel_argmax`); None without them (then take the logits' argmax)."""
+    if params.panels is None:
+        return None
+    from jaxengine.cpu_kernels import panel_argmax
+    from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
+
+    return panel_argmax(cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), params.panels.head, 0,
+                        arch.vocab_size)
+
+
 def embed(params: ModelParams, ids):
     """The embeddings of token ids [T] -> [T, H] (from the LM head's panels when the embedding is tied and
     packed)."""

@@ -32,8 +32,8 @@ from enginecore.arch import ArchConfig
 from enginecore.sampling_batch import SamplingBatch
 from enginecore.step_batch import StepBatch
 from enginecore.structured_outputs import bitmask_width
-from jaxengine.model import RaggedMetadata, compute_logits, forward
-from jaxengine.sampler import log_softmax, sample
+from jaxengine.model import RaggedMetadata, compute_logits, forward, greedy_tokens
+from jaxengine.sampler import log_softmax, no_logprobs, sample
 
 
 class ProgramKey(NamedTuple):
@@ -199,6 +199,8 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)
 
     def head(hidden, per_row, extra):
+        if mode == "greedy" and (tokens := greedy_tokens(params, hidden, arch)) is not None:
+            return tokens, no_logprobs(hidden.shape[0], num_logprobs)  # the LM head's argmax, no logits
         logits = compute_logits(params, hidden, arch, weights_first_rows)
         processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
         return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,

@@ -272,6 +272,12 @@ def sampler_mode(all_greedy: bool, wants_logprobs: bool, processed: bool, masked
     return "greedy" if all_greedy else "sample"
 
 
+def no_logprobs(R: int, N: int):
+    """`sample`'s logprob outputs for R rows when no row asked for them: zeros."""
+    return (jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.float32),
+            jnp.zeros((R,), jnp.int32))
+
+
 def sample(
     logits,  # [R, V] f32 raw logits of the token being generated
     temperature,  # [R] f32
@@ -305,11 +311,9 @@ def sample(
     if mode not in SAMPLER_MODES:
         raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
-    R, N = logits.shape[0], num_logprobs
-    no_logprobs = (jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.float32),
-                   jnp.zeros((R,), jnp.int32))
+    no_lps = no_logprobs(logits.shape[0], num_logprobs)
     if mode == "greedy":
-        return argmax_rows(logits), no_logprobs
+        return argmax_rows(logits), no_lps
     x = logits if token_bitmask is None else apply_token_bitmask(logits, token_bitmask)
     x = x if processed is None else apply_bias_and_penalties(x, *processed)
 
@@ -327,8 +331,8 @@ def sample(
         return jnp.where(greedy, argmax_rows(x), drawn)
 
     if mode == "sample":
-        return draw(x), no_logprobs
+        return draw(x), no_lps
     sampled = lax.cond(all_greedy, argmax_rows, draw, x)
-    lps = lax.cond(want_logprobs, lambda ops: raw_logprobs(*ops, N, cpu_kernels), lambda _: no_logprobs,
+    lps = lax.cond(want_logprobs, lambda ops: raw_logprobs(*ops, num_logprobs, cpu_kernels), lambda _: no_lps,
                    (logits, sampled))
     return sampled, lps

@@ -2,7 +2,7 @@
 
 Linears: the panels are the torch backend's layout; against a float64 product for every layer of a stacked
 weight; a row's bits the same alone as in any batch and the same as the torch backend's `panel_gemm` on the
-same data (one kernel for both backends); a bad layer index or output width is an error, not a read past
+same data (one kernel for both backends); the argmax variant the product's first maximum (ties, NaN); a bad layer index or output width is an error, not a read past
 the weights; inside a scan it reads each layer's weights without the dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
 fewer decode rows than rows), a row the same alone as among others, and a block id or length that would
 read outside the cache refused. RMSNorm: the torch backend's bits, a row's the same in any batch (XLA's is
@@ -83,6 +83,36 @@ def test_bits_equal_the_torch_backends_panel_gemm(T):
     x, w = data(3, 333, 200, T, seed=2)
     y = torch_kernels.panel_gemm(lib, torch.from_numpy(x), torch_kernels.pack_panels(torch.from_numpy(w[2])), 333)
     assert np.array_equal(np.asarray(jax.jit(linear)(x, w, jnp.int32(2))), y.numpy())
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T):
+    """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the slices
+    XLA's threads take, NaN counting as the largest), the torch backend's panel_gemm greedy tokens."""
+    import torch
+
+    from torchengine import cpu_kernels as torch_kernels
+
+    x, w = data(2, 5003, 64, T, seed=3)
+    w[1, 4100] = w[1, 37]  # the same row twice, far apart: the same product bits, a tie the lower index wins
+    x[0] = 4 * w[1, 37]  # row 0's maximum is that pair
+    panels = cpu_kernels.pack_panels(w)
+    argmax = jax.jit(functools.partial(cpu_kernels.panel_argmax, n=5003))
+    for layer in (0, 1):
+        logits = np.asarray(jax.jit(linear)(x, w, jnp.int32(layer)))
+        got = np.asarray(argmax(x, panels, jnp.int32(layer)))
+        assert got.dtype == np.int32 and np.array_equal(got, logits.argmax(-1)), layer
+    assert got[0] == 37
+    lib, why = torch_kernels.load()
+    if lib is not None:
+        tp = torch_kernels.pack_panels(torch.from_numpy(w[1]))
+        assert np.array_equal(got, torch_kernels.panel_gemm(lib, torch.from_numpy(x), tp, 5003, greedy=True).numpy())
+    w[0, 2999, 5] = np.nan  # every row's product there is NaN: the first NaN wins, as in jnp.argmax
+    w[0, 4500, 7] = np.nan
+    got = np.asarray(argmax(x, cpu_kernels.pack_panels(w), jnp.int32(0)))
+    assert np.array_equal(got, np.full(T, 2999))
+    with pytest.raises(Exception, match="disagree"):
+        np.asarray(jax.jit(functools.partial(cpu_kernels.panel_argmax, n=4900))(x, panels, jnp.int32(0)))
 
 
 def test_a_layer_index_out_of_range_or_a_wrong_width_is_an_error():

@@ -207,9 +207,9 @@ def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_
 
 
 def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, plain_tokens):
-    """On a CPU the decoder's linears and norms, the LM head and attention are jaxengine.cpu_kernels' custom calls
-    (float32, one device; the linears on weights packed at load, the tied embedding looked up in the LM
-    head's panels); with compilation_config={"cpu_linears": False, "cpu_decode_attention": False} XLA's ops
+    """On a CPU the decoder's linears and norms, the LM head (for greedy rows its argmax alone) and attention are
+    jaxengine.cpu_kernels' custom calls (float32, one device; the linears on weights packed at load, the tied
+    embedding looked up in the LM head's panels); with compilation_config={"cpu_linears": False, "cpu_decode_attention": False} XLA's ops
     run: same greedy tokens, logprobs within float32."""
     from jaxengine import cpu_kernels
 
@@ -225,6 +225,8 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
     for k, t in hlo.items():
         if k.kind == "model":  # every layer in one call (test_layers_in_one_call_give_the_bits_of_a_call_per_kernel)
             assert cpu_kernels.LAYERS in t, k
+        elif k.mode == "greedy":  # the LM head's argmax without logits
+            assert cpu_kernels.PANEL_ARGMAX in t and cpu_kernels.PANEL_LINEAR not in t and cpu_kernels.RMS_NORM in t, k
         else:
             assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,

@@ -1460,6 +1460,37 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
     }
 }
 
+// The argmax mode's running maxima, for callers that split panel_gemm_part's parts themselves (the jax
+// backend's custom call): `head_best_bytes` each, `head_best_init` before the parts fold into them, and
+// `head_best_argmax` to merge a row's n sets (`stride` head_bests apart, one per part range) into its token.
+int head_best_bytes(void) { return (int)sizeof(head_best); }
+
+void head_best_init(head_best *b, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        for (int j = 0; j < 8; j++) {
+            b[i].v[j] = -INFINITY;
+            b[i].i[j] = 0;
+        }
+        b[i].nan = INT32_MAX;
+    }
+}
+
+// the first index of the maximum over the sets' lanes, NaN first: the same whatever order the sets come in
+int32_t head_best_argmax(const head_best *b, int n, size_t stride) {
+    float bv = -INFINITY;
+    int32_t bi = 0, nan = INT32_MAX;
+    for (int t = 0; t < n; t++) {
+        const head_best *h = b + stride * t;
+        if (h->nan < nan) nan = h->nan;
+        for (int j = 0; j < 8; j++)
+            if (h->v[j] > bv || (h->v[j] == bv && h->i[j] < bi)) {
+                bv = h->v[j];
+                bi = h->i[j];
+            }
+    }
+    return nan != INT32_MAX ? nan : bi;
+}
+
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
@@ -1469,13 +1500,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
         if (best == NULL) return -2;
-        for (size_t i = 0; i < (size_t)M * nt; i++) {
-            for (int j = 0; j < 8; j++) {
-                best[i].v[j] = -INFINITY;
-                best[i].i[j] = 0;
-            }
-            best[i].nan = INT32_MAX;
-        }
+        head_best_init(best, (size_t)M * nt);
     }
 #pragma omp parallel num_threads(nt)
     {
@@ -1484,20 +1509,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
                         (int)((long)parts * t / T), (int)((long)parts * (t + 1) / T));
     }
     if (argmax != NULL) {
-        for (int m = 0; m < M; m++) {  // lanes, then threads in vocabulary order: ties go to the lower index
-            float bv = -INFINITY;
-            int32_t bi = 0, nan = INT32_MAX;
-            for (int t = 0; t < nt; t++) {
-                const head_best *h = best + (size_t)M * t + m;
-                if (h->nan < nan) nan = h->nan;
-                for (int j = 0; j < 8; j++)
-                    if (h->v[j] > bv || (h->v[j] == bv && h->i[j] < bi)) {
-                        bv = h->v[j];
-                        bi = h->i[j];
-                    }
-            }
-            argmax[m] = nan != INT32_MAX ? nan : bi;
-        }
+        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, (size_t)M);
         free(best);
     }
     return 0;
