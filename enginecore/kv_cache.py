@@ -223,6 +223,8 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
+        if need <= 0 and not new_computed_blocks:  # the tokens fit in its blocks (most decode steps)
+            return []
         # hit blocks that sit idle in the free queue are taken from it too
         idle_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need + idle_hits > self.pool.num_free_blocks:
