@@ -46,7 +46,7 @@ extern "C" {
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt);
 int head_best_bytes(void);
 void head_best_init(void *b, size_t n);
-int32_t head_best_argmax(const void *b, int n, size_t stride);
+int32_t head_best_argmax(const void *b, int n, size_t stride_bytes);
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
                      int hi);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
@@ -252,16 +252,18 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
                                           &unit, &nt);
     const int64_t per = std::max<int64_t>(1, parts / ((int64_t)nt * 4)), slices = (parts + per - 1) / per;
-    const size_t bytes = (size_t)head_best_bytes();
-    std::vector<char> best(bytes * (size_t)T * slices);  // slice s's T maxima at s * T
-    char *bp = best.data();
-    head_best_init(bp, (size_t)T * slices);
+    // slice s's T maxima at bp + s * stride, each slice on cache lines of its own: threads take neighbouring
+    // slices, and maxima sharing a line would move it between cores at every fold
+    const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
+    std::vector<char> best(stride * (size_t)slices + 64);
+    char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
+    for (int64_t sl = 0; sl < slices; sl++) head_best_init(bp + stride * sl, (size_t)T);
     parallel_for(pool, parts, nt, per, [=](int64_t a, int64_t b) {
-        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, nullptr, bp + bytes * (size_t)T * (a / per), unit, (int)a,
+        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, nullptr, bp + stride * (size_t)(a / per), unit, (int)a,
                         (int)b);
     });
     int32_t *op = out->typed_data();
-    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, (size_t)T);
+    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, stride);
     return ffi::Error::Success();
 }
 

@@ -1462,7 +1462,7 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
 
 // The argmax mode's running maxima, for callers that split panel_gemm_part's parts themselves (the jax
 // backend's custom call): `head_best_bytes` each, `head_best_init` before the parts fold into them, and
-// `head_best_argmax` to merge a row's n sets (`stride` head_bests apart, one per part range) into its token.
+// `head_best_argmax` to merge a row's n sets (`stride_bytes` apart, one per part range) into its token.
 int head_best_bytes(void) { return (int)sizeof(head_best); }
 
 void head_best_init(head_best *b, size_t n) {
@@ -1476,11 +1476,11 @@ void head_best_init(head_best *b, size_t n) {
 }
 
 // the first index of the maximum over the sets' lanes, NaN first: the same whatever order the sets come in
-int32_t head_best_argmax(const head_best *b, int n, size_t stride) {
+int32_t head_best_argmax(const head_best *b, int n, size_t stride_bytes) {
     float bv = -INFINITY;
     int32_t bi = 0, nan = INT32_MAX;
     for (int t = 0; t < n; t++) {
-        const head_best *h = b + stride * t;
+        const head_best *h = (const head_best *)((const char *)b + stride_bytes * t);
         if (h->nan < nan) nan = h->nan;
         for (int j = 0; j < 8; j++)
             if (h->v[j] > bv || (h->v[j] == bv && h->i[j] < bi)) {
@@ -1509,7 +1509,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
                         (int)((long)parts * t / T), (int)((long)parts * (t + 1) / T));
     }
     if (argmax != NULL) {
-        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, (size_t)M);
+        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
         free(best);
     }
     return 0;
