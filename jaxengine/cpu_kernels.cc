@@ -44,6 +44,7 @@ namespace ffi = xla::ffi;
 
 extern "C" {
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt);
+// head_best * in cpu_kernels.c, opaque here (head_best_bytes each)
 int head_best_bytes(void);
 void head_best_init(void *b, size_t n);
 int32_t head_best_argmax(const void *b, int n, size_t stride_bytes);

@@ -135,6 +135,7 @@ def one_call_vs_python_layers(monkeypatch):
         monkeypatch.setattr(TorchModelRunner, "_decode_layers", real)
         for a, b in zip(one_call, python):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert (a.outputs[0].logprobs is None) == (b.outputs[0].logprobs is None)
             for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
                 assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
         return any(used)

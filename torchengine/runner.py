@@ -8,10 +8,12 @@ scheduled token of each request -> sampler -> the sampled tokens into
 `last_tokens` on the device (the next step reads its newest tokens from
 there) -> one copy of the results to the host, collected by the handle's
 `result()` -> `finish_step`. On CUDA the copy is asynchronous, so the engine
-builds the next step while this one runs. On a CPU a decode step (each token
-its request's only query) skips the device batch: numpy straight into the
-one-call C layers and, for plain greedy rows, the LM head's argmax
-(`_decode_on_cpu`; at batch 1 a step is mostly such glue).
+builds the next step while this one runs. On a CPU, where the one-call C
+layers run the model (float32 kernels, one rank, no q/k norms:
+`cpu_kernels.DecodeLayers.bind`), a decode step (each token its request's
+only query) skips the device batch: numpy straight into those layers and,
+for plain greedy rows, the LM head's argmax (`_decode_on_cpu`; at batch 1 a
+step is mostly such glue).
 
 Devices: `--platform cpu` runs float32 with the plain-torch attention;
 `--platform cuda` runs bfloat16 with the Triton kernels and CUDA graphs

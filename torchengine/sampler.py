@@ -57,6 +57,7 @@ class SamplingTensors:
     frequency: torch.Tensor | None = None  # [Rp] f32
     repetition: torch.Tensor | None = None  # [Rp] f32
     token_bitmask: torch.Tensor | None = None  # [Rp, ceil(V / 32)] i32 structured outputs
+    plain_greedy: bool = False  # every row takes its raw logits' argmax (`SamplingBatch.plain_greedy`)
 
     @classmethod
     def from_batch(cls, sb: SamplingBatch, device: torch.device, to_device=None,
@@ -93,14 +94,9 @@ class SamplingTensors:
             frequency=opt("frequency"),
             repetition=opt("repetition"),
             token_bitmask=opt("token_bitmask"),
+            plain_greedy=sb.plain_greedy,
         )
 
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Every row takes the argmax of its raw logits: no token masks, penalties or logprobs."""
-        return (self.all_greedy and self.num_logprobs < 0 and self.token_bitmask is None and self.bias is None
-                and self.output_counts is None)
 
     def rows(self, start: int, end: int) -> "SamplingTensors":
         """Rows [start, end) (the batch-wide flags kept: they only enable work)."""
