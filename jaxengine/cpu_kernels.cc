@@ -203,65 +203,72 @@ class Team {
     Phase finished_{0, 1, nullptr};
 };
 
-// y [T, N] = x [T, K] . W_l^T with every layer's W packed in panel_gemm's panels, stacked [L, NP, K, 16]
-// (NP = ceil(N / 16), zero rows padding the last panel): the torch backend's float32 linears and LM head
-// (the same machine code and the same split into parts, which XLA's threads share). Every output is one FMA
-// chain over k in order, so a row's result depends neither on the other rows nor on the split.
-ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-    const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-    if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2)
-        return ffi::Error::InvalidArgument("x [T, K], w [L, NP, K, 16] and y [T, N] expected");
-    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], N = yd[1];
-    if (wd[2] != K || wd[3] != 16 || K == 0 || yd[0] != T || N > NP * 16 || N <= (NP - 1) * 16)
-        return ffi::Error::InvalidArgument("x, w and y disagree (K, the panels, or N)");
+// x [T, K] times layer l of w [L, NP, K, 16] (panel_gemm's panels, stacked; NP = ceil(N / 16), zero rows padding
+// the last panel) for N output columns: the operands checked, and panel_gemm_part's parts split between XLA's
+// threads, as PanelLinear and PanelArgmax both run them.
+struct PanelCall {
+    int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
+    const float *x = nullptr, *w = nullptr;
+    int unit = 4, nt = 1;
+};
+
+ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::F32> &w,
+                         ffi::Buffer<ffi::S32> &layer, int64_t rows_out, int64_t N, PanelCall &c) {
+    const auto xd = x.dimensions(), wd = w.dimensions();
+    if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("x [T, K] and w [L, NP, K, 16] expected");
+    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1];
+    if (wd[2] != K || wd[3] != 16 || K == 0 || rows_out != T || N < 0 || N > NP * 16 || N <= (NP - 1) * 16)
+        return ffi::Error::InvalidArgument("x, w and the output disagree (K, the panels, or N)");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+    c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
     if (T == 0 || N == 0) return ffi::Error::Success();
-    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * NP * K * 16;
-    float *yp = y->typed_data();
-    int unit = 4, nt = 1;
-    const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
-                                          &unit, &nt);
+    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt);
     // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for; two where
     // the parts are single panels (a prefill's: each slice streams all the rows past its panels, and four a
     // thread ran 0.9-1.0x of two)
-    const int64_t slices = (int64_t)nt * (unit == 1 ? 2 : 4);
-    parallel_for(pool, parts, nt, std::max<int64_t>(1, parts / slices), [=](int64_t a, int64_t b) {
-        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, yp, nullptr, unit, (int)a, (int)b);
+    c.per = std::max<int64_t>(1, c.parts / ((int64_t)c.nt * (c.unit == 1 ? 2 : 4)));
+    return ffi::Error::Success();
+}
+
+// y [T, N] = x [T, K] . W_l^T (PanelCall's operands): the torch backend's float32 linears and LM head (the same
+// machine code and the same split into parts, which XLA's threads share). Every output is one FMA chain over k
+// in order, so a row's result depends neither on the other rows nor on the split.
+ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+    const auto yd = y->dimensions();
+    if (yd.size() != 2) return ffi::Error::InvalidArgument("y [T, N] expected");
+    PanelCall c;
+    if (auto err = PlanPanelCall(pool, x, w, layer, yd[0], yd[1], c); !err.success()) return err;
+    if (c.parts == 0) return ffi::Error::Success();
+    float *yp = y->typed_data();
+    parallel_for(pool, c.parts, c.nt, c.per, [=](int64_t a, int64_t b) {
+        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, (int)a, (int)b);
     });
     return ffi::Error::Success();
 }
 
 // out [T] = the first index of each row's maximum of x [T, K] . W_l^T over W's first n rows (NaN counting as
-// the largest: torch.argmax's), W packed as PanelLinear's: greedy sampling without writing and re-reading the
+// the largest: torch.argmax's), PanelCall's operands: greedy sampling without writing and re-reading the
 // [T, n] logits, PanelLinear's products folded into a running maximum per row and slice, the slices merged
 // (a merge whose result does not depend on their order). The torch backend's greedy_tokens, the same tokens.
 ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int32_t n) {
-    const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-    if (xd.size() != 2 || wd.size() != 4 || od.size() != 1)
-        return ffi::Error::InvalidArgument("x [T, K], w [L, NP, K, 16] and out [T] expected");
-    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], N = n;
-    if (wd[2] != K || wd[3] != 16 || K == 0 || od[0] != T || N <= 0 || N > NP * 16 || N <= (NP - 1) * 16)
-        return ffi::Error::InvalidArgument("x, w, out and n disagree (K, the panels, or n)");
-    const int32_t l = layer.typed_data()[0];
-    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-    if (T == 0) return ffi::Error::Success();
-    const float *xp = x.typed_data(), *wp = w.typed_data() + (size_t)l * NP * K * 16;
-    int unit = 4, nt = 1;
-    const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()),
-                                          &unit, &nt);
-    const int64_t per = std::max<int64_t>(1, parts / ((int64_t)nt * 4)), slices = (parts + per - 1) / per;
+    const auto od = out->dimensions();
+    if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
+    PanelCall c;
+    if (auto err = PlanPanelCall(pool, x, w, layer, od[0], n, c); !err.success()) return err;
+    if (c.parts == 0) return ffi::Error::Success();
+    const int64_t per = c.per, slices = (c.parts + per - 1) / per, T = c.T;
     // slice s's T maxima at bp + s * stride, each slice on cache lines of its own: threads take neighbouring
     // slices, and maxima sharing a line would move it between cores at every fold
     const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
     std::vector<char> best(stride * (size_t)slices + 64);
     char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
     for (int64_t sl = 0; sl < slices; sl++) head_best_init(bp + stride * sl, (size_t)T);
-    parallel_for(pool, parts, nt, per, [=](int64_t a, int64_t b) {
-        panel_gemm_part(xp, (int)T, (int)K, wp, (int)N, nullptr, bp + stride * (size_t)(a / per), unit, (int)a,
-                        (int)b);
+    parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) {
+        panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)(a / per), c.unit,
+                        (int)a, (int)b);
     });
     int32_t *op = out->typed_data();
     for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, stride);

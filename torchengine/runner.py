@@ -374,10 +374,15 @@ class TorchModelRunner:
         slots = self._slot_mapping(batch)[:T]
         hidden = layers(self.model.embed(torch.from_numpy(ids.astype(np.int64))), torch.from_numpy(positions),
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
+        return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
+
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch, sampling_tensors) -> SamplerOutput:
+        """The LM head and the sampler on `hidden` [R, H] (a row per request): for plain greedy rows the head's
+        argmax without logits where the model has it (`Transformer.greedy_tokens`), else the logits through
+        `sample_in_chunks` with `sampling_tensors()` (built only then)."""
         if batch.sampling.plain_greedy and (tokens := self.model.greedy_tokens(hidden)) is not None:
             return SamplerOutput(sampled=tokens)
-        st = SamplingTensors.from_batch(batch.sampling, self.device, None, T)
-        return sample_in_chunks(self.model.compute_logits, hidden, st, self.logits_chunk_rows)
+        return sample_in_chunks(self.model.compute_logits, hidden, sampling_tensors(), self.logits_chunk_rows)
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Any step: (the sampler's output, the hidden states: None from a CUDA graph)."""
@@ -405,9 +410,7 @@ class TorchModelRunner:
         meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
         attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
         hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
-        out = sample_in_chunks(self.model.compute_logits, hidden[logits_indices[:R]], st, self.logits_chunk_rows,
-                               self.model.greedy_tokens)
-        return out, hidden
+        return self._sample(hidden[logits_indices[:R]], batch, lambda: st), hidden
 
     def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
         """The one-call decode layers for these caches (None off the float32 CPU kernels' path)."""

@@ -57,7 +57,6 @@ class SamplingTensors:
     frequency: torch.Tensor | None = None  # [Rp] f32
     repetition: torch.Tensor | None = None  # [Rp] f32
     token_bitmask: torch.Tensor | None = None  # [Rp, ceil(V / 32)] i32 structured outputs
-    plain_greedy: bool = False  # every row takes its raw logits' argmax (`SamplingBatch.plain_greedy`)
 
     @classmethod
     def from_batch(cls, sb: SamplingBatch, device: torch.device, to_device=None,
@@ -94,7 +93,6 @@ class SamplingTensors:
             frequency=opt("frequency"),
             repetition=opt("repetition"),
             token_bitmask=opt("token_bitmask"),
-            plain_greedy=sb.plain_greedy,
         )
 
 
@@ -239,20 +237,13 @@ def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return start + x.gather(1, cols).argmax(dim=-1)
 
 
-def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, chunk: int | None,
-                     greedy_tokens=None) -> SamplerOutput:
+def sample_in_chunks(compute_logits, hidden: torch.Tensor, st: SamplingTensors, chunk: int | None) -> SamplerOutput:
     """LM head + `sample` over `chunk` rows of `hidden` [R, H] at a time (all at once when chunk is None).
-
-    `greedy_tokens(hidden) -> [R] int64 | None`, where given, is the LM head's argmax without the logits
-    (`Transformer.greedy_tokens`): it serves steps whose rows are all plain greedy (`st.plain_greedy`).
+    (Plain greedy rows can skip the logits: the runner's `_sample`.)
 
     On a CPU a [rows, V] logits tensor past glibc's mmap threshold is a fresh mapping every step whose
     first touch page-faults, which made 256 x 49152 float32 logits much slower in one piece than in 64-row pieces.
     """
-    if greedy_tokens is not None and st.plain_greedy:
-        tokens = greedy_tokens(hidden)
-        if tokens is not None:
-            return SamplerOutput(sampled=tokens)
     R = hidden.shape[0]
     if chunk is None or R <= chunk:
         return sample(compute_logits(hidden), st)
