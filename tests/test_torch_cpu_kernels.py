@@ -160,11 +160,13 @@ def test_pack_panels_kernel_gives_the_reference_layout(lib):
     assert lib.pack_panels_f32(w.data_ptr(), 4, 5, 4, got.data_ptr()) != 0  # rows closer than K floats
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 70])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 23, 24, 32, 70])
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
 def test_panel_gemm(lib, M, V, K):
     """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
-    or 8, two threads, row blocks (64 rows at K 64, 6 at K 576); greedy is torch.argmax of the same logits."""
+    or 8, two threads, row blocks (64 rows at K 64, 6 at K 576), both loop orders (the k-blocked one from 24
+    rows; 32 is a batch-32 decode step: five row tiles and a 2-row tail); greedy is torch.argmax of the same
+    logits."""
     x, w = randn(M, K), randn(V, K, seed=1)
     panels = cpu_kernels.pack_panels(w)
     logits = cpu_kernels.panel_gemm(lib, x, panels, V)
@@ -186,7 +188,7 @@ def test_panel_gemm(lib, M, V, K):
     (256, 576, 960, 2),  # a prefill's q/k/v linear: 60 panels, 30 / 30
 ])
 def test_panel_gemm_many_rows(lib, M, K, V, threads):
-    """From 256 rows panel_gemm shares single panels between the threads and blocks k (partial sums through
+    """From 24 rows panel_gemm shares single panels between the threads and blocks k (partial sums through
     y between blocks of 576): the same bits as a row computed alone (one row never blocks), whatever the
     shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary with a partial last
     panel; the greedy head's argmax over the same split is the logits' argmax."""
@@ -205,7 +207,8 @@ def test_panel_gemm_many_rows(lib, M, K, V, threads):
     assert torch.equal(greedy, logits.argmax(-1))
 
 
-def test_panel_gemm_greedy_ties_nan_and_padding(lib):
+@pytest.mark.parametrize("M", [8, 29])  # tiles of one row order; 29: the k-blocked order (24 rows on), a 5-row tail
+def test_panel_gemm_greedy_ties_nan_and_padding(lib, M):
     """torch.argmax's answer in the corner cases: the first of tied maxima (within a lane, across lanes and
     across the two threads' halves of the vocabulary), a NaN logit (the first NaN wins), a row of equal logits
     (index 0), and the padding columns of the last panel never win."""
@@ -214,17 +217,17 @@ def test_panel_gemm_greedy_ties_nan_and_padding(lib):
     w[[7, 900, 455, 456, 1002]] = w[500].clone()  # ties with 500 in other lanes, panels and thread halves
     w[[305, 300]] = w[40].clone() * 2  # a tie whose first index sits in the higher lane (300 = 18 * 16 + 12:
     # lane 4 of its panel's second half; 305 = 19 * 16 + 1: lane 1 of the first half)
-    x = randn(8, K, seed=4)
+    x = randn(M, K, seed=4)
     x[1] = 0  # every logit 0
     panels = cpu_kernels.pack_panels(w)
     logits = cpu_kernels.panel_gemm(lib, x, panels, V)
     got = cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True)
     assert torch.equal(got, logits.argmax(-1))
     assert got[1] == 0
-    # rows whose best is a tied group: the first of it
-    xs = torch.stack([w[500], w[40]])
+    # rows whose best is a tied group: the first of it (in the main tiles and in the tail)
+    xs = torch.stack([w[500], w[40]]).repeat(M // 2 + 1, 1)[:M]
     t = cpu_kernels.panel_gemm(lib, xs, panels, V, greedy=True)
-    assert t.tolist() == [7, 300]
+    assert t.tolist() == [7, 300] * (M // 2) + [7] * (M % 2)
     assert torch.equal(t, cpu_kernels.panel_gemm(lib, xs, panels, V).argmax(-1))
     # NaN: torch.argmax returns the first NaN
     w2 = w.clone()

@@ -1309,8 +1309,8 @@ static inline __attribute__((always_inline)) void head_rows(
     }
 }
 
-// From COMPUTE_BOUND_ROWS rows on (a prefill's linears), panel_gemm_part changes its loop order, where the
-// unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
+// From COMPUTE_BOUND_ROWS rows on (a prefill's linears, and a decode step's from batch 24), panel_gemm_part
+// changes its loop order, where the unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
 // stream all the activations past every block of its panels, and a long k (K > 1024: the down projection's
 // panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of L1 too. kblock_part takes blocks of
 // ROW_BLOCK rows (110 KiB of activations at K = 576: L2) past one panel's KBLOCK k values at a time (36
@@ -1320,17 +1320,22 @@ static inline __attribute__((always_inline)) void head_rows(
 // A tile's accumulators start at zero (k0 == 0) or at the partial sums the previous k block left in y, and
 // go back to y (the next tile's prefetched meanwhile): each output is still one FMA chain over k in
 // ascending order (a float32 store and load in between change nothing), so the bits are those of the
-// unblocked tiles.
-#define COMPUTE_BOUND_ROWS 256
+// unblocked tiles. The threshold was 256 rows until the blocked order learnt to prefetch the next panel
+// (kblock_part) and to fold the LM head's argmax: from 24 rows it then runs a decode step's linears and greedy
+// head 1.07-1.14x as fast as the unblocked order (bench_kernels_ab, 24-64 rows); at 8 rows 0.87-0.92x, at 16
+// even.
+#define COMPUTE_BOUND_ROWS 24
 #define KBLOCK 576
 #define ROW_BLOCK 48  // a multiple of HEAD_ROWS
 
-// rows x[0..R), y[0..R) (x starting at column k0), P panels from p0, k in [k0, k1)
+// rows x[0..R), y[0..R) (x starting at column k0), P panels from p0, k in [k0, k1). With `best` (argmax mode,
+// one k block: k0 == 0, k1 == K) the sums are folded into rows best[0..R) instead of stored. pf_lines cache lines
+// from pf are prefetched, evenly over the k loop.
 static inline __attribute__((always_inline)) void kblock_tile(
     const int R, const int P, const float *x, int K, const float *wp, int p0, int k0, int k1, int V, float *y,
-    const float *ynext) {
+    head_best *best, const float *ynext, const char *pf, int pf_lines) {
     __m256 a[HEAD_ROWS * 2];
-    float *yt = y + (size_t)p0 * 16;
+    float *yt = y == NULL ? NULL : y + (size_t)p0 * 16;
     if (ynext != NULL)  // the next tile's partial sums (6 rows of 16), while this one computes
         for (int r = 0; r < HEAD_ROWS; r++) _mm_prefetch((const char *)(ynext + (size_t)r * V), _MM_HINT_T0);
 #pragma GCC unroll 6
@@ -1339,7 +1344,27 @@ static inline __attribute__((always_inline)) void kblock_tile(
         for (int j = 0; j < 2 * P; j++)
             a[r * 2 * P + j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + (size_t)r * V + 8 * j);
     const float *w = wp + ((size_t)p0 * K + k0) * 16;
-    for (int k = 0; k < k1 - k0; k++) panel_k_step(R, P, x, K, w, k, a);
+    if (pf_lines == 0) {  // (the loop without the prefetch's counter: 6-20% faster at 1024 rows)
+        for (int k = 0; k < k1 - k0; k++) panel_k_step(R, P, x, K, w, k, a);
+    } else {
+        int acc = 0;
+        for (int k = 0; k < k1 - k0; k++) {
+            acc += pf_lines;
+            if (acc >= k1 - k0) {
+                acc -= k1 - k0;
+                _mm_prefetch(pf, _MM_HINT_T0);
+                pf += 64;
+            }
+            panel_k_step(R, P, x, K, w, k, a);
+        }
+    }
+    if (best != NULL) {  // (unrolled, as every loop over `a`: an indexed one would keep `a` in memory)
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int j = 0; j < 2 * P; j++) head_fold(a[r * 2 * P + j], p0 * 16 + j * 8, V, best + r);
+        return;
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
@@ -1348,20 +1373,26 @@ static inline __attribute__((always_inline)) void kblock_tile(
 
 // the last R < HEAD_ROWS rows of a row block over panels [p0, p1), P panels a tile (single ones at the end)
 static inline __attribute__((always_inline)) void kblock_tail(
-    const int R, const int P, const float *x, int K, const float *wp, int p0, int p1, int k0, int k1, int V, float *y) {
+    const int R, const int P, const float *x, int K, const float *wp, int p0, int p1, int k0, int k1, int V, float *y,
+    head_best *best) {
     for (int p = p0; p < p1;) {
         if (p + P <= p1) {
-            kblock_tile(R, P, x, K, wp, p, k0, k1, V, y, NULL);
+            kblock_tile(R, P, x, K, wp, p, k0, k1, V, y, best, NULL, NULL, 0);
             p += P;
         } else {
-            kblock_tile(R, 1, x, K, wp, p, k0, k1, V, y, NULL);
+            kblock_tile(R, 1, x, K, wp, p, k0, k1, V, y, best, NULL, NULL, 0);
             p++;
         }
     }
 }
 
-// rows [0, M) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile)
-static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y, int a, int b) {
+// rows [0, M) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile); with `best`
+// (argmax mode, K <= KBLOCK) into the rows' running maxima instead of y. Each row meets its panels in ascending
+// order, as head_fold's first-index ties need. In the first row block, each row tile of a panel also prefetches
+// a share of the next panel's k block, so the panel's first tile finds it in cache instead of waiting on memory
+// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower).
+static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y,
+                                                  head_best *best, int a, int b) {
     const int whole = V / 16 < b ? V / 16 : b;
     for (int k0 = 0; k0 < K; k0 += KBLOCK) {
         const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
@@ -1370,28 +1401,40 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
             for (int p0 = a; p0 < whole; p0 += 4) {  // groups of 4 panels: a tail of one row takes 4 at a time
                 const int p1 = p0 + 4 < whole ? p0 + 4 : whole;
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
-                for (int p = p0; p < p1; p++)
-                    for (int r = m0; r < m; r += HEAD_ROWS)
-                        kblock_tile(6, 1, x + (size_t)r * K + k0, K, wp, p, k0, k1, V, y + (size_t)r * V,
-                                    r + HEAD_ROWS < m ? y + (size_t)(r + HEAD_ROWS) * V + p * 16
-                                                      : y + (size_t)m0 * V + (p + 1) * 16);
+                const int nr = (m - m0) / HEAD_ROWS;
+                for (int p = p0; p < p1; p++) {
+                    const char *next = (const char *)(wp + ((size_t)(p + 1) * K + k0) * 16);
+                    for (int r = m0, i = 0; r < m; r += HEAD_ROWS, i++) {
+                        const int l0 = (k1 - k0) * i / nr, l1 = (k1 - k0) * (i + 1) / nr;
+                        kblock_tile(6, 1, x + (size_t)r * K + k0, K, wp, p, k0, k1, V,
+                                    y == NULL ? NULL : y + (size_t)r * V, best == NULL ? NULL : best + r,
+                                    y == NULL ? NULL
+                                    : r + HEAD_ROWS < m ? y + (size_t)(r + HEAD_ROWS) * V + p * 16
+                                                        : y + (size_t)m0 * V + (p + 1) * 16,
+                                    next + (size_t)l0 * 64, p + 1 < whole && m0 == 0 ? l1 - l0 : 0);
+                    }
+                }
                 const float *xm = x + (size_t)m * K + k0;
-                float *ym = y + (size_t)m * V;
+                float *ym = y == NULL ? NULL : y + (size_t)m * V;
+                head_best *bm = best == NULL ? NULL : best + m;
                 switch (m1 - m) {
-                    case 5: kblock_tail(5, 1, xm, K, wp, p0, p1, k0, k1, V, ym); break;
-                    case 4: kblock_tail(4, 1, xm, K, wp, p0, p1, k0, k1, V, ym); break;
-                    case 3: kblock_tail(3, 2, xm, K, wp, p0, p1, k0, k1, V, ym); break;
-                    case 2: kblock_tail(2, 3, xm, K, wp, p0, p1, k0, k1, V, ym); break;
-                    case 1: kblock_tail(1, 4, xm, K, wp, p0, p1, k0, k1, V, ym); break;
+                    case 5: kblock_tail(5, 1, xm, K, wp, p0, p1, k0, k1, V, ym, bm); break;
+                    case 4: kblock_tail(4, 1, xm, K, wp, p0, p1, k0, k1, V, ym, bm); break;
+                    case 3: kblock_tail(3, 2, xm, K, wp, p0, p1, k0, k1, V, ym, bm); break;
+                    case 2: kblock_tail(2, 3, xm, K, wp, p0, p1, k0, k1, V, ym, bm); break;
+                    case 1: kblock_tail(1, 4, xm, K, wp, p0, p1, k0, k1, V, ym, bm); break;
                 }
             }
         }
     }
-    if (whole < b && whole >= a) {  // head_tile stores only the columns < V
+    if (whole < b && whole >= a) {  // head_tile stores (or folds) only the columns < V
         int m = 0;
         for (; m + HEAD_ROWS <= M; m += HEAD_ROWS)
-            head_tile(6, 1, x + (size_t)m * K, K, wp, whole, V, y + (size_t)m * V, NULL, NULL, 0);
-        for (; m < M; m++) head_tile(1, 1, x + (size_t)m * K, K, wp, whole, V, y + (size_t)m * V, NULL, NULL, 0);
+            head_tile(6, 1, x + (size_t)m * K, K, wp, whole, V, y == NULL ? NULL : y + (size_t)m * V,
+                      best == NULL ? NULL : best + m, NULL, 0);
+        for (; m < M; m++)
+            head_tile(1, 1, x + (size_t)m * K, K, wp, whole, V, y == NULL ? NULL : y + (size_t)m * V,
+                      best == NULL ? NULL : best + m, NULL, 0);
     }
 }
 
@@ -1435,8 +1478,8 @@ int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt) {
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best, int unit,
                      int lo, int hi) {
     const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
-    if (best == NULL && M >= COMPUTE_BOUND_ROWS) {  // see COMPUTE_BOUND_ROWS
-        kblock_part(x, M, K, wp, V, y, a, b);
+    if (M >= COMPUTE_BOUND_ROWS && (best == NULL || K <= KBLOCK)) {  // see COMPUTE_BOUND_ROWS
+        kblock_part(x, M, K, wp, V, y, best, a, b);
         return;
     }
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
