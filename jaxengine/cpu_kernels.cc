@@ -212,6 +212,14 @@ struct PanelCall {
     int unit = 4, nt = 1;
 };
 
+// Parts a slice of panel_gemm_plan's split, for XLA's threads: a few slices a thread, so one that starts late
+// (busy with another op) leaves less to wait for; two where the parts are single panels (from
+// COMPUTE_BOUND_ROWS rows: each slice streams all the rows past its panels, and four a thread ran 0.9-1.0x of
+// two); all of them where one thread runs the call.
+static int64_t slice_parts(int64_t parts, int nt, int unit) {
+    return nt <= 1 ? parts : std::max<int64_t>(1, parts / ((int64_t)nt * (unit == 1 ? 2 : 4)));
+}
+
 ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::F32> &w,
                          ffi::Buffer<ffi::S32> &layer, int64_t rows_out, int64_t N, PanelCall &c) {
     const auto xd = x.dimensions(), wd = w.dimensions();
@@ -224,10 +232,7 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
     c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
     if (T == 0 || N == 0) return ffi::Error::Success();
     c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt);
-    // a few slices a thread, so one that starts late (busy with another op) leaves less to wait for; two where
-    // the parts are single panels (a prefill's: each slice streams all the rows past its panels, and four a
-    // thread ran 0.9-1.0x of two)
-    c.per = std::max<int64_t>(1, c.parts / ((int64_t)c.nt * (c.unit == 1 ? 2 : 4)));
+    c.per = slice_parts(c.parts, c.nt, c.unit);
     return ffi::Error::Success();
 }
 
@@ -545,10 +550,10 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
     };
     const auto linear = [&](const float *in, int64_t K, const float *wp, int64_t N, float *o) {
-        int split_rows = 0, nt = 1;
-        const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &split_rows, &nt);
-        team->run(parts, nt == 1 ? parts : std::max<int64_t>(1, parts / ((int64_t)nt * 4)), [=](int64_t a, int64_t b) {
-            panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, split_rows, (int)a, (int)b);
+        int unit = 0, nt = 1;
+        const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &unit, &nt);
+        team->run(parts, slice_parts(parts, nt, unit), [=](int64_t a, int64_t b) {
+            panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b);
         });
     };
     int64_t dec_work = 0;  // multiply-adds of the decode rows' scores

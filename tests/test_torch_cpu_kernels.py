@@ -207,7 +207,7 @@ def test_panel_gemm_many_rows(lib, M, K, V, threads):
     assert torch.equal(greedy, logits.argmax(-1))
 
 
-@pytest.mark.parametrize("M", [8, 29])  # tiles of one row order; 29: the k-blocked order (24 rows on), a 5-row tail
+@pytest.mark.parametrize("M", [8, 25, 27, 29])  # 8: the unblocked order; 25 / 27 / 29: the k-blocked one (24 rows on), tails of 1 / 3 / 5 rows
 def test_panel_gemm_greedy_ties_nan_and_padding(lib, M):
     """torch.argmax's answer in the corner cases: the first of tied maxima (within a lane, across lanes and
     across the two threads' halves of the vocabulary), a NaN logit (the first NaN wins), a row of equal logits

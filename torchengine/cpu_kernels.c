@@ -1403,7 +1403,8 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
                 const int nr = (m - m0) / HEAD_ROWS;
                 for (int p = p0; p < p1; p++) {
-                    const char *next = (const char *)(wp + ((size_t)(p + 1) * K + k0) * 16);
+                    const int pf = p + 1 < whole && m0 == 0;  // whether this panel's tiles prefetch the next
+                    const char *next = pf ? (const char *)(wp + ((size_t)(p + 1) * K + k0) * 16) : NULL;
                     for (int r = m0, i = 0; r < m; r += HEAD_ROWS, i++) {
                         const int l0 = (k1 - k0) * i / nr, l1 = (k1 - k0) * (i + 1) / nr;
                         kblock_tile(6, 1, x + (size_t)r * K + k0, K, wp, p, k0, k1, V,
@@ -1411,7 +1412,7 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
                                     y == NULL ? NULL
                                     : r + HEAD_ROWS < m ? y + (size_t)(r + HEAD_ROWS) * V + p * 16
                                                         : y + (size_t)m0 * V + (p + 1) * 16,
-                                    next + (size_t)l0 * 64, p + 1 < whole && m0 == 0 ? l1 - l0 : 0);
+                                    pf ? next + (size_t)l0 * 64 : NULL, pf ? l1 - l0 : 0);
                     }
                 }
                 const float *xm = x + (size_t)m * K + k0;
