@@ -11,11 +11,14 @@ transformers' conversion, cached on disk after the first time.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import types
 from dataclasses import dataclass
 
 from enginecore.model_loader import ModelLoadError, ModelSource
@@ -76,9 +79,68 @@ def _gguf_header(path: str, reader=None):
     return reader or read_gguf(path)
 
 
+_GGUF_CHECKPOINT_MODULE = "transformers.modeling_gguf_pytorch_utils"
+
+
+def _defer_gguf_checkpoint_module() -> None:
+    """Keep transformers' fast-tokenizer module from importing torch.
+
+    `transformers.tokenization_utils_tokenizers` (PreTrainedTokenizerFast) imports `load_gguf_checkpoint` from
+    the module that reads GGUF *weights* into torch tensors, and that module imports torch: ~1.5 s of a 2-core
+    machine's CPU in the API server's process, which needs no torch, while the engine core loads beside it. A
+    tokenizer never calls it. Until something does, that module is a stand-in whose `load_gguf_checkpoint` (or
+    any other name) loads the real one, once. Nothing changes where torch is already imported (the torch
+    backend's process, offline `LLM`), nor for a caller that reads GGUF weights through transformers (tests):
+    its first call pays the import, as it would have at start.
+    """
+    if "torch" in sys.modules or _GGUF_CHECKPOINT_MODULE in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(_GGUF_CHECKPOINT_MODULE)
+    except ImportError:
+        return
+    if spec is None or spec.loader is None:
+        return
+    stand_in = types.ModuleType(_GGUF_CHECKPOINT_MODULE)
+    loaded: list[types.ModuleType] = []
+
+    def real() -> types.ModuleType:
+        if not loaded:
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[_GGUF_CHECKPOINT_MODULE] = mod
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
+                raise
+            loaded.append(mod)
+        return loaded[0]
+
+    def getattr_(name: str):
+        if name.startswith("__"):  # the import system's probes (__path__, ...): a plain module's answers
+            raise AttributeError(name)
+        return getattr(real(), name)
+
+    def load_gguf_checkpoint(*args, **kwargs):
+        return real().load_gguf_checkpoint(*args, **kwargs)
+
+    stand_in.__getattr__ = getattr_
+    stand_in.load_gguf_checkpoint = load_gguf_checkpoint
+    sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
+
+
+def _fast_tokenizer_class():
+    """transformers' PreTrainedTokenizerFast, imported without torch where nothing else has imported it."""
+    _defer_gguf_checkpoint_module()
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast
+
+
 def _build_bpe_from_gguf(path: str, reader=None):
     from tokenizers import Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast = _fast_tokenizer_class()
 
     get = _gguf_header(path, reader).get
     tokens = get("tokenizer.ggml.tokens")
@@ -148,14 +210,24 @@ def _load_gguf_tokenizer(path: str, reader=None):
     tokenizers/transformers versions that wrote it.
     """
     import tokenizers
+
+    fast = _fast_tokenizer_class()  # (imports transformers)
     import transformers
-    from transformers import AutoTokenizer
 
     st = os.stat(path)
     ident = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}:{tokenizers.__version__}"
     cached = os.path.join(_cache_dir(), hashlib.sha256(ident.encode()).hexdigest()[:16])
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+    config = os.path.join(cached, "tokenizer_config.json")
+    if os.path.isfile(config):
         try:
+            with open(config) as f:
+                cls = json.load(f).get("tokenizer_class")
+            # what _build_bpe_from_gguf saved loads as that class directly: AutoTokenizer's import alone costs
+            # ~2.5 s (every model's config class, and torch through the generation config)
+            if cls in (fast.__name__, "PreTrainedTokenizerFast"):
+                return fast.from_pretrained(cached, local_files_only=True)
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
         except Exception:  # a damaged cache entry: convert again
             shutil.rmtree(cached, ignore_errors=True)
@@ -163,6 +235,8 @@ def _load_gguf_tokenizer(path: str, reader=None):
     if reader.get("tokenizer.ggml.model") == "gpt2":
         tok = _build_bpe_from_gguf(path, reader)
     else:  # sentencepiece vocabularies: transformers' converter
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                             local_files_only=True)
     try:  # written aside, then renamed: a concurrent start never reads half an entry
@@ -199,8 +273,6 @@ def load_tokenizer(
     src: ModelSource, tokenizer: str | None = None, use_generation_config: bool = True
 ) -> Tokenizer:
     """The tokenizer for `src` (or the folder/GGUF named by --tokenizer)."""
-    from transformers import AutoTokenizer
-
     target = tokenizer or (src.path if src.kind == "hf" else None)
     try:
         if target is None:
@@ -208,6 +280,8 @@ def load_tokenizer(
         elif os.path.isfile(target) and target.endswith(".gguf"):
             hf = _load_gguf_tokenizer(target)
         elif os.path.isdir(target):
+            from transformers import AutoTokenizer
+
             # never Hugging Face remote code (a tokenizer_config.json with auto_map is refused, not run)
             hf = AutoTokenizer.from_pretrained(target, local_files_only=True, trust_remote_code=False)
         else:

@@ -182,7 +182,49 @@ def test_gguf_tokenizer_cache_gives_the_converted_tokenizer(smollm2_source, monk
     msgs = [{"role": "user", "content": "Hi"}]
     assert cached.apply_chat_template(msgs, add_generation_prompt=True) == \
         fresh.apply_chat_template(msgs, add_generation_prompt=True)
+    # the saved entry loads as its class directly (not through AutoTokenizer's import): what AutoTokenizer gives
+    from transformers import AutoTokenizer
+
     entry = tmp_path / "tokenizers" / entries[0]
+    auto = AutoTokenizer.from_pretrained(str(entry), local_files_only=True, trust_remote_code=False)
+    assert type(cached.hf) is type(auto)
+    ids = auto.encode(texts[1] + texts[2])
+    assert cached.hf.encode(texts[1] + texts[2]) == ids
+    assert cached.hf.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+    assert cached.hf.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    assert (len(cached.hf), cached.hf.all_special_ids, cached.hf.added_tokens_decoder.keys()) == \
+        (len(auto), auto.all_special_ids, auto.added_tokens_decoder.keys())
     (entry / "tokenizer.json").write_text("{not json")
     again = load_tokenizer(smollm2_source)
     assert again.encode(texts[0]) == fresh.encode(texts[0])
+
+
+def test_gguf_tokenizer_loads_without_torch(smollm2_source):
+    """The API server's process needs no torch: loading the embedded model's tokenizer (cached conversion, then
+    a fresh one) imports none, and transformers' GGUF weight reader, deferred, still works when called."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys, tempfile
+from enginecore.model_loader import resolve_model
+from enginecore.tokenizer import load_tokenizer
+src = resolve_model(None)
+tok = load_tokenizer(src)  # the session's cached conversion (or a fresh one)
+os.environ["XLASERVE_CACHE"] = tempfile.mkdtemp()
+fresh = load_tokenizer(src)  # converted from the GGUF, then saved
+ids = tok.encode("Hi <|im_end|>")
+assert ids == fresh.encode("Hi <|im_end|>") and ids[-1] == 2 and len(ids) == 3, ids
+assert "torch" not in sys.modules, "the tokenizer imported torch"
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+out = load_gguf_checkpoint({smollm2_source.path!r}, return_tensors=False)
+assert out["config"]["model_type"] == "llama", out["config"]
+assert "torch" in sys.modules
+import transformers.modeling_gguf_pytorch_utils as real
+assert real.TENSOR_PROCESSORS and real.load_gguf_checkpoint is not load_gguf_checkpoint
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLASERVE_CACHE"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
