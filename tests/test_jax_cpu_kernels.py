@@ -63,7 +63,7 @@ def test_linear_matches_float64_every_layer(L, N, K, T):
 
 
 def test_a_row_is_the_same_alone_and_in_any_batch():
-    x, w = data(2, 1000, 576, 300, seed=1)  # 300 rows: split between threads by rows, not panels
+    x, w = data(2, 1000, 576, 300, seed=1)  # 300 rows: the k-blocked order, its row blocks of 48
     f = jax.jit(linear)
     full = np.asarray(f(x, w, jnp.int32(1)))
     for lo, hi in [(0, 1), (5, 6), (3, 7), (10, 37), (0, 256)]:
@@ -85,16 +85,19 @@ def test_bits_equal_the_torch_backends_panel_gemm(T):
     assert np.array_equal(np.asarray(jax.jit(linear)(x, w, jnp.int32(2))), y.numpy())
 
 
-@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("T", [1, 7, 24, 29, 32, 300])
 def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T):
     """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the slices
-    XLA's threads take, NaN counting as the largest), the torch backend's panel_gemm greedy tokens."""
+    XLA's threads take and within one lane of a slice's running maxima, NaN counting as the largest), the torch
+    backend's panel_gemm greedy tokens. Both loop orders: the unblocked tiles below 24 rows, the k-blocked ones
+    from 24 (29: its 5-row tail; 32: a batch-32 decode step's 2-row tail)."""
     import torch
 
     from torchengine import cpu_kernels as torch_kernels
 
     x, w = data(2, 5003, 64, T, seed=3)
     w[1, 4100] = w[1, 37]  # the same row twice, far apart: the same product bits, a tie the lower index wins
+    w[1, 3237] = w[1, 37]  # and in the same lane (3237 = 37 + 200 panels of 16): a tie inside one running maximum
     x[0] = 4 * w[1, 37]  # row 0's maximum is that pair
     panels = cpu_kernels.pack_panels(w)
     argmax = jax.jit(functools.partial(cpu_kernels.panel_argmax, n=5003))

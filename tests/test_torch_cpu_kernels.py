@@ -164,9 +164,9 @@ def test_pack_panels_kernel_gives_the_reference_layout(lib):
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
 def test_panel_gemm(lib, M, V, K):
     """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
-    or 8, two threads, row blocks (64 rows at K 64, 6 at K 576), both loop orders (the k-blocked one from 24
-    rows; 32 is a batch-32 decode step: five row tiles and a 2-row tail); greedy is torch.argmax of the same
-    logits."""
+    or 8, two threads, both loop orders (the unblocked one below 24 rows, in row blocks of 6 at K 576; the
+    k-blocked one from 24, in row blocks of 48: 70 rows is two; 32 is a batch-32 decode step: five row tiles
+    and a 2-row tail); greedy is torch.argmax of the same logits."""
     x, w = randn(M, K), randn(V, K, seed=1)
     panels = cpu_kernels.pack_panels(w)
     logits = cpu_kernels.panel_gemm(lib, x, panels, V)
