@@ -11,6 +11,7 @@ transformers' conversion, cached on disk after the first time.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import logging
@@ -18,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import types
 from dataclasses import dataclass
 
@@ -80,6 +82,7 @@ def _gguf_header(path: str, reader=None):
 
 
 _GGUF_CHECKPOINT_MODULE = "transformers.modeling_gguf_pytorch_utils"
+_GGUF_CHECKPOINT_LOCK = threading.RLock()
 
 
 def _defer_gguf_checkpoint_module() -> None:
@@ -89,44 +92,52 @@ def _defer_gguf_checkpoint_module() -> None:
     the module that reads GGUF *weights* into torch tensors, and that module imports torch: ~1.5 s of a 2-core
     machine's CPU in the API server's process, which needs no torch, while the engine core loads beside it. A
     tokenizer never calls it. Until something does, that module is a stand-in whose `load_gguf_checkpoint` (or
-    any other name) loads the real one, once. Nothing changes where torch is already imported (the torch
-    backend's process, offline `LLM`), nor for a caller that reads GGUF weights through transformers (tests):
-    its first call pays the import, as it would have at start.
+    any other public name) loads the real one, once (under a lock: two threads never run it twice), and puts it
+    in its place in sys.modules and on the transformers package. Nothing changes where torch is already
+    imported (the torch backend's process, offline `LLM`), nor for a caller that reads GGUF weights through
+    transformers (tests): its first call pays the import, as it would have at start.
     """
-    if "torch" in sys.modules or _GGUF_CHECKPOINT_MODULE in sys.modules:
-        return
-    try:
-        spec = importlib.util.find_spec(_GGUF_CHECKPOINT_MODULE)
-    except ImportError:
-        return
-    if spec is None or spec.loader is None:
-        return
-    stand_in = types.ModuleType(_GGUF_CHECKPOINT_MODULE)
-    loaded: list[types.ModuleType] = []
+    with _GGUF_CHECKPOINT_LOCK:
+        if "torch" in sys.modules or _GGUF_CHECKPOINT_MODULE in sys.modules:
+            return
+        try:
+            spec = importlib.util.find_spec(_GGUF_CHECKPOINT_MODULE)  # (imports the transformers package)
+        except ImportError:
+            return
+        if spec is None or spec.loader is None:
+            return
+        package = sys.modules["transformers"]
+        attr = _GGUF_CHECKPOINT_MODULE.rpartition(".")[2]
+        stand_in = types.ModuleType(_GGUF_CHECKPOINT_MODULE)
+        stand_in.__spec__ = importlib.machinery.ModuleSpec(_GGUF_CHECKPOINT_MODULE, None)  # (no loader: no reload)
+        loaded: list[types.ModuleType] = []
 
-    def real() -> types.ModuleType:
-        if not loaded:
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[_GGUF_CHECKPOINT_MODULE] = mod
-            try:
-                spec.loader.exec_module(mod)
-            except BaseException:
-                sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
-                raise
-            loaded.append(mod)
-        return loaded[0]
+        def real() -> types.ModuleType:
+            with _GGUF_CHECKPOINT_LOCK:
+                if not loaded:
+                    mod = importlib.util.module_from_spec(spec)
+                    sys.modules[_GGUF_CHECKPOINT_MODULE] = mod
+                    try:
+                        spec.loader.exec_module(mod)
+                    except BaseException:
+                        sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
+                        raise
+                    setattr(package, attr, mod)
+                    loaded.append(mod)
+                return loaded[0]
 
-    def getattr_(name: str):
-        if name.startswith("__"):  # the import system's probes (__path__, ...): a plain module's answers
-            raise AttributeError(name)
-        return getattr(real(), name)
+        def getattr_(name: str):
+            if name.startswith("__"):  # the import system's probes (__path__, ...): a plain module's answers
+                raise AttributeError(name)
+            return getattr(real(), name)
 
-    def load_gguf_checkpoint(*args, **kwargs):
-        return real().load_gguf_checkpoint(*args, **kwargs)
+        def load_gguf_checkpoint(*args, **kwargs):
+            return real().load_gguf_checkpoint(*args, **kwargs)
 
-    stand_in.__getattr__ = getattr_
-    stand_in.load_gguf_checkpoint = load_gguf_checkpoint
-    sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
+        stand_in.__getattr__ = getattr_
+        stand_in.load_gguf_checkpoint = load_gguf_checkpoint
+        sys.modules[_GGUF_CHECKPOINT_MODULE] = stand_in
+        setattr(package, attr, stand_in)  # as an import would: `transformers.modeling_gguf_pytorch_utils.X`
 
 
 def _fast_tokenizer_class():
@@ -145,7 +156,7 @@ def _build_bpe_from_gguf(path: str, reader=None):
     get = _gguf_header(path, reader).get
     tokens = get("tokenizer.ggml.tokens")
     merges = get("tokenizer.ggml.merges") or []
-    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
     pre = get("tokenizer.ggml.pre", "gpt2")
     vocab = {t: i for i, t in enumerate(tokens)}
     merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -167,8 +178,8 @@ def _build_bpe_from_gguf(path: str, reader=None):
     # control (3) and user-defined (4) tokens are matched whole, before BPE
     from tokenizers import AddedToken
 
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t == 3]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(token_types) if t == 4]
     tk.add_special_tokens(special)
     if user:
         tk.add_tokens(user)

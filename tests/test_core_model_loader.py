@@ -199,32 +199,40 @@ def test_gguf_tokenizer_cache_gives_the_converted_tokenizer(smollm2_source, monk
     assert again.encode(texts[0]) == fresh.encode(texts[0])
 
 
-def test_gguf_tokenizer_loads_without_torch(smollm2_source):
-    """The API server's process needs no torch: loading the embedded model's tokenizer (cached conversion, then
-    a fresh one) imports none, and transformers' GGUF weight reader, deferred, still works when called."""
+def test_gguf_tokenizer_loads_without_torch(smollm2_source, tmp_path):
+    """The API server's process needs no torch: loading the embedded model's tokenizer (converted from the
+    GGUF, then the saved conversion) imports none, and transformers' GGUF weight reader, deferred, still works
+    when called, the one real module in sys.modules and on the package, loaded once by racing threads."""
     import subprocess
     import sys
 
     code = f"""
-import os, sys, tempfile
+import sys, threading
 from enginecore.model_loader import resolve_model
 from enginecore.tokenizer import load_tokenizer
 src = resolve_model(None)
-tok = load_tokenizer(src)  # the session's cached conversion (or a fresh one)
-os.environ["XLASERVE_CACHE"] = tempfile.mkdtemp()
 fresh = load_tokenizer(src)  # converted from the GGUF, then saved
-ids = tok.encode("Hi <|im_end|>")
+cached = load_tokenizer(src)  # the saved conversion
+ids = cached.encode("Hi <|im_end|>")
 assert ids == fresh.encode("Hi <|im_end|>") and ids[-1] == 2 and len(ids) == 3, ids
 assert "torch" not in sys.modules, "the tokenizer imported torch"
+import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+stand_in = transformers.modeling_gguf_pytorch_utils
+got = []
+ts = [threading.Thread(target=lambda: got.append(stand_in.TENSOR_PROCESSORS)) for _ in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+real = sys.modules["transformers.modeling_gguf_pytorch_utils"]
+assert real is not stand_in and transformers.modeling_gguf_pytorch_utils is real and "torch" in sys.modules
+assert len(got) == 4 and all(g is real.TENSOR_PROCESSORS for g in got)
 out = load_gguf_checkpoint({smollm2_source.path!r}, return_tensors=False)
 assert out["config"]["model_type"] == "llama", out["config"]
-assert "torch" in sys.modules
-import transformers.modeling_gguf_pytorch_utils as real
-assert real.TENSOR_PROCESSORS and real.load_gguf_checkpoint is not load_gguf_checkpoint
+assert sys.modules["transformers.modeling_gguf_pytorch_utils"] is real
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "XLASERVE_CACHE"}
+    env = {**os.environ, "XLASERVE_CACHE": str(tmp_path)}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
+    assert len(os.listdir(tmp_path / "tokenizers")) == 1

@@ -97,7 +97,8 @@ def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy
 
     x, w = data(2, 5003, 64, T, seed=3)
     w[1, 4100] = w[1, 37]  # the same row twice, far apart: the same product bits, a tie the lower index wins
-    w[1, 3237] = w[1, 37]  # and in the same lane (3237 = 37 + 200 panels of 16): a tie inside one running maximum
+    w[1, 45] = w[1, 37]  # the same lane of the same panel (37 + 8): a tie inside one running maximum
+    w[1, 3237] = w[1, 37]  # the same lane 200 panels on: across slices when XLA has threads enough
     x[0] = 4 * w[1, 37]  # row 0's maximum is that pair
     panels = cpu_kernels.pack_panels(w)
     argmax = jax.jit(functools.partial(cpu_kernels.panel_argmax, n=5003))
