@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 torch = pytest.importorskip("torch")
 
@@ -55,6 +56,18 @@ def test_kv_blocks_from_memory_budget(tiny_llama):
     assert core.num_blocks == (1 << 20) // per_block
     assert core.runner.kv_caches[0][0].shape == (core.num_blocks, 16, 2, 16)
     assert core.warmup_stats["attention_backend"] == "torch"
+    # a fresh CPU cache (an anonymous mapping, not torch.zeros): zero, the cache dtype, one block of memory with
+    # every layer's K and V apart, 16-bit too
+    for dtype in (torch.float32, torch.bfloat16):
+        core.runner.kv_dtype = dtype
+        core.runner._allocate_kv_cache(5)
+        caches = core.runner.kv_caches
+        assert len(caches) == 2 and all(c.dtype == dtype and c.shape == (5, 16, 2, 16) for kv in caches for c in kv)
+        assert all(not c.any() for kv in caches for c in kv)
+        ptrs = sorted(c.data_ptr() for kv in caches for c in kv)
+        assert all(b - a == 5 * 16 * 2 * 16 * caches[0][0].element_size() for a, b in zip(ptrs, ptrs[1:]))
+        caches[1][1][4, 15] = 1.0
+        assert not caches[1][0].any() and not caches[0][1].any() and caches[1][1].sum() == 2 * 16
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
