@@ -48,7 +48,7 @@ def plain(tiny_llama):
     return {"greedy": tokens(llm, GREEDY), "seeded": tokens(llm, SEEDED)}
 
 
-def test_kv_blocks_from_memory_budget(tiny_llama):
+def test_kv_blocks_from_memory_budget(tiny_llama, monkeypatch):
     llm = llm_for(tiny_llama, kv_cache_memory_bytes=1 << 20)
     core = llm.llm_engine.core
     per_block = core.runner.kv_bytes_per_block()
@@ -68,6 +68,17 @@ def test_kv_blocks_from_memory_budget(tiny_llama):
         assert all(b - a == 5 * 16 * 2 * 16 * caches[0][0].element_size() for a, b in zip(ptrs, ptrs[1:]))
         caches[1][1][4, 15] = 1.0
         assert not caches[1][0].any() and not caches[0][1].any() and caches[1][1].sum() == 2 * 16
+    # one that the host's available memory cannot hold fails at start, saying which flag to lower
+    from enginecore import kv_cache
+    from enginecore.config import ConfigError
+
+    need = 2 * 2 * 7 * 16 * 2 * 16 * 2  # bfloat16, 7 blocks
+    assert kv_cache.available_memory_bytes() > 0
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match="--kv-cache-memory-bytes"):
+        core.runner._allocate_kv_cache(7)
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: need)
+    core.runner._allocate_kv_cache(7)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])

@@ -36,7 +36,7 @@ import torch
 from enginecore.buckets import Buckets
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
-from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
+from enginecore.kv_cache import check_cpu_kv_fits, default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.native import describe_huge_pages, huge_page_array
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -264,8 +264,9 @@ class TorchModelRunner:
         # memset of every page at start (~0.6 s a GiB on 2 cores, mostly for blocks a small load never uses)
         full = (self.arch.num_hidden_layers, 2, *shape)
         if self.device.type == "cpu":
-            item = torch.empty((), dtype=self.kv_dtype).element_size()
-            raw = huge_page_array(int(np.prod(full)) * item, np.uint8)
+            nbytes = int(np.prod(full)) * torch.empty((), dtype=self.kv_dtype).element_size()
+            check_cpu_kv_fits(nbytes)  # (torch.zeros would have committed it all here, or been killed for it)
+            raw = huge_page_array(nbytes, np.uint8)
             cache = torch.from_numpy(raw).view(self.kv_dtype).view(full)
         else:
             cache = torch.zeros(full, dtype=self.kv_dtype, device=self.device)
