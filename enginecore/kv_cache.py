@@ -298,10 +298,10 @@ class KVCacheManager:
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+def available_memory_bytes() -> int | None:
     """The host's MemAvailable, or None where it cannot be read."""
     try:
-        with open(meminfo) as f:
+        with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -317,11 +317,11 @@ def default_cpu_kv_bytes() -> int:
     return DEFAULT_CPU_KV_BYTES if avail is None else min(DEFAULT_CPU_KV_BYTES, avail // 4)
 
 
-def check_cpu_kv_fits(nbytes: int, available: int | None = None) -> None:
+def check_cpu_kv_fits(nbytes: int) -> None:
     """A CPU KV cache that the OS hands out page by page as steps first write it (not all committed at start)
     must still fit the memory available now: otherwise the start fails here, with the flag to change, instead
     of the process being killed for memory mid-serve once enough blocks are in use."""
-    avail = available_memory_bytes() if available is None else available
+    avail = available_memory_bytes()
     if avail is not None and nbytes > avail:
         raise ConfigError(f"the KV cache needs {nbytes / 2**30:.2f} GiB but this host has {avail / 2**30:.2f} GiB "
                           f"available; lower --kv-cache-memory-bytes (or --max-num-seqs / --max-model-len)")
