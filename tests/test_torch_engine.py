@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 torch = pytest.importorskip("torch")
 
@@ -72,7 +71,8 @@ def test_kv_blocks_from_memory_budget(tiny_llama, monkeypatch):
     from enginecore import kv_cache
     from enginecore.config import ConfigError
 
-    need = 2 * 2 * 7 * 16 * 2 * 16 * 2  # bfloat16, 7 blocks
+    need = 7 * core.runner.kv_bytes_per_block()  # bfloat16 now
+    assert need == 2 * 2 * 7 * 16 * 2 * 16 * 2
     assert kv_cache.available_memory_bytes() > 0
     monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: need - 1)
     with pytest.raises(ConfigError, match="--kv-cache-memory-bytes"):

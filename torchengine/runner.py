@@ -264,7 +264,7 @@ class TorchModelRunner:
         # memset of every page at start (~0.6 s a GiB on 2 cores, mostly for blocks a small load never uses)
         full = (self.arch.num_hidden_layers, 2, *shape)
         if self.device.type == "cpu":
-            nbytes = int(np.prod(full)) * torch.empty((), dtype=self.kv_dtype).element_size()
+            nbytes = num_blocks * self.kv_bytes_per_block()
             check_cpu_kv_fits(nbytes)  # (torch.zeros would have committed it all here, or been killed for it)
             raw = huge_page_array(nbytes, np.uint8)
             cache = torch.from_numpy(raw).view(self.kv_dtype).view(full)
