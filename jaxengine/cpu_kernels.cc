@@ -18,6 +18,9 @@
 //   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
 //   same as the torch backend's on a CPU.
 //
+// - XlaserveCpuZeros: a zero buffer (the KV cache) whose whole pages are handed back to the OS instead of written:
+//   memory is committed page by page as steps first write it, not all at start.
+//
 // - XlaserveCpuLayers: every decoder layer of a ragged step in one call, the kernels above in the order the
 //   scan over layers calls them (the same bits), run by a Team of XLA's threads held for the whole call
 //   (`model.forward` on a CPU by default; compilation_config={"cpu_layers": False} goes back to the scan).
@@ -29,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -37,6 +41,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -679,6 +686,54 @@ ffi::Error TopPThresholds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Bu
     return ffi::Error::Success();
 }
 
+// whether [lo, hi) lies in private anonymous mappings (/proc/self/maps: 'p', inode 0), whose pages read as zero
+// after MADV_DONTNEED (a shared or file-backed page would read its old contents again)
+static bool private_anonymous(uintptr_t lo, uintptr_t hi) {
+    FILE *f = std::fopen("/proc/self/maps", "r");
+    if (f == nullptr) return false;
+    char line[4096];
+    uintptr_t covered = lo;
+    bool ok = true;
+    while (ok && covered < hi && std::fgets(line, sizeof line, f)) {
+        unsigned long a, b, off, inode;
+        unsigned dev_major, dev_minor;
+        char perms[8];
+        if (std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu", &a, &b, perms, &off, &dev_major, &dev_minor, &inode) != 7)
+            continue;  // (the rest of a line longer than the buffer)
+        if (b <= covered) continue;  // a mapping below (the lines are in address order)
+        ok = a <= covered && perms[3] == 'p' && inode == 0;
+        covered = b;
+    }
+    std::fclose(f);
+    return ok && covered >= hi;
+}
+
+// n bytes at p set to zero without writing most of them: the pages wholly inside go back to the OS (MADV_DONTNEED:
+// a private anonymous page, which is what malloc and XLA's allocator hand out, then reads as zero and takes
+// memory only once written), the partial pages at the two ends are memset. Memory of another kind, or a refused
+// advice: all n bytes are memset. Returns 1 if the pages were handed back, 0 if everything was written.
+extern "C" int zero_pages(void *ptr, size_t n) {
+    char *p = static_cast<char *>(ptr);
+    const long ps = sysconf(_SC_PAGESIZE);
+    const uintptr_t page = ps > 0 ? (uintptr_t)ps : 4096, a = (uintptr_t)p;
+    const uintptr_t lo = (a + page - 1) / page * page, hi = (a + n) / page * page;
+    if (hi <= lo || !private_anonymous(lo, hi) || madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED)) {
+        std::memset(p, 0, n);
+        return 0;
+    }
+    std::memset(p, 0, lo - a);
+    std::memset(reinterpret_cast<char *>(hi), 0, a + n - hi);
+    return 1;
+}
+
+// out = zeros, by zero_pages: the jax CPU KV cache, whose jnp.zeros wrote all of it at start (~0.4 s and all of
+// its memory a GiB, for blocks a small load may never use; the torch backend's cache is a fresh mapping for the
+// same reason)
+ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out) {
+    zero_pages(out->untyped_data(), out->size_bytes());
+    return ffi::Error::Success();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -790,3 +845,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLayers, Layers,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window")
                                   .Attr<int32_t>("num_heads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuZeros, Zeros, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -20,6 +20,8 @@
 - `layers(...)`: every decoder layer of a step in one call, the kernels above in the order `model.forward`'s
   scan calls them (the same bits), its phases run by XLA's threads held for the call instead of woken for
   each of ~300 custom calls a step (the default; compilation_config={"cpu_layers": False}: the scan).
+- `zeros(shape, dtype)`: jnp.zeros whose whole pages go back to the OS instead of being written: the KV cache,
+  committed page by page as steps first write it (the torch backend's CPU cache is a fresh mapping likewise).
 - `log_softmax`, `inverse_cdf`, `top_p_thresholds`: the sampler's row work (`sampler.sample(...,
   cpu_kernels=True)`), the torch sampler's kernels: the same logprobs and seeded draws on both backends.
 
@@ -58,6 +60,7 @@ LOG_SOFTMAX = "xlaserve_cpu_log_softmax"
 INVERSE_CDF = "xlaserve_cpu_inverse_cdf"
 TOP_P_THRESHOLDS = "xlaserve_cpu_top_p_thresholds"
 LAYERS = "xlaserve_cpu_layers"
+ZEROS = "xlaserve_cpu_zeros"
 PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
@@ -91,7 +94,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         jax.ffi.register_ffi_target(SILU_MUL, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(ROPE, jax.ffi.pycapsule(lib.XlaserveCpuRope), platform="cpu")
         for name, fn in ((LOG_SOFTMAX, lib.XlaserveCpuLogSoftmax), (INVERSE_CDF, lib.XlaserveCpuInverseCdf),
-                         (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds), (LAYERS, lib.XlaserveCpuLayers)):
+                         (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds), (LAYERS, lib.XlaserveCpuLayers),
+                         (ZEROS, lib.XlaserveCpuZeros)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
         lib.pack_panels_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
         lib.pack_panels_f32.restype = ctypes.c_int
@@ -154,6 +158,13 @@ def pack_onto_huge_pages(groups: dict) -> dict:
         o += dst.size
     logger.info("CPU panels in one buffer: %s", describe_huge_pages(arena))
     return out
+
+
+def zeros(shape, dtype):
+    """jnp.zeros(shape, dtype), written only at its partial end pages: the rest is handed back to the OS, which
+    gives a page zeroed when it is first written (the jax KV cache: ~0.4 s and all of its memory a GiB at start
+    as jnp.zeros; `cpu_kernels.cc`'s Zeros, which falls back to writing it all where that cannot be done)."""
+    return jax.ffi.ffi_call(ZEROS, jax.ShapeDtypeStruct(tuple(shape), dtype))()
 
 
 def panel_rows(panels, ids):
@@ -283,4 +294,4 @@ __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", 
            "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available",
            "decode_attention", "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels",
            "panel_argmax", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope", "rope_tables",
-           "silu_mul", "top_p_thresholds"]
+           "silu_mul", "top_p_thresholds", "ZEROS", "zeros"]

@@ -36,7 +36,7 @@ from enginecore.arch import rope_cos_sin
 from enginecore.buckets import Buckets, pick_bucket
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
-from enginecore.kv_cache import default_cpu_kv_bytes, num_kv_blocks
+from enginecore.kv_cache import check_cpu_kv_fits, default_cpu_kv_bytes, num_kv_blocks
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
@@ -262,10 +262,17 @@ class JaxModelRunner:
             return
         shape = self._kv_cache_shape(num_blocks)
         dtype = jnp_dtype(self.kv_dtype)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)()
+        nbytes = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+        zeros = jnp.zeros
+        if self.platform == "cpu":
+            check_cpu_kv_fits(nbytes)
+            if self.cpu_linears or self.cpu_decode_attention:  # (their library is loaded: one device, x86 AVX2)
+                from jaxengine import cpu_kernels
+
+                zeros = cpu_kernels.zeros  # memory committed as steps first write it, not all here
+        self.kv_cache = jax.jit(lambda: zeros(shape, dtype), out_shardings=self._kv_sharding)()
         self.last_tokens = jax.jit(lambda: jnp.zeros(self.num_rows, jnp.int32), out_shardings=self._rep)()
-        logger.info("jax: KV cache %s %s (%.1f MiB)", shape, self.kv_dtype,
-                    np.prod(shape) * jnp.dtype(dtype).itemsize / 2**20)
+        logger.info("jax: KV cache %s %s (%.1f MiB)", shape, self.kv_dtype, nbytes / 2**20)
 
     @property
     def _kv_sharding(self):

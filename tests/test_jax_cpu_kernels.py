@@ -494,3 +494,56 @@ def test_pack_onto_huge_pages_packs_each_group_into_one_aligned_buffer():
     shapes = jax.eval_shape(lambda x: cpu_kernels.pack_onto_huge_pages({"x": [(x * 2, (1, 24, 3))]}),
                             jnp.zeros((24, 3)))
     assert shapes["x"].shape == (1, 2, 3, 16)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
+    """`cpu_kernels.cc`'s zero_pages (behind `zeros`): n bytes anywhere in written memory read as zero after it,
+    the pages wholly inside handed back to the OS (only where there is one, in private anonymous memory), the
+    bytes around untouched."""
+    import ctypes
+    import mmap
+
+    lib = cpu_kernels._library()[0]
+    lib.zero_pages.argtypes, lib.zero_pages.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    page = mmap.PAGESIZE
+    buf = np.empty(64 * page + 3000, np.uint8)  # malloc's memory, as XLA's buffers are
+    for off, n in ((0, buf.size), (123, 5 * page + 77), (page - 5, 3 * page), (17, 100), (9, 0)):
+        buf[:] = 7
+        a = buf.ctypes.data + off
+        whole_page_inside = (a + n) // page * page > -(-a // page) * page
+        assert lib.zero_pages(a, n) == int(whole_page_inside), (off, n)
+        assert not buf[off : off + n].any(), (off, n)
+        assert (buf[:off] == 7).all() and (buf[off + n :] == 7).all(), (off, n)
+    # a shared mapping's pages would read their contents again after the advice: written instead
+    shared = mmap.mmap(-1, 8 * page)
+    view = np.frombuffer(shared, np.uint8)
+    view[:] = 7
+    assert lib.zero_pages(view.ctypes.data + 1, view.size - 1) == 0
+    assert view[0] == 7 and not view[1:].any()
+    del view
+    shared.close()
+
+
+def test_zeros_commits_no_memory_until_written():
+    """`zeros` (the jax CPU KV cache): zeros of any dtype, and a 64 MiB one takes (almost) no memory until
+    written, where jnp.zeros' takes all of it at once."""
+    for shape, dtype in (((3,), jnp.float32), ((1000, 5), jnp.bfloat16), ((7, 4096, 3), jnp.float16)):
+        z = jax.jit(lambda: cpu_kernels.zeros(shape, dtype))()
+        assert z.shape == shape and z.dtype == dtype and not np.asarray(z.astype(jnp.float32)).any()
+    shape, nbytes = (16, 1 << 20), 64 << 20
+    ours = jax.jit(lambda: cpu_kernels.zeros(shape, jnp.float32)).lower().compile()
+    xlas = jax.jit(lambda: jnp.zeros(shape, jnp.float32)).lower().compile()
+    r0 = resident_bytes()
+    z = ours()
+    z.block_until_ready()
+    r1 = resident_bytes()
+    zx = xlas()
+    zx.block_until_ready()
+    r2 = resident_bytes()
+    assert r1 - r0 < nbytes // 4 and r2 - r1 > nbytes // 2, (r1 - r0, r2 - r1)
+    assert not np.asarray(z).any() and not np.asarray(zx).any()

@@ -216,3 +216,42 @@ def test_max_model_len_of_a_few_blocks(tiny, reference_tokens):
     llm = small(tiny, max_model_len=40)
     assert llm.llm_engine.core.runner.input_batch.max_blocks_per_req == 3
     assert generate(llm) == reference_tokens
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """How many of the bytes [address, address + nbytes) lie in pages in memory (mincore(2), whole pages)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    lo, hi = address // page * page, -(-(address + nbytes) // page) * page
+    vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
+
+
+def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, monkeypatch):
+    """On a CPU with the kernels on, the KV cache is zero without being written at start (`cpu_kernels.zeros`):
+    after warmup (its steps write the null block) most of the 16 MiB cache holds no memory, and the tokens are
+    the same; a cache larger than the memory available fails at start, naming the flag."""
+    from jaxengine import cpu_kernels
+
+    if cpu_kernels.available():
+        pytest.skip(f"the CPU kernels do not run here: {cpu_kernels.available()}")
+    kw = dict(kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
+    llm = small(tiny, **kw)
+    runner = llm.llm_engine.core.runner
+    assert runner.cpu_decode_attention and runner.num_blocks == (16 << 20) // runner.kv_bytes_per_block()
+    assert runner.kv_cache.nbytes == 16 << 20
+    assert resident_bytes(runner.kv_cache.unsafe_buffer_pointer(), 16 << 20) < 4 << 20
+    assert not np.asarray(runner.kv_cache).any()
+    assert generate(llm) == reference_tokens
+
+    from enginecore import kv_cache
+    from enginecore.config import ConfigError
+
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: 8 << 20)
+    with pytest.raises(ConfigError, match="available; lower --kv-cache-memory-bytes"):
+        small(tiny, **kw)
