@@ -340,3 +340,18 @@ def num_kv_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, ma
             f"--max-model-len {max_model_len} sequence needs; lower --max-model-len or give the KV cache more memory"
         )
     return min(n, max_num_seqs * per_seq + 1)
+
+
+def kv_blocks_for(config, bytes_per_block: int, block_size: int, device_budget=None) -> int:
+    """The KV cache's blocks, both backends' one policy: --kv-cache-memory-bytes if given; else on an
+    accelerator `device_budget()` -> (bytes, what set them: the flag, for the message) - what its memory
+    leaves after the weights and a step's peak; else (a CPU, `device_budget` None) `default_cpu_kv_bytes()`.
+    Then `num_kv_blocks`."""
+    cc, sc = config.cache_config, config.scheduler_config
+    if cc.kv_cache_memory_bytes is not None:
+        budget, what = cc.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes}"
+    elif device_budget is None:
+        budget, what = default_cpu_kv_bytes(), "the default CPU KV cache (min(1 GiB, MemAvailable / 4))"
+    else:
+        budget, what = device_budget()
+    return num_kv_blocks(budget, bytes_per_block, sc.max_num_seqs, sc.max_model_len, block_size, what)

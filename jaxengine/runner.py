@@ -36,7 +36,7 @@ from enginecore.arch import rope_cos_sin
 from enginecore.buckets import Buckets, pick_bucket
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
-from enginecore.kv_cache import check_cpu_kv_fits, default_cpu_kv_bytes, num_kv_blocks
+from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
@@ -239,16 +239,13 @@ class JaxModelRunner:
                               head_dim=self.cache_head_dim)
 
     def determine_num_blocks(self) -> int:
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        if cc.kv_cache_memory_bytes is not None:
-            budget, what = cc.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes}"
-        elif self.platform == "cpu":
-            budget, what = default_cpu_kv_bytes(), "the default CPU KV cache (min(1 GiB, MemAvailable / 4))"
-        else:
-            budget = plat.device_kv_budget(self.devices[0], cc.gpu_memory_utilization, self._activation_bytes())
-            what = f"--gpu-memory-utilization {cc.gpu_memory_utilization} ({budget / 2**30:.2f} GiB for the KV cache)"
-        return num_kv_blocks(budget, self.kv_bytes_per_block(), sc.max_num_seqs, sc.max_model_len, self.block_size,
-                             what)
+        return kv_blocks_for(self.config, self.kv_bytes_per_block(), self.block_size,
+                             None if self.platform == "cpu" else self._device_kv_budget)
+
+    def _device_kv_budget(self) -> tuple[int, str]:
+        util = self.config.cache_config.gpu_memory_utilization
+        budget = plat.device_kv_budget(self.devices[0], util, self._activation_bytes())
+        return budget, f"--gpu-memory-utilization {util} ({budget / 2**30:.2f} GiB for the KV cache)"
 
     def _activation_bytes(self) -> int:
         return step_temporaries_bytes(self.config, self.arch, self.mesh, self.rules)

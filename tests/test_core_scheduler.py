@@ -278,3 +278,26 @@ def test_property_random_add_step_abort_keeps_block_invariants(ops, policy, asyn
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_usable_blocks
     run_to_end(core)
     assert core.scheduler.kv.pool.num_used_blocks == 0
+
+
+def test_kv_blocks_for_is_one_policy_for_every_backend(monkeypatch):
+    """enginecore.kv_cache.kv_blocks_for (both runners' determine_num_blocks): --kv-cache-memory-bytes first,
+    else the device's budget, else on a CPU min(1 GiB, MemAvailable / 4); capped at what max_num_seqs sequences
+    of max_model_len can use; too little for one sequence is an error naming what set the budget."""
+    from enginecore import kv_cache
+    from enginecore.config import ConfigError
+
+    def config(**kw):
+        return EngineArgs(platform="cpu", max_model_len=64, max_num_seqs=4, block_size=16, **kw).create_engine_config()
+
+    device = lambda: (100 * 1000, "--gpu-memory-utilization 0.9 (test)")  # noqa: E731
+    assert kv_cache.kv_blocks_for(config(kv_cache_memory_bytes=10 * 1000), 1000, 16, device) == 10
+    assert kv_cache.kv_blocks_for(config(), 1000, 16, device) == 4 * 4 + 1  # capped: 4 sequences of 4 blocks
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: 4 * 7 * 1000)
+    assert kv_cache.kv_blocks_for(config(), 1000, 16) == 7
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: None)
+    assert kv_cache.kv_blocks_for(config(), 1 << 20, 16) == 4 * 4 + 1  # 1 GiB: 1024 blocks, capped
+    with pytest.raises(ConfigError, match=r"--kv-cache-memory-bytes 4000 holds 4 KV blocks .* fewer than the 5"):
+        kv_cache.kv_blocks_for(config(kv_cache_memory_bytes=4000), 1000, 16, device)
+    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization 0.9 \(test\) holds 3 KV blocks"):
+        kv_cache.kv_blocks_for(config(), 1000, 16, lambda: (3000, "--gpu-memory-utilization 0.9 (test)"))

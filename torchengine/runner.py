@@ -36,7 +36,7 @@ import torch
 from enginecore.buckets import Buckets
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
-from enginecore.kv_cache import check_cpu_kv_fits, default_cpu_kv_bytes, num_kv_blocks
+from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.native import describe_huge_pages, huge_page_array
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -226,18 +226,11 @@ class TorchModelRunner:
         return self.arch.kv_cache_bytes_per_block(self.block_size, itemsize, self.tp_size)
 
     def determine_num_blocks(self) -> int:
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        if cc.kv_cache_memory_bytes is not None:
-            budget, what = cc.kv_cache_memory_bytes, f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes}"
-        elif self.device.type == "cuda":
-            budget = self._profile_kv_budget()
-            what = f"--gpu-memory-utilization {cc.gpu_memory_utilization} (KV budget {budget / 2**30:.2f} GiB)"
-        else:
-            budget, what = default_cpu_kv_bytes(), "the default CPU KV cache (min(1 GiB, MemAvailable / 4))"
-        n = num_kv_blocks(budget, self.kv_bytes_per_block(), sc.max_num_seqs, sc.max_model_len, self.block_size, what)
+        n = kv_blocks_for(self.config, self.kv_bytes_per_block(), self.block_size,
+                          self._profile_kv_budget if self.device.type == "cuda" else None)
         return self.tp.min_over_ranks(n) if self.tp is not None else n
 
-    def _profile_kv_budget(self) -> int:
+    def _profile_kv_budget(self) -> tuple[int, str]:
         """CUDA: memory left for the KV cache after weights and the peak of a max-size step."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -255,7 +248,9 @@ class TorchModelRunner:
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - non_torch
         logger.info("rank %d: %.2f GiB total, peak %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB", self.rank,
                     total / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
-        return max(budget, 0)
+        budget = max(budget, 0)
+        util = self.config.cache_config.gpu_memory_utilization
+        return budget, f"--gpu-memory-utilization {util} (KV budget {budget / 2**30:.2f} GiB)"
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.arch.num_key_value_heads // self.tp_size, self.arch.head_dim)
