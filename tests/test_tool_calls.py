@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from frontend.tool_parsers import (
     TOOL_PARSERS,
@@ -551,3 +553,16 @@ def test_mistral_keeps_special_tokens_when_its_marker_is_one(tok):
         resp = check_stream_matches(app, {"tools": TOOLS})
         assert client.requests[-1][1].skip_special_tokens is keep
         assert [c["function"]["name"] for c in resp["choices"][0]["message"]["tool_calls"]] == ["get_time"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from('ab"\\\n/{}[]é'), max_size=40), st.sampled_from(["", "x", '"', "\\", ', "k": 1}']))
+def test_scan_string_ends_a_json_string_exactly_where_json_does(value, tail):
+    """frontend.tool_parsers.base.scan_string (quote to quote, counting the backslashes before each): a whole JSON
+    string ends where json.dumps' text ends whatever follows it, and no proper prefix of it is finished."""
+    from frontend.tool_parsers.base import scan_string
+
+    for ensure_ascii in (True, False):
+        enc = json.dumps(value, ensure_ascii=ensure_ascii)
+        assert scan_string("k" + enc + tail, 1) == 1 + len(enc)
+        assert all(scan_string(enc[:n], 0) is None for n in range(1, len(enc)))

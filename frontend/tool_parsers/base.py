@@ -160,20 +160,23 @@ def after_next_marker(text: str, i: int, marker: str) -> int | None:
     return None if nxt < 0 else nxt + len(marker)
 
 
-_STRING_STOP = re.compile(r'["\\]')
 _VALUE_STOP = re.compile(r'["{}\[\]]')
 
 
 def scan_string(s: str, i: int) -> int | None:
-    """s[i] == '"': the index after the closing quote, or None if the string is not finished."""
+    """s[i] == '"': the index after the closing quote, or None if the string is not finished: from quote to
+    quote (str.find), a quote closing it when an even number of backslashes precede it. Stepping from escape
+    to escape made a streamed call whose arguments hold a long string with many escapes (code) cost ~0.5 ms
+    a delta at 14 KB, the whole text re-parsed each delta."""
     j = i + 1
-    while True:
-        m = _STRING_STOP.search(s, j)
-        if m is None:
-            return None
-        if m.group() == '"':
-            return m.end()
-        j = m.end() + 1  # skip the escaped character
+    while (q := s.find('"', j)) >= 0:
+        b = q
+        while s[b - 1] == "\\":
+            b -= 1
+        if (q - b) % 2 == 0:
+            return q + 1
+        j = q + 1
+    return None
 
 
 def scan_value(s: str, i: int, final: bool) -> int | None:
