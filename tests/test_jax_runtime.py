@@ -218,24 +218,11 @@ def test_max_model_len_of_a_few_blocks(tiny, reference_tokens):
     assert generate(llm) == reference_tokens
 
 
-def resident_bytes(address: int, nbytes: int) -> int:
-    """How many of the bytes [address, address + nbytes) lie in pages in memory (mincore(2), whole pages)."""
-    import ctypes
-    import mmap
-
-    page = mmap.PAGESIZE
-    lo, hi = address // page * page, -(-(address + nbytes) // page) * page
-    vec = (ctypes.c_ubyte * ((hi - lo) // page))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) * page
-
-
 def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, monkeypatch):
     """On a CPU with the kernels on, the KV cache is zero without being written at start (`cpu_kernels.zeros`):
     after warmup (its steps write the null block) most of the 16 MiB cache holds no memory, and the tokens are
     the same; a cache larger than the memory available fails at start, naming the flag."""
+    from enginecore.native import resident_bytes
     from jaxengine import cpu_kernels
 
     if cpu_kernels.available():

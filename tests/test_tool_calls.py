@@ -556,7 +556,8 @@ def test_mistral_keeps_special_tokens_when_its_marker_is_one(tok):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.sampled_from('ab"\\\n/{}[]é'), max_size=40), st.sampled_from(["", "x", '"', "\\", ', "k": 1}']))
+@given(st.text(alphabet=st.sampled_from('ab"\\\n/{}[]é'), max_size=40),
+       st.sampled_from(["", "x", '"', "\\", ', "k": 1}']))
 def test_scan_string_ends_a_json_string_exactly_where_json_does(value, tail):
     """frontend.tool_parsers.base.scan_string (quote to quote, counting the backslashes before each): a whole JSON
     string ends where json.dumps' text ends whatever follows it, and no proper prefix of it is finished."""
