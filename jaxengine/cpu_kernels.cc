@@ -686,22 +686,25 @@ ffi::Error TopPThresholds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Bu
     return ffi::Error::Success();
 }
 
-// whether [lo, hi) lies in private anonymous mappings (/proc/self/maps: 'p', inode 0), whose pages read as zero
-// after MADV_DONTNEED (a shared or file-backed page would read its old contents again)
+// whether [lo, hi) lies in private anonymous mappings (/proc/self/maps: 'p', no device, no inode), whose pages
+// read as zero after MADV_DONTNEED (a shared or file-backed page would read its old contents again)
 static bool private_anonymous(uintptr_t lo, uintptr_t hi) {
     FILE *f = std::fopen("/proc/self/maps", "r");
     if (f == nullptr) return false;
     char line[4096];
     uintptr_t covered = lo;
-    bool ok = true;
+    bool ok = true, line_start = true;
     while (ok && covered < hi && std::fgets(line, sizeof line, f)) {
+        const bool starts = line_start;  // (not the rest of a line longer than the buffer)
+        line_start = std::strchr(line, '\n') != nullptr;
         unsigned long a, b, off, inode;
         unsigned dev_major, dev_minor;
         char perms[8];
-        if (std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu", &a, &b, perms, &off, &dev_major, &dev_minor, &inode) != 7)
-            continue;  // (the rest of a line longer than the buffer)
+        if (!starts ||
+            std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu", &a, &b, perms, &off, &dev_major, &dev_minor, &inode) != 7)
+            continue;
         if (b <= covered) continue;  // a mapping below (the lines are in address order)
-        ok = a <= covered && perms[3] == 'p' && inode == 0;
+        ok = a <= covered && perms[3] == 'p' && inode == 0 && dev_major == 0 && dev_minor == 0;
         covered = b;
     }
     std::fclose(f);
@@ -713,6 +716,7 @@ static bool private_anonymous(uintptr_t lo, uintptr_t hi) {
 // memory only once written), the partial pages at the two ends are memset. Memory of another kind, or a refused
 // advice: all n bytes are memset. Returns 1 if the pages were handed back, 0 if everything was written.
 extern "C" int zero_pages(void *ptr, size_t n) {
+    if (n == 0) return 0;
     char *p = static_cast<char *>(ptr);
     const long ps = sysconf(_SC_PAGESIZE);
     const uintptr_t page = ps > 0 ? (uintptr_t)ps : 4096, a = (uintptr_t)p;
@@ -726,9 +730,7 @@ extern "C" int zero_pages(void *ptr, size_t n) {
     return 1;
 }
 
-// out = zeros, by zero_pages: the jax CPU KV cache, whose jnp.zeros wrote all of it at start (~0.4 s and all of
-// its memory a GiB, for blocks a small load may never use; the torch backend's cache is a fresh mapping for the
-// same reason)
+// out = zeros, by zero_pages (jaxengine.cpu_kernels.zeros: the CPU KV cache)
 ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out) {
     zero_pages(out->untyped_data(), out->size_bytes());
     return ffi::Error::Success();

@@ -161,9 +161,8 @@ def pack_onto_huge_pages(groups: dict) -> dict:
 
 
 def zeros(shape, dtype):
-    """jnp.zeros(shape, dtype), written only at its partial end pages: the rest is handed back to the OS, which
-    gives a page zeroed when it is first written (the jax KV cache: ~0.4 s and all of its memory a GiB at start
-    as jnp.zeros; `cpu_kernels.cc`'s Zeros, which falls back to writing it all where that cannot be done)."""
+    """jnp.zeros(shape, dtype) whose whole pages are handed back to the OS instead of written (`cpu_kernels.cc`'s
+    zero_pages; docs/design-notes.md, "Start-up"): the jax CPU KV cache."""
     return jax.ffi.ffi_call(ZEROS, jax.ShapeDtypeStruct(tuple(shape), dtype))()
 
 
@@ -291,7 +290,7 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
 
 
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_ARGMAX", "PANEL_LINEAR",
-           "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "available",
+           "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "ZEROS", "available",
            "decode_attention", "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels",
            "panel_argmax", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope", "rope_tables",
-           "silu_mul", "top_p_thresholds", "ZEROS", "zeros"]
+           "silu_mul", "top_p_thresholds", "zeros"]

@@ -525,14 +525,27 @@ def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
 
 
 def test_zeros_commits_no_memory_until_written():
-    """`zeros` (the jax CPU KV cache): zeros of any dtype, and a 64 MiB one holds (almost) none of its pages in
-    memory until written, where every page of jnp.zeros' is (mincore: the buffers' own pages, whatever memory
-    the allocator reused for them)."""
+    """`zeros` (the jax CPU KV cache): zeros of any dtype, also over memory that held other values, and a 64 MiB
+    one holds (almost) none of its pages in memory until written, where every page of jnp.zeros' is (mincore:
+    the buffers' own pages, whatever memory the allocator reused for them)."""
     from enginecore.native import resident_bytes
 
     for shape, dtype in (((3,), jnp.float32), ((1000, 5), jnp.bfloat16), ((7, 4096, 3), jnp.float16)):
         z = jax.jit(lambda: cpu_kernels.zeros(shape, dtype))()
         assert z.shape == shape and z.dtype == dtype and not np.asarray(z.astype(jnp.float32)).any()
+    # over memory that held other values: a freed 4 MB buffer, which the allocator hands back within a few tries
+    sevens = jax.jit(lambda: jnp.full((1024, 1000), 7.0)).lower().compile()
+    zeros = jax.jit(lambda: cpu_kernels.zeros((1024, 1000), jnp.float32)).lower().compile()
+    reused = 0
+    for _ in range(20):
+        a = sevens()
+        p = a.block_until_ready().unsafe_buffer_pointer()
+        a.delete()
+        z = zeros()
+        reused += z.block_until_ready().unsafe_buffer_pointer() == p
+        assert not np.asarray(z).any()
+        z.delete()
+    assert reused, "the allocator never reused a freed buffer: zeros was not tried over written memory"
     shape, nbytes = (16, 1 << 20), 64 << 20
     z = jax.jit(lambda: cpu_kernels.zeros(shape, jnp.float32))()
     zx = jax.jit(lambda: jnp.zeros(shape, jnp.float32))()

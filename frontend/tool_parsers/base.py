@@ -171,7 +171,7 @@ def scan_string(s: str, i: int) -> int | None:
     j = i + 1
     while (q := s.find('"', j)) >= 0:
         b = q
-        while s[b - 1] == "\\":
+        while b > i + 1 and s[b - 1] == "\\":
             b -= 1
         if (q - b) % 2 == 0:
             return q + 1
