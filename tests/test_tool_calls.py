@@ -567,3 +567,24 @@ def test_scan_string_ends_a_json_string_exactly_where_json_does(value, tail):
         enc = json.dumps(value, ensure_ascii=ensure_ascii)
         assert scan_string("k" + enc + tail, 1) == 1 + len(enc)
         assert all(scan_string(enc[:n], 0) is None for n in range(1, len(enc)))
+
+
+def test_scan_string_resumes_a_long_open_string_only_in_a_text_that_extends_the_one_it_saw():
+    """A long string still open at the end of a text is resumed where that text ended when the text has grown
+    (a streamed call's arguments, parsed again each delta); another text with a string at the same index, read
+    in between (another stream), gets its own answer, and the first stream's still comes out right."""
+    from frontend.tool_parsers import base
+
+    enc = json.dumps('say "hi" \\ then\n' * 200)  # escaped quotes and backslashes throughout, > _OPEN_MIN
+    other = json.dumps("x" * 3000 + '\\"')
+    text, text2 = "k" + enc + ', "next": 1}', "k" + other + "}"
+    assert len(enc) > base._OPEN_MIN
+    for n in [*range(2, len(enc) - 40, 97), *range(len(enc) - 40, len(text) + 1)]:
+        assert base.scan_string(text[:n], 1) == (1 + len(enc) if n > len(enc) else None), n
+        if n % 3 == 0:  # the other stream, same index, its own prefix
+            m = min(len(text2), n)
+            assert base.scan_string(text2[:m], 1) == (1 + len(other) if m > len(other) else None), m
+    # a text that does not extend the one seen is scanned whole
+    base.scan_string(text[:len(enc) // 2], 1)
+    changed = 'k"' + "a" * 98 + '"' + text[101:]  # a closing quote inside the part already seen
+    assert base.scan_string(changed, 1) == 101
