@@ -188,7 +188,7 @@ def scan_string(s: str, i: int) -> int | None:
             return q + 1
         j = q + 1
     if len(s) - i >= _OPEN_MIN:
-        if len(_OPEN_STRINGS) >= 64:
+        if len(_OPEN_STRINGS) >= 64 or sum(map(len, _OPEN_STRINGS.values())) > 1 << 24:  # (finished streams' texts)
             _OPEN_STRINGS.clear()
         _OPEN_STRINGS[i] = s
     return None
