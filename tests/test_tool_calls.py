@@ -569,22 +569,71 @@ def test_scan_string_ends_a_json_string_exactly_where_json_does(value, tail):
         assert all(scan_string(enc[:n], 0) is None for n in range(1, len(enc)))
 
 
-def test_scan_string_resumes_a_long_open_string_only_in_a_text_that_extends_the_one_it_saw():
-    """A long string still open at the end of a text is resumed where that text ended when the text has grown
-    (a streamed call's arguments, parsed again each delta); another text with a string at the same index, read
-    in between (another stream), gets its own answer, and the first stream's still comes out right."""
+def reference_scan_string(s: str, i: int) -> int | None:
+    """The closing quote found from escape to escape, from the start: what scan_string must return."""
+    j = i + 1
+    while j < len(s):
+        if s[j] == "\\":
+            j += 2
+        elif s[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def test_scan_string_resumes_an_open_string_only_in_a_text_that_extends_the_one_it_saw(monkeypatch):
+    """In a stream (its own memo set in base._OPEN_STRINGS), a string still open at the end of a text resumes
+    where that text ended when the next text extends it: random growing texts of quotes, backslashes (runs cut
+    anywhere, at the resume point too) and letters, several streams at the same index interleaved, forks of one
+    stream's text, texts that do not extend the memo's: always the answer of a scan from the start; the memo is
+    used, and holds one text of its own stream. Unset (a non-streamed parse), nothing is kept."""
+    import random
+
     from frontend.tool_parsers import base
 
-    enc = json.dumps('say "hi" \\ then\n' * 200)  # escaped quotes and backslashes throughout, > _OPEN_MIN
-    other = json.dumps("x" * 3000 + '\\"')
-    text, text2 = "k" + enc + ', "next": 1}', "k" + other + "}"
-    assert len(enc) > base._OPEN_MIN
-    for n in [*range(2, len(enc) - 40, 97), *range(len(enc) - 40, len(text) + 1)]:
-        assert base.scan_string(text[:n], 1) == (1 + len(enc) if n > len(enc) else None), n
-        if n % 3 == 0:  # the other stream, same index, its own prefix
-            m = min(len(text2), n)
-            assert base.scan_string(text2[:m], 1) == (1 + len(other) if m > len(other) else None), m
-    # a text that does not extend the one seen is scanned whole
-    base.scan_string(text[:len(enc) // 2], 1)
-    changed = 'k"' + "a" * 98 + '"' + text[101:]  # a closing quote inside the part already seen
-    assert base.scan_string(changed, 1) == 101
+    monkeypatch.setattr(base, "_OPEN_MIN", 2)
+    rng = random.Random(7)
+    resumed = 0
+    for _ in range(300):
+        streams = [['k"', {}] for _ in range(rng.randint(1, 3))]
+        for _ in range(rng.randint(1, 30)):
+            st = rng.choice(streams)
+            if rng.random() < 0.05:  # a fork of this stream's text, with its own memo
+                streams.append([st[0], {}])
+            if rng.random() < 0.05 and len(st[0]) > 3:  # a text that does not extend the one seen
+                k = rng.randrange(2, len(st[0]))
+                st[0] = st[0][:k] + rng.choice('a"\\') + st[0][k + 1:]
+            st[0] += "".join(rng.choice('aa\\\\""') for _ in range(rng.randint(0, 5)))
+            seen = st[1].get(1)
+            resumed += seen is not None and st[0].startswith(seen)
+            token = base._OPEN_STRINGS.set(st[1])
+            try:
+                got = base.scan_string(st[0], 1)
+            finally:
+                base._OPEN_STRINGS.reset(token)
+            assert got == reference_scan_string(st[0], 1), st[0]
+            assert got is not None or len(st[0]) - 1 < base._OPEN_MIN or st[1] == {1: st[0]}
+            if got is not None:
+                st[0] = 'k"'  # a new string
+    assert resumed > 500
+    long_open = "k" + json.dumps("x" * 3000)[:-1]
+    assert base.scan_string(long_open, 1) is None and base._OPEN_STRINGS.get() is None
+
+
+def test_two_interleaved_streams_keep_their_own_open_strings():
+    """Two streamed calls with long code in their arguments, fed in turn (two choices, or two requests): each
+    stream's memo holds its own text (they would throw each other's away in a shared one), and each streams
+    exactly the arguments the non-streamed parse finds."""
+    parser = TOOL_PARSERS["hermes"](TOOLS)
+    texts = ['<tool_call>\n' + json.dumps({"name": "get_time", "arguments": {"tz": f"zone {k} \\ \"q\"\n" * 150}})
+             + "\n</tool_call>" for k in range(2)]
+    streamers, got = [ToolCallStreamer(parser) for _ in texts], ["", ""]
+    for i in range(0, max(map(len, texts)), 7):
+        for k, (st, text) in enumerate(zip(streamers, texts)):
+            got[k] += "".join(d["function"]["arguments"] for d in st.feed(text[i:i + 7], False)[1])
+            if 1500 < i < len(text) - 200:  # inside the long string: this stream's own text is the memo's
+                assert list(st.open_strings.values()) == [st.text]
+    for k, (st, text) in enumerate(zip(streamers, texts)):
+        got[k] += "".join(d["function"]["arguments"] for d in st.feed("", True)[1])
+        assert json.loads(got[k]) == json.loads(parser.extract_tool_calls(text)[1][0].arguments)

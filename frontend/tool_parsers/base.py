@@ -10,6 +10,7 @@ arguments are a prefix of the final ones, by construction.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import uuid
@@ -88,6 +89,7 @@ class ToolCallStreamer:
         self.sent_content = 0
         self.ids: list[str] = []
         self.sent_args: list[int] = []
+        self.open_strings: dict[int, str] = {}  # scan_string's memo for this stream's text (_OPEN_STRINGS)
 
     @property
     def called(self) -> bool:
@@ -95,7 +97,11 @@ class ToolCallStreamer:
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         self.text += delta
-        p = self.parser.parse(self.text, final)
+        memo = _OPEN_STRINGS.set(self.open_strings)
+        try:
+            p = self.parser.parse(self.text, final)
+        finally:
+            _OPEN_STRINGS.reset(memo)
         if final and not self.ids and not complete_calls(p):
             # nothing was announced as a call and nothing valid came: it was all content
             rest, self.sent_content = self.text[self.sent_content:], len(self.text)
@@ -163,22 +169,25 @@ def after_next_marker(text: str, i: int, marker: str) -> int | None:
 _VALUE_STOP = re.compile(r'["{}\[\]]')
 
 
-# Long strings still open at the end of a text, by where they start: {i: that text}. A streamed call's text only
-# grows, and each delta's parse reads it whole again; a string found open in a text `t` has no closing quote
-# before len(t), so in a text that starts with `t` its scan resumes there (checked by comparing the texts,
-# so a key another stream wrote over only costs a full scan).
-_OPEN_STRINGS: dict[int, str] = {}
+# A streamed call's long string still open at the end of its text: {where it starts: that text}, one entry (only
+# the last string of a text can be open). Each delta's parse reads the whole text again, and the text only grows:
+# a string with no closing quote before len(t) in a text `t` resumes there in a text that starts with `t`.
+# `ToolCallStreamer.feed` sets its own dict around its parse (so streams never share or keep each other's, and it
+# goes with the stream); unset, as in a non-streamed parse, every string is scanned from its start.
+_OPEN_STRINGS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("open_strings", default=None)
 _OPEN_MIN = 1024  # characters; shorter strings are rescanned
 
 
 def scan_string(s: str, i: int) -> int | None:
     """s[i] == '"': the index after the closing quote, or None if the string is not finished: from quote to
-    quote (str.find), a quote closing it when an even number of backslashes precede it. A long string that
-    was open in an earlier, shorter version of the text resumes where that text ended (_OPEN_STRINGS): without,
-    a streamed call whose arguments hold 16 KB of code (many escaped quotes) cost ~0.4 ms of parsing a delta."""
+    quote (str.find), a quote closing it when an even number of backslashes precede it; in a stream, a long
+    string found open in the previous text resumes where that text ended (_OPEN_STRINGS). Stepping from escape
+    to escape, every delta's parse from the start, a streamed call whose arguments hold 64 KB of code cost
+    2.7-4 ms of parsing a delta (benchmarks/bench_tool_stream.py)."""
     j = i + 1
-    seen = _OPEN_STRINGS.get(i)
-    if seen is not None and len(seen) <= len(s) and s.startswith(seen):
+    memo = _OPEN_STRINGS.get()
+    seen = memo.get(i) if memo is not None else None
+    if seen is not None and s.startswith(seen):
         j = len(seen)
     while (q := s.find('"', j)) >= 0:
         b = q
@@ -187,10 +196,9 @@ def scan_string(s: str, i: int) -> int | None:
         if (q - b) % 2 == 0:
             return q + 1
         j = q + 1
-    if len(s) - i >= _OPEN_MIN:
-        if len(_OPEN_STRINGS) >= 64 or sum(map(len, _OPEN_STRINGS.values())) > 1 << 24:  # (finished streams' texts)
-            _OPEN_STRINGS.clear()
-        _OPEN_STRINGS[i] = s
+    if memo is not None and len(s) - i >= _OPEN_MIN:
+        memo.clear()
+        memo[i] = s
     return None
 
 
