@@ -169,21 +169,6 @@ def huge_page_bytes(a: np.ndarray, smaps: str = "/proc/self/smaps") -> int:
     return min(total, a.nbytes)
 
 
-def resident_bytes(address: int, nbytes: int) -> int:
-    """How many bytes of the pages that hold [address, address + nbytes) are in memory now (mincore(2)): what a
-    lazily zeroed buffer has committed (the CPU KV caches). Raises OSError where mincore is refused."""
-    import ctypes
-
-    page = mmap.PAGESIZE
-    lo, hi = address // page * page, -(-(address + nbytes) // page) * page
-    vec = (ctypes.c_ubyte * ((hi - lo) // page))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    if libc.mincore(lo, hi - lo, vec):
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vec) * page
-
-
 def describe_huge_pages(a: np.ndarray) -> str:
     """"N MiB, M MiB of it on huge pages" for a `huge_page_array` (the engines log it once their weights are
     in; reading smaps takes ~20 ms, once at load)."""

@@ -148,10 +148,9 @@ def _fast_tokenizer_class():
     return PreTrainedTokenizerFast
 
 
-def _build_bpe_from_gguf(path: str, reader=None):
+def _build_bpe_from_gguf(path: str, fast, reader=None):
+    """`fast`: the fast tokenizer class (`_fast_tokenizer_class()`)."""
     from tokenizers import Regex, Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
-
-    PreTrainedTokenizerFast = _fast_tokenizer_class()
 
     get = _gguf_header(path, reader).get
     tokens = get("tokenizer.ggml.tokens")
@@ -188,7 +187,7 @@ def _build_bpe_from_gguf(path: str, reader=None):
         i = get(key)
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    hf = PreTrainedTokenizerFast(
+    hf = fast(
         tokenizer_object=tk,
         bos_token=tok_str("tokenizer.ggml.bos_token_id"),
         eos_token=tok_str("tokenizer.ggml.eos_token_id"),
@@ -244,7 +243,7 @@ def _load_gguf_tokenizer(path: str, reader=None):
             shutil.rmtree(cached, ignore_errors=True)
     reader = _gguf_header(path, reader)
     if reader.get("tokenizer.ggml.model") == "gpt2":
-        tok = _build_bpe_from_gguf(path, reader)
+        tok = _build_bpe_from_gguf(path, fast, reader)
     else:  # sentencepiece vocabularies: transformers' converter
         from transformers import AutoTokenizer
 

@@ -528,7 +528,7 @@ def test_zeros_commits_no_memory_until_written():
     """`zeros` (the jax CPU KV cache): zeros of any dtype, also over memory that held other values, and a 64 MiB
     one holds (almost) none of its pages in memory until written, where every page of jnp.zeros' is (mincore:
     the buffers' own pages, whatever memory the allocator reused for them)."""
-    from enginecore.native import resident_bytes
+    from tests.memory import resident_bytes
 
     for shape, dtype in (((3,), jnp.float32), ((1000, 5), jnp.bfloat16), ((7, 4096, 3), jnp.float16)):
         z = jax.jit(lambda: cpu_kernels.zeros(shape, dtype))()

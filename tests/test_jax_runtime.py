@@ -224,7 +224,7 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
     (its steps write the null blocks) most of the 16 MiB cache holds no memory, and the tokens are the same."""
     from enginecore import kv_cache
     from enginecore.config import ConfigError
-    from enginecore.native import resident_bytes
+    from tests.memory import resident_bytes
     from jaxengine import cpu_kernels
 
     llm = small(tiny, kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
