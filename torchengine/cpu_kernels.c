@@ -464,9 +464,9 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
 // A task is one request's query heads, one kv head's, or a single query head when there are too few of
 // those tasks to keep the threads busy; it reads each cached row once for all of its heads. Over a float32
-// cache (decode_tasks_f32) each key's heads are scored one dot() at a time, then summed one axpy at a time;
-// over a 16-bit one (decode_tasks) in tiles of 3 heads (of one kv head) x 4 keys and 3 heads x 32 dims, 12
-// FMA chains in registers, prefill attention's tiles. Every head gets the same arithmetic either way (the
+// cache (decode_tasks_f32) each key's heads are scored in tiles of 3 heads (of one kv head) x 1 key; over a
+// 16-bit one (decode_tasks) in tiles of 3 heads x 4 keys, prefill attention's tiles; both sum the outputs in
+// tiles of 3 heads x 32 dims, 12 FMA chains in registers. Every head gets the same arithmetic either way (the
 // tiles' chains are dot()'s and axpy's), so the same bits for the same values.
 
 // The paged cache's rows are a few hundred bytes in blocks scattered over the cache: the hardware prefetchers,
@@ -494,10 +494,15 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *cache
     for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-// A float32 cache's tasks. One FMA chain at a time is bound by its latency where the tiles are not (1.6-3x
-// slower with the rows in cache), yet from memory this loop ran 1.08-1.15x faster than the tiles at 8-32
-// requests (benchmarks/README.md, session 14); a 16-bit cache's conversions make it compute-bound there,
-// and the tiles ran 1.2-1.45x faster.
+// A float32 cache's tasks. Each key's row is scored as it arrives, one key at a time, in tiles of its kv
+// head's query heads (up to 3 FMA chains at once: dots_tile), its K and V fetched KV_PREFETCH keys ahead; the
+// outputs are summed DECODE_KEYS keys at a time in tiles of 3 heads x 32 dims held in registers (pv_tile).
+// Until session 22 each score was one dot() and each output row one axpy a key, through memory: the scores
+// bound by one chain's latency, the outputs by a load and store a key. The tiles of 4 keys the 16-bit path
+// uses are faster again with the rows in cache but slower from memory (their misses come in bursts of 4
+// rows: 0.86x, scattered float32 blocks at 32 requests), as the one-dot loop was in session 14. Measured
+// (session 22, 160 tokens, 32 requests, 30 layers): jaxengine's cache layout 21.2 -> 16.3 ms, torch's 1.0-1.1x
+// from memory and 1.2-1.3x with the rows in cache.
 static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                             const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
                             long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
@@ -508,11 +513,19 @@ static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens
         const int i = task / per_req, h0 = task % per_req * hs, hk0 = h0 / G, hk1 = (h0 + hs - 1) / G;
         const long pf_off = hk0 * kv_head, pf_len = (hk1 - hk0) * kv_head + D;  // the task's part of a row
         long hoff[hs];  // head g's K / V offset in a row
-        for (int g = 0; g < hs; g++) hoff[g] = (long)((h0 + g) / G) * kv_head;
+        int tile[hs];  // heads in the tile from head g on: those of g's kv head, at most 3
+        const float *qr[hs];
+        float *orow[hs];
         const int64_t tok = tokens ? tokens[i] : i;
+        for (int g = 0; g < hs; g++) {
+            hoff[g] = (long)((h0 + g) / G) * kv_head;
+            const int left = ((h0 + g) / G + 1) * G - (h0 + g);
+            tile[g] = left < 3 ? left : 3;
+            if (tile[g] > hs - g) tile[g] = hs - g;
+            qr[g] = q + tok * q_stride + (size_t)(h0 + g) * D;
+            orow[g] = out + (size_t)tok * Hq * D + (size_t)(h0 + g) * D;
+        }
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        const float *qh = q + tok * q_stride + (size_t)h0 * D;  // hs query heads, D floats apart
-        float *o = out + (size_t)tok * Hq * D + (size_t)h0 * D;
         float *s = (float *)malloc(sizeof(float) * (size_t)hs * (len + 2));  // scores [hs, len], max, sum
         if (!s) {
             rc = -2;
@@ -527,23 +540,45 @@ static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens
                 prefetch_row((const char *)kcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
                 prefetch_row((const char *)vcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
             }
-            for (int g = 0; g < hs; g++) {
-                const float v = dot(qh + (size_t)g * D, kr + hoff[g], D) * scale;
-                s[(size_t)g * len + j - start] = v;
-                mx[g] = v > mx[g] ? v : mx[g];
+            for (int g = 0; g < hs; g += tile[g]) {
+                const char *kb = (const char *)(kr + hoff[g]);
+                float *y = s + (size_t)g * len + j - start;
+                TILE_R(tile[g], dots_tile(KV_F32, 3, 1, qr + g, &kb, D, scale, y, len),
+                       dots_tile(KV_F32, 2, 1, qr + g, &kb, D, scale, y, len),
+                       dots_tile(KV_F32, 1, 1, qr + g, &kb, D, scale, y, len));
+                for (int r = 0; r < tile[g]; r++) {
+                    const float v = y[(size_t)r * len];
+                    mx[g + r] = v > mx[g + r] ? v : mx[g + r];
+                }
             }
         }
-        for (int g = 0; g < hs; g++) sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
-        memset(o, 0, sizeof(float) * (size_t)hs * D);
-        for (int j = start; j < L; j++) {
-            const float *vr = vcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
-            if (j + KV_PREFETCH < L) prefetch_row((const char *)vcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
-            for (int g = 0; g < hs; g++)
-                axpy(KV_F32, o + (size_t)g * D, s[(size_t)g * len + j - start], (const char *)(vr + hoff[g]), D);
+        for (int g = 0; g < hs; g++) {
+            sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
+            memset(orow[g], 0, sizeof(float) * D);
+        }
+        for (int j0 = start; j0 < L; j0 += DECODE_KEYS) {  // (V's rows came with K's: from cache)
+            const int nkeys = L - j0 < DECODE_KEYS ? L - j0 : DECODE_KEYS;
+            const char *vp[DECODE_KEYS], *vb[DECODE_KEYS];
+            for (int c = 0; c < nkeys; c++)
+                vp[c] = (const char *)(vcache + ((size_t)bt[(j0 + c) / block_size] * block_size + (j0 + c) % block_size) * kv_row);
+            for (int g = 0; g < hs; g += tile[g]) {
+                const float *pg[3];
+                for (int c = 0; c < nkeys; c++) vb[c] = vp[c] + hoff[g] * 4;
+                for (int r = 0; r < tile[g]; r++) pg[r] = s + (size_t)(g + r) * len + j0 - start;
+                if (D % 32 == 0) {
+                    for (int d0 = 0; d0 < D; d0 += 32)
+                        TILE_R(tile[g], pv_tile(KV_F32, 3, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0),
+                               pv_tile(KV_F32, 2, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0),
+                               pv_tile(KV_F32, 1, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0));
+                } else {
+                    for (int r = 0; r < tile[g]; r++)
+                        for (int c = 0; c < nkeys; c++) axpy(KV_F32, orow[g + r], pg[r][c], vb[c], D);
+                }
+            }
         }
         for (int g = 0; g < hs; g++) {
             const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;  // no cached token (len 0): zeros, not NaN
-            for (int d = 0; d < D; d++) o[(size_t)g * D + d] *= inv;
+            for (int d = 0; d < D; d++) orow[g][d] *= inv;
         }
         free(s);
     }
