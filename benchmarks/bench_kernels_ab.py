@@ -3,6 +3,7 @@ against the working tree's.
 
     python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears]
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
+                                          [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
@@ -13,7 +14,9 @@ them, ~425 MB, then the tied LM head's greedy argmax over 49152 rows, 113 MB), s
 memory as in a real step. `--what attention`: one decode step's attention instead, 30 layers of
 `decode_attention` over paged caches of the embedded model's shape (9 query heads, 3 KV heads of 64, blocks of
 16 tokens, separate K and V caches as the torch backend keeps them, ~380 MB), every row --context tokens long
-in blocks scattered at random as a long-running server's are. Both builds must give the same bits (checked
+in blocks scattered at random as a long-running server's are (`--layout jax`: jaxengine's one cache a layer,
+each token's K and V rows interleaved by kv head, `decode_attention_tasks` as its custom call runs it, the
+tasks split between Python threads). Both builds must give the same bits (checked
 first): the kernels' outputs do not depend on how they are tiled. `--kv-dtype float16` (or bfloat16): the
 working tree's build reads a cache of that dtype (the same values rounded, half the bytes), the base's a float32
 one; their outputs then differ by that rounding, so the bits are not compared. `--what layers`: one whole
@@ -65,6 +68,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--what", choices=("linears", "attention", "layers"), default="linears")
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
+    ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
+                    help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -146,10 +151,14 @@ def attention(libs, args, threads: int) -> int:
     from torchengine.cpu_kernels import KV_TYPES
 
     kv_dtype = getattr(torch, args.kv_dtype)
-    new_caches = caches if kv_dtype == torch.float32 else [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
+    if args.layout == "jax":  # one cache a layer, K and V of kv head h at rows 2h and 2h + 1 of a token
+        caches = [(torch.stack([k, v], dim=3).reshape(num_blocks, BLOCK, 2 * HKV, HEAD_DIM),) for k, v in caches]
+        new_caches = caches if kv_dtype == torch.float32 else [(c.to(kv_dtype),) for c, in caches]
+    else:
+        new_caches = caches if kv_dtype == torch.float32 else [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
     print(f"decode step attention, SmolLM2-135M shapes, {LAYERS} layers, {args.context} tokens a row in scattered "
-          f"blocks of {BLOCK}, {threads} thread(s); base {args.base} vs the working tree, best of {args.reps} "
-          "interleaved")
+          f"blocks of {BLOCK}, {args.layout}'s cache layout, {threads} thread(s); base {args.base} vs the working "
+          f"tree, best of {args.reps} interleaved")
     print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GB/s':>9}  {'new GB/s':>8}  {'speedup':>7}")
     for M in rows:
         tables = torch.from_numpy(np.random.default_rng(M).permutation(num_blocks - 1)[: M * per_row]
@@ -161,6 +170,9 @@ def attention(libs, args, threads: int) -> int:
 
         def step(name: str) -> None:
             lib, out = libs[name], outs[name]
+            if args.layout == "jax":
+                return jax_layout_step(lib, new_caches if name == "new" else caches, q, M, kv_lens, tables,
+                                       per_row, out, threads)
             # the last argument, the cache's dtype (cpu_kernels.KV_TYPES), is ignored by a base from before it
             for kc, vc in (new_caches if name == "new" else caches):
                 if lib.decode_attention(q.data_ptr(), q.stride(0), M, tokens.data_ptr(), kv_lens.data_ptr(),
@@ -178,6 +190,42 @@ def attention(libs, args, threads: int) -> int:
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
               f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
     return 0
+
+
+def jax_layout_step(lib, caches, q, M: int, kv_lens, tables, per_row: int, out, threads: int) -> None:
+    """One step's decode attention over jaxengine's cache layout, as its custom call runs it: the C library's
+    `decode_attention_tasks` (K at a token row's 2h, V at 2h + 1, rows 2 Hkv D long), the tasks split between
+    `threads` Python threads (ctypes lets go of the GIL), each a contiguous share, every layer."""
+    import ctypes
+    import threading
+
+    from torchengine.cpu_kernels import KV_TYPES
+
+    f = lib.decode_attention_tasks
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    f.argtypes = [P, L, P, P, P, I, P, P, L, L, I, I, I, I, ctypes.c_float, I, P, I, I, I, I]
+    f.restype = I
+    hs = lib.decode_heads_per_task(M, HQ, HKV, threads)
+    ntasks = M * (HQ // hs)
+    errors = []
+
+    def share(t0: int, t1: int) -> None:
+        for (c,) in caches:
+            es = c.element_size()
+            if f(q.data_ptr(), HQ * HEAD_DIM, None, kv_lens.data_ptr(), tables.data_ptr(), per_row, c.data_ptr(),
+                 c.data_ptr() + HEAD_DIM * es, 2 * HKV * HEAD_DIM, 2 * HEAD_DIM, BLOCK, HQ, HKV, HEAD_DIM,
+                 HEAD_DIM ** -0.5, 0, out.data_ptr(), hs, t0, t1, KV_TYPES[c.dtype]):
+                errors.append("decode_attention_tasks refused its arguments")
+
+    bounds = [ntasks * t // threads for t in range(threads + 1)]
+    helpers = [threading.Thread(target=share, args=(bounds[t], bounds[t + 1])) for t in range(1, threads)]
+    for h in helpers:
+        h.start()
+    share(bounds[0], bounds[1])
+    for h in helpers:
+        h.join()
+    if errors:
+        raise RuntimeError(errors[0])
 
 
 def decode_step(libs, args, threads: int) -> int:
