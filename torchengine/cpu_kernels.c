@@ -463,11 +463,9 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 // whose blocks are block_tables[i, :], from caches [blocks, block_size, Hkv, D]; query head h reads kv head
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
 // A task is one request's query heads, one kv head's, or a single query head when there are too few of
-// those tasks to keep the threads busy; it reads each cached row once for all of its heads. Over a float32
-// cache (decode_tasks_f32) each key's heads are scored in tiles of 3 heads (of one kv head) x 1 key; over a
-// 16-bit one (decode_tasks) in tiles of 3 heads x 4 keys, prefill attention's tiles; both sum the outputs in
-// tiles of 3 heads x 32 dims, 12 FMA chains in registers. Every head gets the same arithmetic either way (the
-// tiles' chains are dot()'s and axpy's), so the same bits for the same values.
+// those tasks to keep the threads busy; it reads each cached row once for all of its heads (decode_tasks).
+// Every head gets dot()'s and axpy's arithmetic, in tiles (each tile's chains are theirs), so the same bits
+// for the same values however the tasks and tiles fall.
 
 // The paged cache's rows are a few hundred bytes in blocks scattered over the cache: the hardware prefetchers,
 // which follow streams within a 4 KiB page, lose them at every block, and a decode step's attention ran at
@@ -494,104 +492,21 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *cache
     for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-// A float32 cache's tasks. Each key's row is scored as it arrives, one key at a time, in tiles of its kv
-// head's query heads (up to 3 FMA chains at once: dots_tile), its K and V fetched KV_PREFETCH keys ahead; the
-// outputs are summed DECODE_KEYS keys at a time in tiles of 3 heads x 32 dims held in registers (pv_tile).
-// Until session 22 each score was one dot() and each output row one axpy a key, through memory: the scores
-// bound by one chain's latency, the outputs by a load and store a key. The tiles of 4 keys the 16-bit path
-// uses are faster again with the rows in cache but slower from memory (their misses come in bursts of 4
-// rows: 0.86x, scattered float32 blocks at 32 requests), as the one-dot loop was in session 14. Measured
-// (session 22, 160 tokens, 32 requests, 30 layers): jaxengine's cache layout 21.2 -> 16.3 ms, torch's 1.0-1.1x
-// from memory and 1.2-1.3x with the rows in cache.
-static int decode_tasks_f32(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
-                            const int32_t *block_tables, int bt_stride, const float *kcache, const float *vcache,
-                            long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
-                            int window, float *out, int hs, int t0, int t1) {
-    const int G = Hq / Hkv, per_req = Hq / hs;
-    int rc = 0;
-    for (int task = t0; task < t1; task++) {
-        const int i = task / per_req, h0 = task % per_req * hs, hk0 = h0 / G, hk1 = (h0 + hs - 1) / G;
-        const long pf_off = hk0 * kv_head, pf_len = (hk1 - hk0) * kv_head + D;  // the task's part of a row
-        long hoff[hs];  // head g's K / V offset in a row
-        int tile[hs];  // heads in the tile from head g on: those of g's kv head, at most 3
-        const float *qr[hs];
-        float *orow[hs];
-        const int64_t tok = tokens ? tokens[i] : i;
-        for (int g = 0; g < hs; g++) {
-            hoff[g] = (long)((h0 + g) / G) * kv_head;
-            const int left = ((h0 + g) / G + 1) * G - (h0 + g);
-            tile[g] = left < 3 ? left : 3;
-            if (tile[g] > hs - g) tile[g] = hs - g;
-            qr[g] = q + tok * q_stride + (size_t)(h0 + g) * D;
-            orow[g] = out + (size_t)tok * Hq * D + (size_t)(h0 + g) * D;
-        }
-        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        float *s = (float *)malloc(sizeof(float) * (size_t)hs * (len + 2));  // scores [hs, len], max, sum
-        if (!s) {
-            rc = -2;
-            continue;
-        }
-        float *mx = s + (size_t)hs * len, *sum = mx + hs;
-        const int32_t *bt = block_tables + (size_t)i * bt_stride;
-        for (int g = 0; g < hs; g++) mx[g] = -INFINITY;
-        for (int j = start; j < L; j++) {
-            const float *kr = kcache + ((size_t)bt[j / block_size] * block_size + j % block_size) * kv_row;
-            if (j + KV_PREFETCH < L) {
-                prefetch_row((const char *)kcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
-                prefetch_row((const char *)vcache, bt, block_size, kv_row * 4, pf_off * 4, (int)pf_len * 4, j + KV_PREFETCH);
-            }
-            for (int g = 0; g < hs; g += tile[g]) {
-                const char *kb = (const char *)(kr + hoff[g]);
-                float *y = s + (size_t)g * len + j - start;
-                TILE_R(tile[g], dots_tile(KV_F32, 3, 1, qr + g, &kb, D, scale, y, len),
-                       dots_tile(KV_F32, 2, 1, qr + g, &kb, D, scale, y, len),
-                       dots_tile(KV_F32, 1, 1, qr + g, &kb, D, scale, y, len));
-                for (int r = 0; r < tile[g]; r++) {
-                    const float v = y[(size_t)r * len];
-                    mx[g + r] = v > mx[g + r] ? v : mx[g + r];
-                }
-            }
-        }
-        for (int g = 0; g < hs; g++) {
-            sum[g] = exp_shift_sum(s + (size_t)g * len, len, mx[g]);
-            memset(orow[g], 0, sizeof(float) * D);
-        }
-        for (int j0 = start; j0 < L; j0 += DECODE_KEYS) {  // (V's rows came with K's: from cache)
-            const int nkeys = L - j0 < DECODE_KEYS ? L - j0 : DECODE_KEYS;
-            const char *vp[DECODE_KEYS], *vb[DECODE_KEYS];
-            for (int c = 0; c < nkeys; c++)
-                vp[c] = (const char *)(vcache + ((size_t)bt[(j0 + c) / block_size] * block_size + (j0 + c) % block_size) * kv_row);
-            for (int g = 0; g < hs; g += tile[g]) {
-                const float *pg[3];
-                for (int c = 0; c < nkeys; c++) vb[c] = vp[c] + hoff[g] * 4;
-                for (int r = 0; r < tile[g]; r++) pg[r] = s + (size_t)(g + r) * len + j0 - start;
-                if (D % 32 == 0) {
-                    for (int d0 = 0; d0 < D; d0 += 32)
-                        TILE_R(tile[g], pv_tile(KV_F32, 3, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0),
-                               pv_tile(KV_F32, 2, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0),
-                               pv_tile(KV_F32, 1, orow + g, pg, vb, 0, nkeys, d0, NULL, 0, 0));
-                } else {
-                    for (int r = 0; r < tile[g]; r++)
-                        for (int c = 0; c < nkeys; c++) axpy(KV_F32, orow[g + r], pg[r][c], vb[c], D);
-                }
-            }
-        }
-        for (int g = 0; g < hs; g++) {
-            const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;  // no cached token (len 0): zeros, not NaN
-            for (int d = 0; d < D; d++) orow[g][d] *= inv;
-        }
-        free(s);
-    }
-    return rc;
-}
-
-// A 16-bit cache's tasks (T: KV_F16 or KV_BF16), each key's row read once for the task's heads in the score
-// pass (its V part prefetched with it) and in the output pass, DECODE_KEYS keys at a time.
+// The tasks over a cache of type T, each key's row read once for the task's heads in the score pass (its V
+// part fetched with it, KV_PREFETCH keys ahead) and once in the output pass, DECODE_KEYS keys at a time (the
+// next block's V rows fetched by its first tile, for rows too long to stay in cache between the passes). The
+// scores in tiles of up to 3 heads of one kv head x KS keys, the outputs (D % 32 == 0) in tiles of 3 heads x
+// 32 dims held in registers, else one axpy a head and key. KS is 4 over a 16-bit cache (prefill attention's
+// tiles: its conversions make the loop compute-bound; session 14) and 1 over a float32 one: 4 keys' tiles ask
+// for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache. Until session 22 a
+// float32 cache's tasks scored one dot() and summed one axpy through memory a head and key, bound by one
+// chain's latency and a load and store a key: the tiles ran its decode attention 1.1-1.3x as fast over jax's
+// cache layout and 1.0-1.1x over torch's (benchmarks/README.md, bench_kernels_ab, session 22).
 static inline __attribute__((always_inline)) int decode_tasks(
     const int T, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
     const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int hs, int t0, int t1) {
-    const int G = Hq / Hkv, per_req = Hq / hs, es = KV_BYTES(T);
+    const int G = Hq / Hkv, per_req = Hq / hs, es = KV_BYTES(T), KS = T == KV_F32 ? 1 : 4;  // KS: keys a score tile
     const long row = kv_row * es;  // bytes
     int rc = 0;
     for (int task = t0; task < t1; task++) {
@@ -617,9 +532,9 @@ static inline __attribute__((always_inline)) int decode_tasks(
             tile[g] = left < 3 ? left : 3;
             if (tile[g] > hs - g) tile[g] = hs - g;
         }
-        for (int j = 0; j < len; j += 4) {
-            const int nkeys = len - j < 4 ? len - j : 4;
-            for (int c = KV_PREFETCH; c < KV_PREFETCH + 4 && j + c < len; c++) {  // K and V: V read from cache later
+        for (int j = 0; j < len; j += KS) {
+            const int nkeys = len - j < KS ? len - j : KS;
+            for (int c = KV_PREFETCH; c < KV_PREFETCH + KS && j + c < len; c++) {  // K and V: V read from cache later
                 prefetch_row(kcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
                 prefetch_row(vcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
             }
@@ -694,10 +609,7 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
     decode_tasks(T, q, q_stride, tokens, kv_lens, block_tables, bt_stride, (const char *)kcache,              \
                  (const char *)vcache, kv_row, kv_head, block_size, Hq, Hkv, D, scale, window, out, hs, t0, t1)
     switch (kv_type) {
-        case KV_F32:
-            return decode_tasks_f32(q, q_stride, tokens, kv_lens, block_tables, bt_stride, (const float *)kcache,
-                                    (const float *)vcache, kv_row, kv_head, block_size, Hq, Hkv, D, scale, window, out,
-                                    hs, t0, t1);
+        case KV_F32: return DECODE_TASKS(KV_F32);
         case KV_F16: return DECODE_TASKS(KV_F16);
         case KV_BF16: return DECODE_TASKS(KV_BF16);
     }
