@@ -151,6 +151,7 @@ def attention(libs, args, threads: int) -> int:
     from torchengine.cpu_kernels import KV_TYPES
 
     kv_dtype = getattr(torch, args.kv_dtype)
+    tasks = {name: tasks_fn(lib) for name, lib in libs.items()} if args.layout == "jax" else {}
     if args.layout == "jax":  # one cache a layer, K and V of kv head h at rows 2h and 2h + 1 of a token
         caches = [(torch.stack([k, v], dim=3).reshape(num_blocks, BLOCK, 2 * HKV, HEAD_DIM),) for k, v in caches]
         new_caches = caches if kv_dtype == torch.float32 else [(c.to(kv_dtype),) for c, in caches]
@@ -167,12 +168,13 @@ def attention(libs, args, threads: int) -> int:
         tokens = torch.arange(M, dtype=torch.int64)
         q = torch.randn(M, HQ, HEAD_DIM, generator=g)
         outs = {name: torch.empty(M, HQ, HEAD_DIM) for name in libs}
+        hs = libs["new"].decode_heads_per_task(M, HQ, HKV, threads)  # heads a task, as the custom call picks
 
         def step(name: str) -> None:
             lib, out = libs[name], outs[name]
             if args.layout == "jax":
-                return jax_layout_step(lib, new_caches if name == "new" else caches, q, M, kv_lens, tables,
-                                       per_row, out, threads)
+                return jax_layout_step(tasks[name], hs, new_caches if name == "new" else caches, q, M, kv_lens,
+                                       tables, per_row, out, threads)
             # the last argument, the cache's dtype (cpu_kernels.KV_TYPES), is ignored by a base from before it
             for kc, vc in (new_caches if name == "new" else caches):
                 if lib.decode_attention(q.data_ptr(), q.stride(0), M, tokens.data_ptr(), kv_lens.data_ptr(),
@@ -192,20 +194,25 @@ def attention(libs, args, threads: int) -> int:
     return 0
 
 
-def jax_layout_step(lib, caches, q, M: int, kv_lens, tables, per_row: int, out, threads: int) -> None:
-    """One step's decode attention over jaxengine's cache layout, as its custom call runs it: the C library's
-    `decode_attention_tasks` (K at a token row's 2h, V at 2h + 1, rows 2 Hkv D long), the tasks split between
-    `threads` Python threads (ctypes lets go of the GIL), each a contiguous share, every layer."""
+def tasks_fn(lib):
+    """The library's `decode_attention_tasks` with its signature (what jaxengine's custom call runs)."""
     import ctypes
-    import threading
-
-    from torchengine.cpu_kernels import KV_TYPES
 
     f = lib.decode_attention_tasks
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     f.argtypes = [P, L, P, P, P, I, P, P, L, L, I, I, I, I, ctypes.c_float, I, P, I, I, I, I]
     f.restype = I
-    hs = lib.decode_heads_per_task(M, HQ, HKV, threads)
+    return f
+
+
+def jax_layout_step(f, hs: int, caches, q, M: int, kv_lens, tables, per_row: int, out, threads: int) -> None:
+    """One step's decode attention over jaxengine's cache layout, as its custom call runs it: `f` (`tasks_fn`;
+    K at a token row's 2h, V at 2h + 1, rows 2 Hkv D long) over tasks of `hs` heads, split between `threads`
+    Python threads (ctypes lets go of the GIL), each a contiguous share, every layer."""
+    import threading
+
+    from torchengine.cpu_kernels import KV_TYPES
+
     ntasks = M * (HQ // hs)
     errors = []
 

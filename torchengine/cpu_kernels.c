@@ -498,10 +498,8 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *cache
 // scores in tiles of up to 3 heads of one kv head x KS keys, the outputs (D % 32 == 0) in tiles of 3 heads x
 // 32 dims held in registers, else one axpy a head and key. KS is 4 over a 16-bit cache (prefill attention's
 // tiles: its conversions make the loop compute-bound; session 14) and 1 over a float32 one: 4 keys' tiles ask
-// for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache. Until session 22 a
-// float32 cache's tasks scored one dot() and summed one axpy through memory a head and key, bound by one
-// chain's latency and a load and store a key: the tiles ran its decode attention 1.1-1.3x as fast over jax's
-// cache layout and 1.0-1.1x over torch's (benchmarks/README.md, bench_kernels_ab, session 22).
+// for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache (docs/design-notes.md,
+// session 22).
 static inline __attribute__((always_inline)) int decode_tasks(
     const int T, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
     const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
