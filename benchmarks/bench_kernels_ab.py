@@ -8,7 +8,9 @@ against the working tree's.
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
-best of --reps of each is compared. What it times: one decode step's float32 linears of the embedded model
+best of --reps of each is compared, and (the last column) their medians: the best rounds are those no other
+load disturbed, the medians show what a busy minute costs (a change that evens out the threads' work, say).
+What it times: one decode step's float32 linears of the embedded model
 (SmolLM2-135M: 30 layers of q/k/v, o, gate/up and down, random weights packed in panels as the engines pack
 them, ~425 MB, then the tied LM head's greedy argmax over 49152 rows, 113 MB), so the weights stream from
 memory as in a real step. `--what attention`: one decode step's attention instead, 30 layers of
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,15 +53,17 @@ def build(source: str, name: str):
     return lib
 
 
-def best_of(libs, step, reps: int) -> dict[str, float]:
-    """Each build's best time of `step(name)` over `reps` rounds, the builds back to back in every round."""
-    best = {name: float("inf") for name in libs}
+def best_of(libs, step, reps: int) -> tuple[dict[str, float], float]:
+    """Each build's best time of `step(name)` over `reps` rounds, the builds back to back in every round, and
+    the ratio of their median times (base / new)."""
+    times = {name: [] for name in libs}
     for _ in range(reps):
         for name in libs:
             t0 = time.perf_counter()
             step(name)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return ({name: min(t) for name, t in times.items()},
+            statistics.median(times["base"]) / statistics.median(times["new"]))
 
 
 def main() -> int:
@@ -109,7 +114,7 @@ def main() -> int:
 
     print(f"decode step linears of SmolLM2-135M (float32, weights streamed from memory), {threads} thread(s); "
           f"base {args.base} vs the working tree, best of {args.reps} interleaved")
-    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GFLOP/s':>12}  {'new GFLOP/s':>11}  {'speedup':>7}")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GFLOP/s':>12}  {'new GFLOP/s':>11}  {'speedup':>7}  {'median':>7}")
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
         outs = {name: ({n: torch.empty(M, n) for _, n in SHAPES}, torch.empty(M, dtype=torch.int64))
@@ -131,10 +136,10 @@ def main() -> int:
         if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
-        best = best_of(libs, step, args.reps)
+        best, med = best_of(libs, step, args.reps)
         flops = 2 * M * (LAYERS * sum(k * n for k, n in SHAPES) + HIDDEN * VOCAB)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {flops / best['base'] / 1e9:>12.0f}  "
-              f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x", flush=True)
+              f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
     return 0
 
 
@@ -160,7 +165,7 @@ def attention(libs, args, threads: int) -> int:
     print(f"decode step attention, SmolLM2-135M shapes, {LAYERS} layers, {args.context} tokens a row in scattered "
           f"blocks of {BLOCK}, {args.layout}'s cache layout, {threads} thread(s); base {args.base} vs the working "
           f"tree, best of {args.reps} interleaved")
-    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GB/s':>9}  {'new GB/s':>8}  {'speedup':>7}")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GB/s':>9}  {'new GB/s':>8}  {'speedup':>7}  {'median':>7}")
     for M in rows:
         tables = torch.from_numpy(np.random.default_rng(M).permutation(num_blocks - 1)[: M * per_row]
                                   .reshape(M, per_row).astype(np.int32) + 1)
@@ -187,10 +192,10 @@ def attention(libs, args, threads: int) -> int:
         if kv_dtype == torch.float32 and not torch.equal(outs["base"], outs["new"]):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
-        best = best_of(libs, step, args.reps)
+        best, med = best_of(libs, step, args.reps)
         nbytes = 2 * LAYERS * M * args.context * HKV * HEAD_DIM * 4  # K and V read once (float32: the base's)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes / best['base'] / 1e9:>9.1f}  "
-              f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x", flush=True)
+              f"{nbytes / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
     return 0
 
 
@@ -265,7 +270,7 @@ def decode_step(libs, args, threads: int) -> int:
     print(f"decode step decode_layers, SmolLM2-135M shapes (float32, random weights), {LAYERS} layers, "
           f"{args.context} tokens a row in scattered blocks of {BLOCK}, {threads} thread(s); base {args.base} vs "
           f"the working tree, best of {args.reps} interleaved")
-    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'speedup':>7}")
+    print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'speedup':>7}  {'median':>7}")
     for M in rows:
         tables = np.ascontiguousarray(np.random.default_rng(M).permutation(num_blocks - 1)[: M * per_row]
                                       .reshape(M, per_row).astype(np.int32) + 1)
@@ -290,8 +295,8 @@ def decode_step(libs, args, threads: int) -> int:
         if not torch.equal(outs["base"], outs["new"]):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
-        best = best_of(libs, step, args.reps)
-        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {best['base'] / best['new']:>6.2f}x",
+        best, med = best_of(libs, step, args.reps)
+        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x",
               flush=True)
     return 0
 

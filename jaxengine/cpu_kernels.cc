@@ -56,7 +56,9 @@ int head_best_bytes(void);
 void head_best_init(void *b, size_t n);
 int32_t head_best_argmax(const void *b, int n, size_t stride_bytes);
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
-                     int hi);
+                     int hi, int pf_hi);
+void shares_init(uint64_t *s, int n, int nt);
+int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
@@ -82,6 +84,7 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
+constexpr int kPanelsAClaim = 4;  // cpu_kernels.c's PANELS_A_CLAIM
 
 // the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16); -1: another
 int KvType(ffi::DataType t) {
@@ -144,11 +147,18 @@ class Team {
             fn(0, n);
             return;
         }
-        phases_.emplace_back(n, per, std::move(fn));
-        Phase *p = &phases_.back();  // deque: earlier phases stay where they are (a late helper may read one)
-        current_.store(p, std::memory_order_release);
-        p->work();
-        for (int spins = 0; p->done.load(std::memory_order_acquire) < n; spins++) pause(spins);
+        publish(n, per, 0, 0, [fn = std::move(fn)](int64_t a, int64_t b, int64_t) { fn(a, b); });
+    }
+    // fn(a, b, pe) over [0, n) in the parts shares_claim hands out (pe: where the thread's next ones likely
+    // start) from `shares` shares, the caller's first, then each helper's in the order they join (at most
+    // `shares`, each at least `min` parts a claim): the linears' panels, split evenly however fast the threads go
+    void run_shared(int64_t n, int shares, int min, std::function<void(int64_t, int64_t, int64_t)> fn) {
+        if (n <= 0) return;
+        if (threads_ == 1 || shares <= 1 || n <= min) {
+            fn(0, n, n);
+            return;
+        }
+        publish(n, n, shares, min, std::move(fn));
     }
     // the helpers go back to the pool (call once, after the last phase)
     void finish() { current_.store(&finished_, std::memory_order_release); }
@@ -161,23 +171,47 @@ class Team {
     }
 
   private:
+    using Fn = std::function<void(int64_t, int64_t, int64_t)>;
     struct Phase {
         std::atomic<int64_t> next{0}, done{0};
+        std::atomic<int> joined{0};
         const int64_t n, per;
-        const std::function<void(int64_t, int64_t)> fn;
-        Phase(int64_t n_, int64_t per_, std::function<void(int64_t, int64_t)> f) : n(n_), per(per_), fn(std::move(f)) {}
-        // slices until none is left (a helper late for a phase the caller has finished takes none)
-        void work() {
+        const int min;
+        std::vector<uint64_t> shares;  // shares_claim's; none: slices of `per`
+        const Fn fn;
+        Phase(int64_t n_, int64_t per_, int nshares, int min_, Fn f)
+            : n(n_), per(per_), min(min_), shares(nshares), fn(std::move(f)) {
+            if (nshares > 0) shares_init(shares.data(), (int)n, nshares);
+        }
+        // work until none is left (a helper late for a phase the caller has finished finds none): thread t's
+        // share and then the others', or slices
+        void work(int t) {
+            if (!shares.empty()) {
+                int a, b, pe;
+                while (shares_claim(shares.data(), (int)shares.size(), t, min, &a, &b, &pe)) {
+                    fn(a, b, pe);
+                    done.fetch_add(b - a, std::memory_order_release);
+                }
+                return;
+            }
             for (;;) {
                 const int64_t a = next.fetch_add(per, std::memory_order_relaxed);
                 if (a >= n) return;
                 const int64_t b = std::min(a + per, n);
-                fn(a, b);
+                fn(a, b, b);
                 done.fetch_add(b - a, std::memory_order_release);
             }
         }
     };
     explicit Team(int64_t threads) : threads_(std::max<int64_t>(1, threads)) {}
+
+    void publish(int64_t n, int64_t per, int nshares, int min, Fn fn) {
+        phases_.emplace_back(n, per, nshares, min, std::move(fn));
+        Phase *p = &phases_.back();  // deque: earlier phases stay where they are (a late helper may read one)
+        current_.store(p, std::memory_order_release);
+        p->work(0);
+        for (int spins = 0; p->done.load(std::memory_order_acquire) < n; spins++) pause(spins);
+    }
 
     static void pause(int spins) {
         // after ~a millisecond of spinning, yield: on a busy machine the thread we wait for may need this core
@@ -196,7 +230,7 @@ class Team {
             if (p == &finished_) return;
             if (p != seen && p != nullptr) {
                 seen = p;
-                p->work();
+                p->work(p->joined.fetch_add(1, std::memory_order_relaxed) + 1);
                 spins = 0;
             } else {
                 pause(spins++);
@@ -207,7 +241,7 @@ class Team {
     const int64_t threads_;
     std::deque<Phase> phases_;
     std::atomic<Phase *> current_{nullptr};
-    Phase finished_{0, 1, nullptr};
+    Phase finished_{0, 1, 0, 1, nullptr};
 };
 
 // x [T, K] times layer l of w [L, NP, K, 16] (panel_gemm's panels, stacked; NP = ceil(N / 16), zero rows padding
@@ -255,7 +289,7 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (c.parts == 0) return ffi::Error::Success();
     float *yp = y->typed_data();
     parallel_for(pool, c.parts, c.nt, c.per, [=](int64_t a, int64_t b) {
-        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, (int)a, (int)b);
+        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, (int)a, (int)b, (int)b);
     });
     return ffi::Error::Success();
 }
@@ -280,7 +314,7 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     for (int64_t sl = 0; sl < slices; sl++) head_best_init(bp + stride * sl, (size_t)T);
     parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) {
         panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)(a / per), c.unit,
-                        (int)a, (int)b);
+                        (int)a, (int)b, (int)b);
     });
     int32_t *op = out->typed_data();
     for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, stride);
@@ -559,8 +593,14 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const auto linear = [&](const float *in, int64_t K, const float *wp, int64_t N, float *o) {
         int unit = 0, nt = 1;
         const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &unit, &nt);
-        team->run(parts, slice_parts(parts, nt, unit), [=](int64_t a, int64_t b) {
-            panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b);
+        if (unit != 1) {  // few rows: slices (as panel_gemm's static split there, see panel_gemm)
+            team->run(parts, slice_parts(parts, nt, unit), [=](int64_t a, int64_t b) {
+                panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)b);
+            });
+            return;
+        }
+        team->run_shared(parts, nt, kPanelsAClaim, [=](int64_t a, int64_t b, int64_t pe) {
+            panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)pe);
         });
     };
     int64_t dec_work = 0;  // multiply-adds of the decode rows' scores

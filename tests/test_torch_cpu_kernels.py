@@ -6,6 +6,8 @@ test_torch_attention.py, against the attention reference.)
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -205,6 +207,69 @@ def test_panel_gemm_many_rows(lib, M, K, V, threads):
     alone = torch.cat([cpu_kernels.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
     assert torch.equal(alone, logits)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def shares_api(lib):
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.shares_init.argtypes, lib.shares_init.restype = [p, i, i], None
+    lib.shares_claim.argtypes, lib.shares_claim.restype = [p, i, i, i, p, p, p], i
+    return lib
+
+
+@pytest.mark.parametrize("n,nt,least", [(60, 2, 4), (36, 2, 4), (192, 2, 4), (7, 3, 4), (1000, 5, 1), (3, 4, 1)])
+def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
+    """The linears' parts between threads (shares_claim), in random interleavings of the threads' claims (and a
+    thread with no share of its own): every part goes out exactly once; a thread takes its own share from its
+    start upwards, each claim where the last ended, half of what is left (at least `least` or the rest); parts
+    of another's share come from its back; `pe` is the end of the share for an owner's claim (its next claim
+    continues there) and the claim's end for a taken one."""
+    import numpy as np
+
+    api = shares_api(lib)
+    rng = np.random.default_rng(n * 7 + nt)
+    for _ in range(50):
+        sh = (ctypes.c_uint64 * nt)()
+        api.shares_init(sh, n, nt)
+        start = [n * t // nt for t in range(nt)]
+        end = [n * (t + 1) // nt for t in range(nt)]
+        lo, hi = list(start), list(end)  # what the model says is left of each share
+        owner_at = list(start)
+        got = np.zeros(n, dtype=int)
+        a, b, pe = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        active = list(range(-1, nt))  # -1: a thread without a share
+        while active:
+            t = int(rng.choice(active))
+            if not api.shares_claim(sh, nt, t, least, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe)):
+                assert all(h == l for l, h in zip(lo, hi))  # nothing left anywhere
+                active.remove(t)
+                continue
+            got[a.value:b.value] += 1
+            assert a.value < b.value
+            if 0 <= t < nt and lo[t] < hi[t]:  # its own share, from the front
+                left = hi[t] - lo[t]
+                assert (a.value, pe.value) == (owner_at[t], hi[t])
+                assert b.value - a.value == min(left, max(least, (left + 1) // 2))
+                owner_at[t] = lo[t] = b.value
+            else:  # the back of the fullest other share
+                v = max(range(nt), key=lambda u: (hi[u] - lo[u], -u))
+                left = hi[v] - lo[v]
+                assert (b.value, pe.value) == (hi[v], hi[v])
+                assert b.value - a.value == min(left, max(least, left // 2))
+                hi[v] = a.value
+        assert (got == 1).all()
+
+
+@pytest.mark.parametrize("n,nt,least,threads", [(20000, 2, 1, 3), (20000, 4, 1, 2), (5000, 2, 4, 2)])
+def test_shares_under_contention_hand_out_every_part_once(lib, n, nt, least, threads):
+    """OpenMP threads claiming back to back at once (shares_count; a thread past nt only takes from the
+    others), the compare-and-swaps contended: each part handed out exactly once."""
+    import numpy as np
+
+    lib.shares_count.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    for _ in range(20):
+        counts = np.zeros(n, dtype=np.int32)
+        assert lib.shares_count(n, nt, least, threads, counts.ctypes.data) == 0
+        assert (counts == 1).all(), np.flatnonzero(counts != 1)[:10]
 
 
 @pytest.mark.parametrize("M", [8, 25, 27, 29])  # 8: the unblocked order; 25 / 27 / 29: the k-blocked one (24 rows on), tails of 1 / 3 / 5 rows

@@ -1335,10 +1335,11 @@ static inline __attribute__((always_inline)) void kblock_tail(
 // (argmax mode, K <= KBLOCK) into the rows' running maxima instead of y. Each row meets its panels in ascending
 // order, as head_fold's first-index ties need. In the first row block, each row tile of a panel also prefetches
 // a share of the next panel's k block, so the panel's first tile finds it in cache instead of waiting on memory
-// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower).
+// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower). The last
+// panel prefetches panel b when b < pe: the caller's next range starts there (shares_claim).
 static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y,
-                                                  head_best *best, int a, int b) {
-    const int whole = V / 16 < b ? V / 16 : b;
+                                                  head_best *best, int a, int b, int pe) {
+    const int whole = V / 16 < b ? V / 16 : b, pf_end = V / 16 < pe ? V / 16 : pe;
     for (int k0 = 0; k0 < K; k0 += KBLOCK) {
         const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
         for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
@@ -1348,7 +1349,7 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
                 const int nr = (m - m0) / HEAD_ROWS;
                 for (int p = p0; p < p1; p++) {
-                    const int pf = p + 1 < whole && m0 == 0;  // whether this panel's tiles prefetch the next
+                    const int pf = p + 1 < pf_end && m0 == 0;  // whether this panel's tiles prefetch the next
                     const char *next = pf ? (const char *)(wp + ((size_t)(p + 1) * K + k0) * 16) : NULL;
                     for (int r = m0, i = 0; r < m; r += HEAD_ROWS, i++) {
                         const int l0 = (k1 - k0) * i / nr, l1 = (k1 - k0) * (i + 1) / nr;
@@ -1419,13 +1420,14 @@ int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt) {
 }
 
 // Parts [lo, hi) of panel_gemm_plan's split (`unit` panels each): panels in blocks of 256 KiB (L2) times
-// activation blocks of 16 KiB (L1), or blocked in k too (kblock_part, above). `best` (argmax mode) is the
+// activation blocks of 16 KiB (L1), or blocked in k too (kblock_part, above), whose last panel prefetches the
+// first of part hi when hi < pf_hi (the caller's next parts; pf_hi = hi: none). `best` (argmax mode) is the
 // caller's M running maxima, or NULL.
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best, int unit,
-                     int lo, int hi) {
+                     int lo, int hi, int pf_hi) {
     const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
     if (M >= COMPUTE_BOUND_ROWS && (best == NULL || K <= KBLOCK)) {  // see COMPUTE_BOUND_ROWS
-        kblock_part(x, M, K, wp, V, y, best, a, b);
+        kblock_part(x, M, K, wp, V, y, best, a, b, pf_hi * unit < NP ? pf_hi * unit : NP);
         return;
     }
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
@@ -1480,6 +1482,77 @@ int32_t head_best_argmax(const head_best *b, int n, size_t stride_bytes) {
     return nan != INT32_MAX ? nan : bi;
 }
 
+// Parts [0, n) of a phase shared out between nt threads, whatever their speed: thread t starts on its share
+// [n t / nt, n (t + 1) / nt) and takes it from the front, half of what is left at a time (at least `min` parts),
+// so its claims follow each other (kblock_part's prefetch runs on into the next) and what it has not claimed yet
+// stays free; with its share empty, it takes half of what is left of the fullest other share, from the back. A
+// thread slowed down (by a busy core, or a helper that starts late or not at all) has its unclaimed parts taken,
+// and the threads end a phase within about one claim of each other. With a static split the first one to finish
+// waited for the other: 4-11% of a decode step's linears on this 2-core VM (docs/design-notes.md, session 23).
+// A share is one 64-bit word, lo | hi << 32, changed by compare-and-swap only: its owner moves lo, others hi.
+void shares_init(uint64_t *s, int n, int nt) {
+    for (int t = 0; t < nt; t++) {
+        const uint64_t lo = (uint64_t)((long)n * t / nt), hi = (uint64_t)((long)n * (t + 1) / nt);
+        __atomic_store_n(s + t, lo | hi << 32, __ATOMIC_RELAXED);
+    }
+}
+
+// Thread t's next parts [*a, *b), or 0 when all are claimed (t outside [0, nt): only from others' shares); *pe
+// bounds panel_gemm_part's prefetch past *b: the end of t's share, where its next claim continues, or *b for
+// parts taken from another.
+int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe) {
+    if (min < 1) min = 1;
+    if (t >= 0 && t < nt) {
+        uint64_t w = __atomic_load_n(s + t, __ATOMIC_RELAXED);
+        for (;;) {
+            const int lo = (int)(uint32_t)w, hi = (int)(w >> 32), left = hi - lo;
+            if (left <= 0) break;
+            int c = (left + 1) / 2 > min ? (left + 1) / 2 : min;
+            if (c > left) c = left;
+            if (__atomic_compare_exchange_n(s + t, &w, (uint64_t)(lo + c) | (uint64_t)hi << 32, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_RELAXED)) {
+                *a = lo, *b = lo + c, *pe = hi;
+                return 1;
+            }
+        }
+    }
+    for (;;) {
+        int v = -1, most = 0;
+        uint64_t w = 0;
+        for (int u = 0; u < nt; u++) {
+            const uint64_t x = __atomic_load_n(s + u, __ATOMIC_RELAXED);
+            const int left = (int)(x >> 32) - (int)(uint32_t)x;
+            if (left > most) v = u, most = left, w = x;
+        }
+        if (v < 0) return 0;
+        const int lo = (int)(uint32_t)w, hi = (int)(w >> 32);
+        int c = most / 2 > min ? most / 2 : min;
+        if (c > most) c = most;
+        if (__atomic_compare_exchange_n(s + v, &w, (uint64_t)lo | (uint64_t)(hi - c) << 32, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED)) {
+            *a = hi - c, *b = hi, *pe = hi;
+            return 1;
+        }
+    }
+}
+
+// Every part of [0, n) claimed from nt shares by nthreads OpenMP threads at once (thread t as share t's owner;
+// those past nt only take), claims back to back: counts[i] += 1 each time part i is handed out (the tests'
+// check of shares_claim under contention; anything but all ones is a bug).
+int shares_count(int n, int nt, int min, int nthreads, int32_t *counts) {
+    if (n < 0 || nt < 1 || nthreads < 1) return -1;
+    uint64_t sh[nt];
+    shares_init(sh, n, nt);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int a, b, pe;
+        while (shares_claim(sh, nt, omp_get_thread_num(), min, &a, &b, &pe))
+            for (int i = a; i < b; i++) __atomic_fetch_add(counts + i, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+#define PANELS_A_CLAIM 4  // the fewest panels a claim of kblock_part's (its tail rows' tiles take 4 at a time)
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
@@ -1491,11 +1564,21 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
         if (best == NULL) return -2;
         head_best_init(best, (size_t)M * nt);
     }
+    uint64_t sh[nt];
+    if (argmax == NULL && unit == 1) shares_init(sh, parts, nt);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit,
-                        (int)((long)parts * t / T), (int)((long)parts * (t + 1) / T));
+        // a static split where the rows are few (head_rows prefetches within its range, and smaller ranges ran
+        // 0.96x) or for the argmax (a thread's panels in ascending order, as head_fold's ties need)
+        if (argmax != NULL || unit != 1) {
+            const int lo = (int)((long)parts * t / T), hi = (int)((long)parts * (t + 1) / T);
+            panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, lo, hi, hi);
+        } else {
+            int a, b, pe;
+            while (shares_claim(sh, nt, t, PANELS_A_CLAIM, &a, &b, &pe))
+                panel_gemm_part(x, M, K, wp, V, y, NULL, unit, a, b, pe);
+        }
     }
     if (argmax != NULL) {
         for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
