@@ -59,6 +59,7 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int hi, int pf_hi);
 void shares_init(uint64_t *s, int n, int nt);
 int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
+int panels_a_claim(void);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
@@ -84,7 +85,6 @@ int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens,
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
-constexpr int kPanelsAClaim = 4;  // cpu_kernels.c's PANELS_A_CLAIM
 
 // the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16); -1: another
 int KvType(ffi::DataType t) {
@@ -149,9 +149,10 @@ class Team {
         }
         publish(n, per, 0, 0, [fn = std::move(fn)](int64_t a, int64_t b, int64_t) { fn(a, b); });
     }
-    // fn(a, b, pe) over [0, n) in the parts shares_claim hands out (pe: where the thread's next ones likely
-    // start) from `shares` shares, the caller's first, then each helper's in the order they join (at most
-    // `shares`, each at least `min` parts a claim): the linears' panels, split evenly however fast the threads go
+    // fn(a, b, pe) over [0, n) in the parts shares_claim hands out, at least `min` a claim (pe: the end of the
+    // range the thread's next claim likely continues in): `shares` shares, share 0 the caller's and share i the
+    // i-th helper's to join (helpers past them only take from the others). The linears' panels, split evenly
+    // however fast the threads go.
     void run_shared(int64_t n, int shares, int min, std::function<void(int64_t, int64_t, int64_t)> fn) {
         if (n <= 0) return;
         if (threads_ == 1 || shares <= 1 || n <= min) {
@@ -599,7 +600,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
             });
             return;
         }
-        team->run_shared(parts, nt, kPanelsAClaim, [=](int64_t a, int64_t b, int64_t pe) {
+        team->run_shared(parts, nt, panels_a_claim(), [=](int64_t a, int64_t b, int64_t pe) {
             panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)pe);
         });
     };

@@ -226,6 +226,11 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
     import numpy as np
 
     api = shares_api(lib)
+    a, b, pe = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    for empty in (0, -3):  # nothing to hand out
+        sh = (ctypes.c_uint64 * nt)()
+        api.shares_init(sh, empty, nt)
+        assert not api.shares_claim(sh, nt, 0, 0, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe))
     rng = np.random.default_rng(n * 7 + nt)
     for _ in range(50):
         sh = (ctypes.c_uint64 * nt)()
@@ -235,7 +240,6 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
         lo, hi = list(start), list(end)  # what the model says is left of each share
         owner_at = list(start)
         got = np.zeros(n, dtype=int)
-        a, b, pe = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         active = list(range(-1, nt))  # -1: a thread without a share
         while active:
             t = int(rng.choice(active))
@@ -257,6 +261,32 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
                 assert b.value - a.value == min(left, max(least, left // 2))
                 hi[v] = a.value
         assert (got == 1).all()
+
+
+@pytest.mark.parametrize("M,K,V", [(30, 1100, 203), (8, 600, 203), (25, 576, 40)])
+def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V):
+    """panel_gemm_part over the panels cut into random ranges (as claims cut them: starting anywhere, not at
+    multiples of 4), each allowed to prefetch past its end up to a random bound (beyond the last panel too):
+    the same bits as one panel_gemm call; k blocks of 576 + 524 (the prefetch into the next range's first
+    k block), a partial last panel, the unblocked order at 8 rows (parts of 4 panels)."""
+    import numpy as np
+
+    lib.panel_gemm_part.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                    ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+    lib.panel_gemm_part.restype = None
+    x, w = randn(M, K, seed=7), randn(V, K, seed=8)
+    panels = cpu_kernels.pack_panels(w)
+    want = cpu_kernels.panel_gemm(lib, x, panels, V)
+    unit = 1 if M >= 24 else 4
+    parts = -(-(-(-V // 16)) // unit)
+    rng = np.random.default_rng(M)
+    for _ in range(20):
+        cuts = sorted({0, parts, *rng.integers(1, parts, size=rng.integers(0, parts)).tolist()})
+        y = torch.full((M, V), float("nan"))
+        for lo, hi in zip(cuts, cuts[1:]):
+            lib.panel_gemm_part(x.data_ptr(), M, K, panels.data_ptr(), V, y.data_ptr(), None, unit, lo, hi,
+                                int(rng.integers(hi, parts + 3)))
+        assert torch.equal(y, want)
 
 
 @pytest.mark.parametrize("n,nt,least,threads", [(20000, 2, 1, 3), (20000, 4, 1, 2), (5000, 2, 4, 2)])

@@ -1335,8 +1335,9 @@ static inline __attribute__((always_inline)) void kblock_tail(
 // (argmax mode, K <= KBLOCK) into the rows' running maxima instead of y. Each row meets its panels in ascending
 // order, as head_fold's first-index ties need. In the first row block, each row tile of a panel also prefetches
 // a share of the next panel's k block, so the panel's first tile finds it in cache instead of waiting on memory
-// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower). The last
-// panel prefetches panel b when b < pe: the caller's next range starts there (shares_claim).
+// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower). When b < pe
+// the last panel prefetches panel b's first k block in the last k block: the caller's next range starts there
+// (shares_claim).
 static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y,
                                                   head_best *best, int a, int b, int pe) {
     const int whole = V / 16 < b ? V / 16 : b, pf_end = V / 16 < pe ? V / 16 : pe;
@@ -1349,8 +1350,11 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
                 const int nr = (m - m0) / HEAD_ROWS;
                 for (int p = p0; p < p1; p++) {
-                    const int pf = p + 1 < pf_end && m0 == 0;  // whether this panel's tiles prefetch the next
-                    const char *next = pf ? (const char *)(wp + ((size_t)(p + 1) * K + k0) * 16) : NULL;
+                    // whether this panel's tiles prefetch the next: its k block, or past the range (the caller's
+                    // next one starts there) in the last k block, its first k block
+                    const int pf = m0 == 0 && (p + 1 < whole || (p + 1 < pf_end && k1 == K));
+                    const char *next = !pf ? NULL
+                                       : (const char *)(wp + ((size_t)(p + 1) * K + (p + 1 < whole ? k0 : 0)) * 16);
                     for (int r = m0, i = 0; r < m; r += HEAD_ROWS, i++) {
                         const int l0 = (k1 - k0) * i / nr, l1 = (k1 - k0) * (i + 1) / nr;
                         kblock_tile(6, 1, x + (size_t)r * K + k0, K, wp, p, k0, k1, V,
@@ -1489,12 +1493,17 @@ int32_t head_best_argmax(const head_best *b, int n, size_t stride_bytes) {
 // thread slowed down (by a busy core, or a helper that starts late or not at all) has its unclaimed parts taken,
 // and the threads end a phase within about one claim of each other. With a static split the first one to finish
 // waited for the other: 4-11% of a decode step's linears on this 2-core VM (docs/design-notes.md, session 23).
-// A share is one 64-bit word, lo | hi << 32, changed by compare-and-swap only: its owner moves lo, others hi.
+// A share is one 64-bit word, lo | hi << 32, changed by compare-and-swap only: its owner moves lo, others hi
+// (lo only grows and hi only shrinks, so a word never comes back to an earlier value). A claim publishes no
+// data (the phase's end does: OpenMP's barrier, the team's `done`), so the atomics are relaxed.
+static inline uint64_t share_word(int lo, int hi) { return (uint64_t)(uint32_t)lo | (uint64_t)(uint32_t)hi << 32; }
+static inline int share_lo(uint64_t w) { return (int)(uint32_t)w; }
+static inline int share_hi(uint64_t w) { return (int)(uint32_t)(w >> 32); }
+
 void shares_init(uint64_t *s, int n, int nt) {
-    for (int t = 0; t < nt; t++) {
-        const uint64_t lo = (uint64_t)((long)n * t / nt), hi = (uint64_t)((long)n * (t + 1) / nt);
-        __atomic_store_n(s + t, lo | hi << 32, __ATOMIC_RELAXED);
-    }
+    if (n < 0) n = 0;
+    for (int t = 0; t < nt; t++)
+        __atomic_store_n(s + t, share_word((int)((long)n * t / nt), (int)((long)n * (t + 1) / nt)), __ATOMIC_RELAXED);
 }
 
 // Thread t's next parts [*a, *b), or 0 when all are claimed (t outside [0, nt): only from others' shares); *pe
@@ -1505,12 +1514,11 @@ int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe) {
     if (t >= 0 && t < nt) {
         uint64_t w = __atomic_load_n(s + t, __ATOMIC_RELAXED);
         for (;;) {
-            const int lo = (int)(uint32_t)w, hi = (int)(w >> 32), left = hi - lo;
+            const int lo = share_lo(w), hi = share_hi(w), left = hi - lo;
             if (left <= 0) break;
             int c = (left + 1) / 2 > min ? (left + 1) / 2 : min;
             if (c > left) c = left;
-            if (__atomic_compare_exchange_n(s + t, &w, (uint64_t)(lo + c) | (uint64_t)hi << 32, 0, __ATOMIC_ACQ_REL,
-                                            __ATOMIC_RELAXED)) {
+            if (__atomic_compare_exchange_n(s + t, &w, share_word(lo + c, hi), 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
                 *a = lo, *b = lo + c, *pe = hi;
                 return 1;
             }
@@ -1521,26 +1529,25 @@ int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe) {
         uint64_t w = 0;
         for (int u = 0; u < nt; u++) {
             const uint64_t x = __atomic_load_n(s + u, __ATOMIC_RELAXED);
-            const int left = (int)(x >> 32) - (int)(uint32_t)x;
+            const int left = share_hi(x) - share_lo(x);
             if (left > most) v = u, most = left, w = x;
         }
         if (v < 0) return 0;
-        const int lo = (int)(uint32_t)w, hi = (int)(w >> 32);
+        const int lo = share_lo(w), hi = share_hi(w);
         int c = most / 2 > min ? most / 2 : min;
         if (c > most) c = most;
-        if (__atomic_compare_exchange_n(s + v, &w, (uint64_t)lo | (uint64_t)(hi - c) << 32, 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_RELAXED)) {
+        if (__atomic_compare_exchange_n(s + v, &w, share_word(lo, hi - c), 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
             *a = hi - c, *b = hi, *pe = hi;
             return 1;
         }
     }
 }
 
-// Every part of [0, n) claimed from nt shares by nthreads OpenMP threads at once (thread t as share t's owner;
-// those past nt only take), claims back to back: counts[i] += 1 each time part i is handed out (the tests'
-// check of shares_claim under contention; anything but all ones is a bug).
+// For the tests only: every part of [0, n) claimed from nt (<= 64) shares by nthreads OpenMP threads at once
+// (thread t as share t's owner; those past nt only take), claims back to back: counts[i] += 1 each time part i
+// is handed out (shares_claim under contention; anything but all ones is a bug).
 int shares_count(int n, int nt, int min, int nthreads, int32_t *counts) {
-    if (n < 0 || nt < 1 || nthreads < 1) return -1;
+    if (n < 0 || nt < 1 || nt > 64 || nthreads < 1) return -1;
     uint64_t sh[nt];
     shares_init(sh, n, nt);
 #pragma omp parallel num_threads(nthreads)
@@ -1552,7 +1559,10 @@ int shares_count(int n, int nt, int min, int nthreads, int32_t *counts) {
     return 0;
 }
 
-#define PANELS_A_CLAIM 4  // the fewest panels a claim of kblock_part's (its tail rows' tiles take 4 at a time)
+// panels a claim of kblock_part's takes at least (where as many are left): its tail rows' tiles cover up to 4
+#define PANELS_A_CLAIM 4
+int panels_a_claim(void) { return PANELS_A_CLAIM; }
+
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
