@@ -1350,8 +1350,8 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
                 const int m = m0 + (m1 - m0) / HEAD_ROWS * HEAD_ROWS;  // the tail's first row
                 const int nr = (m - m0) / HEAD_ROWS;
                 for (int p = p0; p < p1; p++) {
-                    // whether this panel's tiles prefetch the next: its k block, or past the range (the caller's
-                    // next one starts there) in the last k block, its first k block
+                    // whether this panel's tiles prefetch the next panel: its k block k0 within the range; past
+                    // the range (where the caller's next one starts), its first k block, during the last one
                     const int pf = m0 == 0 && (p + 1 < whole || (p + 1 < pf_end && k1 == K));
                     const char *next = !pf ? NULL
                                        : (const char *)(wp + ((size_t)(p + 1) * K + (p + 1 < whole ? k0 : 0)) * 16);
