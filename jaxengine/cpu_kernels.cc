@@ -50,7 +50,7 @@
 namespace ffi = xla::ffi;
 
 extern "C" {
-int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt);
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *claim);
 // head_best * in cpu_kernels.c, opaque here (head_best_bytes each)
 int head_best_bytes(void);
 void head_best_init(void *b, size_t n);
@@ -59,7 +59,6 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int hi, int pf_hi);
 void shares_init(uint64_t *s, int n, int nt);
 int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
-int panels_a_claim(void);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
@@ -273,7 +272,8 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
     if (T == 0 || N == 0) return ffi::Error::Success();
-    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt);
+    int claim;  // (parallel_for's slices here: PanelArgmax's folds need each slice's panels in order)
+    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt, &claim);
     c.per = slice_parts(c.parts, c.nt, c.unit);
     return ffi::Error::Success();
 }
@@ -592,15 +592,15 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
     };
     const auto linear = [&](const float *in, int64_t K, const float *wp, int64_t N, float *o) {
-        int unit = 0, nt = 1;
-        const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &unit, &nt);
-        if (unit != 1) {  // few rows: slices (as panel_gemm's static split there, see panel_gemm)
+        int unit = 0, nt = 1, claim = 0;
+        const int64_t parts = panel_gemm_plan((int)T, (int)K, (int)N, (int)threads, &unit, &nt, &claim);
+        if (claim == 0) {  // parts not to be claimed (see panel_gemm_plan): slices
             team->run(parts, slice_parts(parts, nt, unit), [=](int64_t a, int64_t b) {
                 panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)b);
             });
             return;
         }
-        team->run_shared(parts, nt, panels_a_claim(), [=](int64_t a, int64_t b, int64_t pe) {
+        team->run_shared(parts, nt, claim, [=](int64_t a, int64_t b, int64_t pe) {
             panel_gemm_part(in, (int)T, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)pe);
         });
     };

@@ -1413,11 +1413,15 @@ int pack_panels_f32(const float *w, int V, int K, long ld, float *out) {
 // even (a prefill's q/k/v linear, 60 panels, is 8 / 7 chunks of 4 between 2 threads, 30 / 30 panels). Tiles of
 // rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o)
 // 0.72-0.96x as fast as even panel shares at 256-2048 rows (benchmarks/README.md, session 13).
+// The single panels are claimed (shares_claim, at least *claim of them a claim: kblock_part's tail rows' tiles
+// cover up to 4 panels); parts of 4 panels are split once (*claim = 0: head_rows prefetches within its range, and
+// claims there ran 0.96x).
 // Returns the number of parts, sets *unit (panels a part) and *nt (the threads worth waking, <= nthreads, <= the
 // parts). jaxengine's custom call splits the same parts between XLA's threads.
-int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt) {
+int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *claim) {
     const int NP = (V + 15) / 16, n = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
     *unit = M >= COMPUTE_BOUND_ROWS ? 1 : 4;
+    *claim = *unit == 1 ? 4 : 0;
     const int parts = (NP + *unit - 1) / *unit;
     *nt = n < parts ? n : parts;
     return parts;
@@ -1431,7 +1435,7 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int lo, int hi, int pf_hi) {
     const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
     if (M >= COMPUTE_BOUND_ROWS && (best == NULL || K <= KBLOCK)) {  // see COMPUTE_BOUND_ROWS
-        kblock_part(x, M, K, wp, V, y, best, a, b, pf_hi * unit < NP ? pf_hi * unit : NP);
+        kblock_part(x, M, K, wp, V, y, best, a, b, pf_hi * unit);
         return;
     }
     int NB = (int)(4096 / K), MB = (int)(4096 / K) / HEAD_ROWS * HEAD_ROWS;
@@ -1559,15 +1563,12 @@ int shares_count(int n, int nt, int min, int nthreads, int32_t *counts) {
     return 0;
 }
 
-// panels a claim of kblock_part's takes at least (where as many are left): its tail rows' tiles cover up to 4
-#define PANELS_A_CLAIM 4
-int panels_a_claim(void) { return PANELS_A_CLAIM; }
-
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    int unit, nt;
-    const int parts = panel_gemm_plan(M, K, V, nthreads, &unit, &nt);
+    int unit, nt, claim;
+    const int parts = panel_gemm_plan(M, K, V, nthreads, &unit, &nt, &claim);
+    if (argmax != NULL) claim = 0;  // a thread's panels in ascending order, as head_fold's ties need
     head_best *best = NULL;
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
@@ -1575,19 +1576,16 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
         head_best_init(best, (size_t)M * nt);
     }
     uint64_t sh[nt];
-    if (argmax == NULL && unit == 1) shares_init(sh, parts, nt);
+    if (claim) shares_init(sh, parts, nt);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        // a static split where the rows are few (head_rows prefetches within its range, and smaller ranges ran
-        // 0.96x) or for the argmax (a thread's panels in ascending order, as head_fold's ties need)
-        if (argmax != NULL || unit != 1) {
+        if (!claim) {
             const int lo = (int)((long)parts * t / T), hi = (int)((long)parts * (t + 1) / T);
             panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, lo, hi, hi);
         } else {
             int a, b, pe;
-            while (shares_claim(sh, nt, t, PANELS_A_CLAIM, &a, &b, &pe))
-                panel_gemm_part(x, M, K, wp, V, y, NULL, unit, a, b, pe);
+            while (shares_claim(sh, nt, t, claim, &a, &b, &pe)) panel_gemm_part(x, M, K, wp, V, y, NULL, unit, a, b, pe);
         }
     }
     if (argmax != NULL) {
