@@ -267,14 +267,17 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
 
 
 def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_norm, cos, sin, kv_cache, table,
-           kv_lens, cu_q_lens, distribution, *, num_heads: int, eps: float, sm_scale: float,
-           sliding_window: int | None = None):
+           kv_lens, cu_q_lens, distribution, keep=None, all_rows=None, *, num_heads: int, eps: float,
+           sm_scale: float, sliding_window: int | None = None):
     """Every decoder layer of a ragged step in one call (`model.forward` on a CPU with the panels): x [T, H] the
     embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
     [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
     float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1],
-    distribution [3]: `model.RaggedMetadata`'s.
+    distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`) and
+    all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are wanted, and the last
+    layer's o linear and MLP run on those rows alone (the same bits; the other rows hold the residual stream
+    before that layer's attention).
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""
@@ -283,9 +286,11 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     call = jax.ffi.ffi_call(LAYERS, (jax.ShapeDtypeStruct(x.shape, jnp.float32),
                                      jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
                             input_output_aliases={12: 1})
+    if keep is None:
+        keep, all_rows = jnp.zeros(kv_lens.shape, jnp.int32), jnp.ones((1,), jnp.int32)
     return call(f32(x), f32(attn_norm), f32(mlp_norm), qkv, o, gate_up, down, f32(qkv_bias), f32(q_norm),
                 f32(k_norm), f32(cos), f32(sin), kv_cache, i32(table), i32(kv_lens), i32(cu_q_lens),
-                i32(distribution), eps=np.float32(eps), scale=np.float32(sm_scale),
+                i32(distribution), i32(keep), i32(all_rows).reshape(1), eps=np.float32(eps), scale=np.float32(sm_scale),
                 window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads))
 
 

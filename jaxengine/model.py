@@ -264,8 +264,14 @@ def forward(
     scan_layers: bool = True,
     weights_first_rows: int = 0,
     cpu_layers: bool = False,
+    keep=None,
+    all_rows=None,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
+
+    `keep` [R] / `all_rows` [1] (int32): with `cpu_layers`, unless all_rows[0], only hidden's rows
+    keep[:requests] are wanted (`cpu_kernels.layers` then runs the last layer's o linear and MLP on them
+    alone); the other paths compute every row.
 
     `weights_first_rows`: steps of 2 to this many (padded) tokens run their linears weights first
     (`dense`; one row is a matrix-vector product either way); 0 never (what TPU and GPU want:
@@ -297,7 +303,7 @@ def forward(
         panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
         cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
         if cpu_layers:
-            return _cpu_layers(params, x, cos, sin, kv_cache, md, arch)
+            return _cpu_layers(params, x, cos, sin, kv_cache, md, arch, keep, all_rows)
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
@@ -317,7 +323,8 @@ def forward(
     return x, kv_cache
 
 
-def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, arch: ArchConfig):
+def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, arch: ArchConfig, keep=None,
+                all_rows=None):
     """`forward`'s layers as one custom call (`cpu_kernels.layers`): the small per-layer parameters as the
     kernel takes them (q/k/v biases side by side, as the qkv panels' outputs lie; empty where absent)."""
     from jaxengine.cpu_kernels import layers
@@ -329,7 +336,7 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
     R = md.kv_lens.shape[0]
     return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
-                  kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution,
+                  kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
                   num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
                   sliding_window=arch.sliding_window)
 

@@ -70,7 +70,7 @@ class ModelLayout:
     def fields(self) -> tuple[tuple[str, int], ...]:
         T, R = self.tokens, self.reqs
         return (("input_ids", T), ("input_from_row", T), ("positions", T), ("kv_lens", R),
-                ("cu_q_lens", R + 1), ("distribution", 3), ("logits_indices", R),
+                ("cu_q_lens", R + 1), ("distribution", 3), ("logits_indices", R), ("all_rows", 1),
                 ("block_tables", R * self.width))
 
     @property
@@ -99,6 +99,8 @@ class ModelLayout:
         o += 3
         out[o : o + R_real] = b.logits_indices[:R_real]
         o += R
+        out[o] = bool(b.prompt_logprobs)  # every row's hidden state is read (prompt logprobs), not just the sampled
+        o += 1
         out[o : o + Rp * W] = b.block_tables.reshape(-1)
         return out
 
@@ -119,7 +121,8 @@ def model_step(params, kv_cache, last_tokens, rope, packed, *, layout: ModelLayo
     ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], f["input_ids"])
     md = RaggedMetadata(f["kv_lens"], f["block_tables"], f["cu_q_lens"], f["distribution"])
     hidden, kv_cache = forward(params, kv_cache, ids, f["positions"], md, rope, arch, attention_fn,
-                               scan_layers=scan_layers, weights_first_rows=weights_first_rows, cpu_layers=cpu_layers)
+                               scan_layers=scan_layers, weights_first_rows=weights_first_rows, cpu_layers=cpu_layers,
+                               keep=f["logits_indices"], all_rows=f["all_rows"])
     rows = hidden[f["logits_indices"]]
     rows = jnp.pad(rows, ((0, num_rows - layout.reqs), (0, 0)))
     return hidden, rows, kv_cache

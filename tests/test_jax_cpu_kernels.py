@@ -421,6 +421,46 @@ def test_layers_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
         run(cu=np.asarray([0, 2, 10, 16], np.int32))
 
 
+def test_layers_run_the_last_layers_mlp_on_the_kept_rows_alone_with_the_same_bits():
+    """`cpu_kernels.layers` with keep (the rows the step samples from) and all_rows [0]: the last layer's o linear
+    and MLP run on the kept rows only, gathered; those rows' hidden states are the bits of the call that computes
+    every row, every row's K and V are still written (the caches equal), and the other rows differ (not
+    computed). all_rows [1] (prompt logprobs) computes every row; a kept row outside the tokens is an error. A
+    decode row, two prefill rows and padding, three layers: 40 rows (the linears' k-blocked order), 3 kept (the
+    other order)."""
+    L, H, Hq, Hkv, D, I = 3, 32, 4, 2, 8, 40
+    _, cache1, table, lens, cu, dist = ragged([1, 30, 6], [5, 41, 6], Hq, Hkv, D, 4, decodes=1, seed=21)
+    rng = np.random.default_rng(22)
+    T = int(cu[-1]) + 3
+    cache = np.concatenate([cache1] * L)
+    w = lambda *shape: cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
+    qkv, o, gate_up, down = w(L, (Hq + 2 * Hkv) * D, H), w(L, H, Hq * D), w(L, 2 * I, H), w(L, H, I)
+    ang = rng.uniform(0, 3, (T, D // 2)).astype(np.float32)
+    cos, sin = cpu_kernels.rope_tables(jnp.cos(ang), jnp.sin(ang))
+    x = rng.standard_normal((T, H), np.float32)
+    none = np.zeros((0,), np.float32)
+    norms = rng.uniform(0.5, 1.5, (L, H)).astype(np.float32)
+    f = jax.jit(functools.partial(cpu_kernels.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
+
+    def run(keep, all_rows):
+        out, c = f(x, norms, norms, qkv, o, gate_up, down, none, none, none, cos, sin, jnp.asarray(cache), table,
+                   lens, cu, dist, np.asarray(keep, np.int32), np.asarray([all_rows], np.int32))
+        return np.asarray(out), np.asarray(c)
+
+    want, want_cache = run([0, 0, 0], 1)
+    last = (cu[1:] - 1).astype(np.int32)  # each request's last token: what a step samples from
+    got, got_cache = run(last, 0)
+    assert np.array_equal(got[last], want[last])
+    assert np.array_equal(got_cache, want_cache)
+    others = np.setdiff1d(np.arange(T), last)
+    assert not np.array_equal(got[others], want[others])  # the other rows were not computed ...
+    assert np.array_equal(run(last, 1)[0], want)  # ... unless every row is wanted
+    rows = np.asarray([17, 3, 3], np.int32)  # any rows, in any order, even twice
+    assert np.array_equal(run(rows, 0)[0][rows], want[rows])
+    with pytest.raises(Exception, match="a kept row outside the tokens"):
+        run([0, T, 1], 0)
+
+
 def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_torch_backend():
     """Same logits and requests through jax's `sample(cpu_kernels=True)` and the torch sampler: the same seeded
     tokens (temperature, min-p, top-k, top-p) and logprobs equal to the bit; a row alone gives its bits in the
