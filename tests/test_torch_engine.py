@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -150,6 +152,36 @@ def test_decoded_logprobs_equal_prompt_logprobs(tiny_llama):
     decoded = [d[t].logprob for d, t in zip(out.logprobs, toks)]
     as_prompt = [d[t].logprob for d, t in zip(rescored.prompt_logprobs[len(prompt):], toks)]
     assert decoded == as_prompt
+
+
+def test_the_sampled_rows_alone_through_the_last_layer_give_every_rows_bits(tiny_llama, monkeypatch):
+    """A prefill step runs the last layer's o linear and MLP on the rows it samples from alone (the CPU panels
+    give a row the same bits whatever the row count); asking for prompt logprobs computes every row. The same
+    tokens and logprob bits either way, through chunked prefill and mixed steps."""
+    from torchengine.model import Transformer
+
+    kept = []
+    forward = Transformer.forward
+
+    def spy(self, input_ids, positions, attn, keep=None):
+        out = forward(self, input_ids, positions, attn, keep)
+        kept.append(None if keep is None else (len(keep), len(input_ids), out.shape[0]))
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    llm = llm_for(tiny_llama, max_num_batched_tokens=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    pruned = llm.generate(prompts, sp, use_tqdm=False)
+    assert any(k is not None and k[0] < k[1] and k[2] == k[0] for k in kept), kept
+    kept.clear()
+    every = llm.generate(prompts, dataclasses.replace(sp, prompt_logprobs=0), use_tqdm=False)
+    assert kept and all(k is None for k in kept), kept
+    for x, y in zip(pruned, every):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert s.keys() == t.keys()
+            np.testing.assert_array_equal([v.logprob for v in s.values()], [v.logprob for v in t.values()])
 
 
 def test_log_softmax_row_alone_equals_in_batch():

@@ -157,7 +157,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(D, arch.rms_norm_eps) if arch.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H], or [len(keep), H] for rows `keep` alone (their attention output gathered before
+        o_proj; every row's K and V are written all the same)."""
         T, hd = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
         qkv = self.qkv_proj(x)
@@ -167,7 +170,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k heads together
         o = attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, q_size))
+        if keep is not None:
+            o = o[keep]
+        return self.o_proj(o.reshape(o.shape[0], q_size))
 
 
 class MLP(nn.Module):
@@ -194,14 +199,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: AttentionFn, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it): the stream's adds are
-        done by the next norm (vLLM's fused add + RMSNorm). The first layer gets residual None."""
+        done by the next norm (vLLM's fused add + RMSNorm). The first layer gets residual None. With `keep`
+        (row indices), both for those rows alone: the o linear and the MLP run on them only."""
         if residual is None:
             residual, h = x, self.attn_norm(x)
         else:
             h, residual = self.attn_norm(x, residual)
-        h, residual = self.mlp_norm(self.attn(h, cos, sin, attn), residual)
+        if keep is not None:
+            residual = residual[keep]
+        h, residual = self.mlp_norm(self.attn(h, cos, sin, attn, keep), residual)
         return self.mlp(h), residual
 
 
@@ -238,13 +246,18 @@ class Transformer(nn.Module):
         self.rope_cos = torch.from_numpy(np.concatenate([cos, cos], -1)).to(device)
         self.rope_sin = torch.from_numpy(np.concatenate([-sin, sin], -1)).to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        # input_ids [T], positions [T] -> hidden [T, H] (before the final norm)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> hidden [T, H] (before the final norm); with `keep` (row indices, the
+        rows a step samples from) hidden [len(keep), H] of those rows: the last layer runs its o linear and MLP
+        on them alone (in a prefill of 128-token prompts, 2.8% of the linears' work; on the CPU kernels, which
+        give a row the same bits whatever the row count, the same bits)."""
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D] f32, shared by every layer
         sin = self.rope_sin[positions][:, None, :]
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, attn, keep if i == last else None)
         return residual + x
 
     def pack_cpu_weights(self) -> int:

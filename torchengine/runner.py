@@ -413,8 +413,14 @@ class TorchModelRunner:
         meta.slot_mapping = meta.slot_mapping[:T]
         meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
         attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
-        hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
-        return self._sample(hidden[logits_indices[:R]], batch, lambda: st), hidden
+        if batch.prompt_logprobs or R >= T or self.model.cpu_arena is None:
+            hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
+            return self._sample(hidden[logits_indices[:R]], batch, lambda: st), hidden
+        # the sampled rows alone through the last layer's o linear and MLP, where the linears are the CPU panels
+        # (a row's bits do not depend on the row count there; GPU and bfloat16 GEMMs may pick another algorithm
+        # for fewer rows, so they keep every row)
+        rows = self.model(input_ids[:T], positions[:T], attn, keep=logits_indices[:R])  # [R, H]
+        return self._sample(rows, batch, lambda: st), None
 
     def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
         """The one-call decode layers for these caches (None off the float32 CPU kernels' path)."""
