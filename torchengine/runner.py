@@ -145,6 +145,7 @@ class TorchModelRunner:
         if self.attn_backend.name == "triton" and self.kv_dtype != self.dtype:
             raise ConfigError(f"--kv-cache-dtype {cc.kv_cache_dtype} must equal the model dtype with the triton attention")
         self.model = None
+        self.sampled_rows_alone = False  # set at load (see there)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_tokens = torch.zeros(sc.max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [S + 1]
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
@@ -188,6 +189,10 @@ class TorchModelRunner:
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
+        # a prefill's sampled rows alone through the last layer's o linear and MLP (`_forward`) where a row's bits
+        # do not depend on the row count: the float32 panels, not the 4-bit linears (their Q4 kernel takes few
+        # rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm)
+        self.sampled_rows_alone = model.cpu_arena is not None and self.config.model_config.quantization != "gguf"
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
@@ -413,12 +418,9 @@ class TorchModelRunner:
         meta.slot_mapping = meta.slot_mapping[:T]
         meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
         attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
-        if batch.prompt_logprobs or R >= T or self.model.cpu_arena is None:
+        if batch.prompt_logprobs or R >= T or not self.sampled_rows_alone:
             hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
             return self._sample(hidden[logits_indices[:R]], batch, lambda: st), hidden
-        # the sampled rows alone through the last layer's o linear and MLP, where the linears are the CPU panels
-        # (a row's bits do not depend on the row count there; GPU and bfloat16 GEMMs may pick another algorithm
-        # for fewer rows, so they keep every row)
         rows = self.model(input_ids[:T], positions[:T], attn, keep=logits_indices[:R])  # [R, H]
         return self._sample(rows, batch, lambda: st), None
 
