@@ -383,13 +383,13 @@ def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the
         np.asarray(f(q, cache, table, lens, np.asarray([0, 20, 99], np.int32), dist, base))
 
 
-def test_layers_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
-    """The one-call layers (`cpu_kernels.layers`) check every request row of a step before it writes a cache
-    row: a block id outside the cache, a kv_len past the table or shorter than the row's tokens, tokens
-    outside x, a decode row of more than one token are errors, and a well-formed step runs."""
-    L, H, Hq, Hkv, D, I = 2, 32, 4, 2, 8, 40
-    _, cache1, table, lens, cu, dist = ragged([1, 9, 6], [5, 20, 6], Hq, Hkv, D, 4, decodes=1, seed=11)
-    rng = np.random.default_rng(12)
+def layers_step(L, q_lens, kv_lens, seed):
+    """A ragged step (one decode row first) for `cpu_kernels.layers` on L random layers (H 32, 4 q heads, 2 kv
+    heads of 8, I 40, blocks of 4): (L, T, the jitted call, one layer's cache, the L layers' cache, table,
+    kv_lens, cu_q_lens, distribution, the arguments before the cache)."""
+    H, Hq, Hkv, D, I = 32, 4, 2, 8, 40
+    _, cache1, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, 4, decodes=1, seed=seed)
+    rng = np.random.default_rng(seed + 1)
     T = int(cu[-1]) + 3
     cache = np.concatenate([cache1] * L)  # [L * NB, bs, 2 Hkv, D]: layer l's block b at row l * NB + b
     w = lambda *shape: cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
@@ -398,12 +398,20 @@ def test_layers_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
     cos, sin = cpu_kernels.rope_tables(jnp.cos(ang), jnp.sin(ang))
     x = rng.standard_normal((T, H), np.float32)
     none = np.zeros((0,), np.float32)
-    norms = np.ones((L, H), np.float32)
+    norms = rng.uniform(0.5, 1.5, (L, H)).astype(np.float32)
     f = jax.jit(functools.partial(cpu_kernels.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
+    return L, T, f, cache1, cache, table, lens, cu, dist, (x, norms, norms, qkv, o, gate_up, down, none, none,
+                                                           none, cos, sin)
+
+
+def test_layers_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
+    """The one-call layers (`cpu_kernels.layers`) check every request row of a step before it writes a cache
+    row: a block id outside the cache, a kv_len past the table or shorter than the row's tokens, tokens
+    outside x, a decode row of more than one token are errors, and a well-formed step runs."""
+    L, T, f, cache1, cache, table, lens, cu, dist, args = layers_step(2, [1, 9, 6], [5, 20, 6], seed=11)
 
     def run(table=table, lens=lens, cu=cu):
-        return f(x, norms, norms, qkv, o, gate_up, down, none, none, none, cos, sin, jnp.asarray(cache), table,
-                 lens, cu, dist)
+        return f(*args, jnp.asarray(cache), table, lens, cu, dist)
 
     out, new_cache = run()
     assert np.isfinite(np.asarray(out)).all() and not np.array_equal(np.asarray(new_cache), cache)
@@ -428,23 +436,11 @@ def test_layers_run_the_last_layers_mlp_on_the_kept_rows_alone_with_the_same_bit
     computed). all_rows [1] (prompt logprobs) computes every row; a kept row outside the tokens is an error. A
     decode row, two prefill rows and padding, three layers: 40 rows (the linears' k-blocked order), 3 kept (the
     other order)."""
-    L, H, Hq, Hkv, D, I = 3, 32, 4, 2, 8, 40
-    _, cache1, table, lens, cu, dist = ragged([1, 30, 6], [5, 41, 6], Hq, Hkv, D, 4, decodes=1, seed=21)
-    rng = np.random.default_rng(22)
-    T = int(cu[-1]) + 3
-    cache = np.concatenate([cache1] * L)
-    w = lambda *shape: cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
-    qkv, o, gate_up, down = w(L, (Hq + 2 * Hkv) * D, H), w(L, H, Hq * D), w(L, 2 * I, H), w(L, H, I)
-    ang = rng.uniform(0, 3, (T, D // 2)).astype(np.float32)
-    cos, sin = cpu_kernels.rope_tables(jnp.cos(ang), jnp.sin(ang))
-    x = rng.standard_normal((T, H), np.float32)
-    none = np.zeros((0,), np.float32)
-    norms = rng.uniform(0.5, 1.5, (L, H)).astype(np.float32)
-    f = jax.jit(functools.partial(cpu_kernels.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
+    L, T, f, _, cache, table, lens, cu, dist, args = layers_step(3, [1, 30, 6], [5, 41, 6], seed=21)
 
     def run(keep, all_rows):
-        out, c = f(x, norms, norms, qkv, o, gate_up, down, none, none, none, cos, sin, jnp.asarray(cache), table,
-                   lens, cu, dist, np.asarray(keep, np.int32), np.asarray([all_rows], np.int32))
+        out, c = f(*args, jnp.asarray(cache), table, lens, cu, dist, np.asarray(keep, np.int32),
+                   np.asarray([all_rows], np.int32))
         return np.asarray(out), np.asarray(c)
 
     want, want_cache = run([0, 0, 0], 1)
