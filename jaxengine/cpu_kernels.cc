@@ -509,18 +509,17 @@ Workspace g_workspace;
 // others, the o linear, RMSNorm, gate/up, SiLU and down. x [T, H] (the embeddings) -> out [T, H] (the residual
 // stream after the last layer, before the final norm). The phases run on one Team of XLA's threads.
 // keep [R] and all_rows [1]: unless all_rows[0], only rows keep[0 .. requests) of out are wanted (the rows the
-// step samples from: `logits_indices`), and the last layer runs its o linear and MLP for those rows alone,
+// step samples from: `logits_indices`, distinct), and the last layer runs its o linear and MLP for those rows alone,
 // gathered; every row's K and V are still written. Those rows get the same bits (each row's arithmetic does not
-// depend on the others); the others get the residual stream before the last layer's attention. In a prefill of
-// 128-token prompts that skips 2.8% of the linears' work (the last layer's o, gate/up and down, 30 layers).
+// depend on the others); the others get the residual stream before the last layer's attention.
 ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm,
                   ffi::Buffer<ffi::F32> mlp_norm, ffi::Buffer<ffi::F32> qkv_w, ffi::Buffer<ffi::F32> o_w,
                   ffi::Buffer<ffi::F32> gate_up_w, ffi::Buffer<ffi::F32> down_w, ffi::Buffer<ffi::F32> qkv_b,
                   ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
                   ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> table,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
-                  ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> all_rows, ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale,
-                  int32_t window, int32_t num_heads) {
+                  ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> all_rows, ffi::ResultBuffer<ffi::F32> out,
+                  ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale, int32_t window, int32_t num_heads) {
     const auto xd = x.dimensions(), cd = cache.dimensions(), td = table.dimensions();
     const auto qd = qkv_w.dimensions(), od = o_w.dimensions(), gd = gate_up_w.dimensions(), dd = down_w.dimensions();
     if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || qd.size() != 4 || od.size() != 4 || gd.size() != 4 ||
@@ -582,8 +581,9 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     // the rows wanted from the last layer, when fewer than all (then its o linear and MLP run on them alone)
     const int32_t *kp = keep.typed_data();
     const int64_t S = all_rows.typed_data()[0] || d2 >= T ? T : d2;
-    for (int64_t i = 0; i < (S < T ? S : 0); i++)
-        if (kp[i] < 0 || kp[i] >= T) return ffi::Error::InvalidArgument("layers: a kept row outside the tokens");
+    if (S < T)
+        for (int64_t i = 0; i < S; i++)
+            if (kp[i] < 0 || kp[i] >= T) return ffi::Error::InvalidArgument("layers: a kept row outside the tokens");
 
     // the activations: residual, h, y [T, H], qkv [T, QKV], att [T, Hq D], gu [T, 2 I], act [T, I]
     std::unique_lock<std::mutex> lock(g_workspace.mu, std::try_to_lock);

@@ -274,7 +274,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
     [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
     float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1],
-    distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`) and
+    distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`:
+    distinct) and
     all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are wanted, and the last
     layer's o linear and MLP run on those rows alone (the same bits; the other rows hold the residual stream
     before that layer's attention).
@@ -288,6 +289,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
                             input_output_aliases={12: 1})
     if keep is None:
         keep, all_rows = jnp.zeros(kv_lens.shape, jnp.int32), jnp.ones((1,), jnp.int32)
+    elif all_rows is None:
+        all_rows = jnp.zeros((1,), jnp.int32)
     return call(f32(x), f32(attn_norm), f32(mlp_norm), qkv, o, gate_up, down, f32(qkv_bias), f32(q_norm),
                 f32(k_norm), f32(cos), f32(sin), kv_cache, i32(table), i32(kv_lens), i32(cu_q_lens),
                 i32(distribution), i32(keep), i32(all_rows).reshape(1), eps=np.float32(eps), scale=np.float32(sm_scale),

@@ -451,10 +451,16 @@ def test_layers_run_the_last_layers_mlp_on_the_kept_rows_alone_with_the_same_bit
     others = np.setdiff1d(np.arange(T), last)
     assert not np.array_equal(got[others], want[others])  # the other rows were not computed ...
     assert np.array_equal(run(last, 1)[0], want)  # ... unless every row is wanted
-    rows = np.asarray([17, 3, 3], np.int32)  # any rows, in any order, even twice
+    rows = np.asarray([17, 3, 30], np.int32)  # any distinct rows, in any order
     assert np.array_equal(run(rows, 0)[0][rows], want[rows])
     with pytest.raises(Exception, match="a kept row outside the tokens"):
         run([0, T, 1], 0)
+    # one layer: the first is the last, gathered from the embeddings' stream
+    _, _, f1, _, cache, table, lens, cu, dist, args = layers_step(1, [1, 30, 6], [5, 41, 6], seed=23)
+    one = lambda keep, a: np.asarray(f1(*args, jnp.asarray(cache), table, lens, cu, dist,  # noqa: E731
+                                        np.asarray(keep, np.int32), np.asarray([a], np.int32))[0])
+    last = (cu[1:] - 1).astype(np.int32)
+    assert np.array_equal(one(last, 0)[last], one(last, 1)[last])
 
 
 def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_torch_backend():

@@ -250,8 +250,8 @@ class Transformer(nn.Module):
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> hidden [T, H] (before the final norm); with `keep` (row indices, the
         rows a step samples from) hidden [len(keep), H] of those rows: the last layer runs its o linear and MLP
-        on them alone (in a prefill of 128-token prompts, 2.8% of the linears' work; on the CPU kernels, which
-        give a row the same bits whatever the row count, the same bits)."""
+        on them alone (on the CPU panels, which give a row the same bits whatever the row count, the same bits;
+        docs/design-notes.md)."""
         cos = self.rope_cos[positions][:, None, :]  # [T, 1, D] f32, shared by every layer
         sin = self.rope_sin[positions][:, None, :]
         x, residual = self.embed(input_ids), None

@@ -191,8 +191,10 @@ class TorchModelRunner:
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
         # a prefill's sampled rows alone through the last layer's o linear and MLP (`_forward`) where a row's bits
         # do not depend on the row count: the float32 panels, not the 4-bit linears (their Q4 kernel takes few
-        # rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm)
-        self.sampled_rows_alone = model.cpu_arena is not None and self.config.model_config.quantization != "gguf"
+        # rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm), nor
+        # tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the size)
+        self.sampled_rows_alone = (model.cpu_arena is not None and self.config.model_config.quantization != "gguf"
+                                   and self.tp_size == 1)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
@@ -394,7 +396,8 @@ class TorchModelRunner:
         return sample_in_chunks(self.model.compute_logits, hidden, sampling_tensors(), self.logits_chunk_rows)
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
-        """Any step: (the sampler's output, the hidden states: None from a CUDA graph)."""
+        """Any step: (the sampler's output, the hidden states: None from a CUDA graph or where the sampled rows
+        alone ran the last layer's o linear and MLP)."""
         T, R = batch.num_tokens, batch.num_reqs
         put = self.to_device
         input_ids = put("input_ids", batch.input_ids, torch.int64)  # [Tp]
