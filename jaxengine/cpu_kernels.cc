@@ -628,6 +628,10 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const float *qn = q_norm.typed_data(), *kn = k_norm.typed_data();
     const bool has_bias = qkv_b.element_count() != 0, has_qk_norm = q_norm.element_count() != 0;
     std::atomic<int> rc{0};
+    // the rows after each layer's attention: all T, or in the last layer the S kept ones, gathered (row i is
+    // token kp[i])
+    int64_t M = T;
+    float *res = residual, *yo = y;
 
     for (int64_t l = 0; l < L; l++) {
         char *kvc = c + l * layer_bytes;
@@ -673,11 +677,8 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                                              (int)(b - d_tasks), kv_type);
             if (e) rc.store(1);
         });
-        // the rest of the layer on M rows: all of them, or in the last layer the kept ones, gathered
-        const bool gather = l == L - 1 && S < T;
-        const int64_t M = gather ? S : T;
-        float *res = residual, *at = att, *yo = y;
-        if (gather) {
+        float *at = att;
+        if (l == L - 1 && S < T) {
             float *o = out->typed_data();
             rows(T, H, [=](int64_t a, int64_t b) { std::copy(residual + a * H, residual + b * H, o + a * H); });
             rows(S, H + Hq * D, [=](int64_t a, int64_t b) {
@@ -686,7 +687,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                     std::copy(att + kp[i] * Hq * D, att + (kp[i] + 1) * Hq * D, att_s + i * Hq * D);
                 }
             });
-            res = res_s, at = att_s, yo = y_s;
+            M = S, res = res_s, at = att_s, yo = y_s;
         }
         linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, H, yo);
         rows(M, H, [=](int64_t a, int64_t b) {
@@ -697,16 +698,13 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, H, yo);
     }
     float *o = out->typed_data();
-    if (S < T) {
-        rows(S, H, [=](int64_t a, int64_t b) {
-            for (int64_t i = a; i < b; i++)
-                for (int64_t j = 0; j < H; j++) o[kp[i] * H + j] = res_s[i * H + j] + y_s[i * H + j];
-        });
-    } else {
-        rows(T, H, [=](int64_t a, int64_t b) {
-            for (int64_t i = a * H; i < b * H; i++) o[i] = residual[i] + y[i];
-        });
-    }
+    const bool gathered = M < T;
+    rows(M, H, [=](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; i++) {
+            float *oi = o + (gathered ? kp[i] : i) * H;
+            for (int64_t j = 0; j < H; j++) oi[j] = res[i * H + j] + yo[i * H + j];
+        }
+    });
     team->finish();
     if (rc.load()) return ffi::Error::Internal("layers: attention out of memory");
     return ffi::Error::Success();

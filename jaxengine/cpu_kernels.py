@@ -275,10 +275,9 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
     float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1],
     distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`:
-    distinct) and
-    all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are wanted, and the last
-    layer's o linear and MLP run on those rows alone (the same bits; the other rows hold the residual stream
-    before that layer's attention).
+    distinct) and all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are
+    wanted, and the last layer's o linear and MLP run on those rows alone (the same bits; the other rows hold
+    the residual stream before that layer's attention).
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""

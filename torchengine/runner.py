@@ -145,7 +145,6 @@ class TorchModelRunner:
         if self.attn_backend.name == "triton" and self.kv_dtype != self.dtype:
             raise ConfigError(f"--kv-cache-dtype {cc.kv_cache_dtype} must equal the model dtype with the triton attention")
         self.model = None
-        self.sampled_rows_alone = False  # set at load (see there)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_tokens = torch.zeros(sc.max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [S + 1]
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
@@ -189,12 +188,6 @@ class TorchModelRunner:
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
-        # a prefill's sampled rows alone through the last layer's o linear and MLP (`_forward`) where a row's bits
-        # do not depend on the row count: the float32 panels, not the 4-bit linears (their Q4 kernel takes few
-        # rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm), nor
-        # tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the size)
-        self.sampled_rows_alone = (model.cpu_arena is not None and self.config.model_config.quantization != "gguf"
-                                   and self.tp_size == 1)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
@@ -394,6 +387,16 @@ class TorchModelRunner:
         if batch.sampling.plain_greedy and (tokens := self.model.greedy_tokens(hidden)) is not None:
             return SamplerOutput(sampled=tokens)
         return sample_in_chunks(self.model.compute_logits, hidden, sampling_tensors(), self.logits_chunk_rows)
+
+    @property
+    def sampled_rows_alone(self) -> bool:
+        """Whether a prefill's sampled rows alone go through the last layer's o linear and MLP (`_forward`): where
+        a row's bits do not depend on the row count, the float32 panels; not the 4-bit linears (their Q4 kernel
+        takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
+        nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
+        size)."""
+        return (self.model is not None and self.model.cpu_arena is not None and self.tp_size == 1
+                and self.config.model_config.quantization != "gguf")
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Any step: (the sampler's output, the hidden states: None from a CUDA graph or where the sampled rows
