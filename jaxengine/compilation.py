@@ -66,6 +66,21 @@ def enable_persistent_cache(path: str) -> str:
     return path
 
 
+def disable_persistent_cache() -> None:
+    """Turn JAX's persistent compilation cache off for this process, if an earlier runner here turned it on.
+
+    The setting is process-wide: a runner that compiled for a TPU target (or any runner without an executable
+    store) leaves it on. A runner with caching off would then still write to that cache, and a CPU runner that
+    stores executables would have its compiles served from it, which XLA:CPU cannot re-serialize, so it would
+    store nothing (`_load_or_compile`) and compile again at every start."""
+    if jax.config.jax_compilation_cache_dir is None:
+        return
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+
+
 class _Counts:
     def __init__(self) -> None:
         self.compiles = 0

@@ -50,6 +50,7 @@ from jaxengine.compilation import (
     CompileGuard,
     CompileMonitor,
     ExecutableStore,
+    disable_persistent_cache,
     enable_persistent_cache,
     resolve_cache_dir,
 )
@@ -168,6 +169,8 @@ class JaxModelRunner:
         self._store: ExecutableStore | None = None
         if self.cache_dir and not self._store_enabled:
             enable_persistent_cache(self.cache_dir)
+        else:  # the setting is process-wide: an earlier runner here may have left it on
+            disable_persistent_cache()
         self.monitor = CompileMonitor().install()
         self.guard = CompileGuard(self.monitor)
         self._rep = replicated(self.mesh)

@@ -35,6 +35,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_tpu)
 
 
+@pytest.fixture(autouse=True)
+def _xlaserve_logging_restored():
+    """A CLI entry point run in-process (`frontend.cli.main`) configures the "xlaserve" logger for the whole
+    process (its own handler, no propagation): put it back after each test, so later tests' caplog sees it."""
+    import logging
+
+    log = logging.getLogger("xlaserve")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
 @pytest.fixture(scope="session")
 def smollm2_source():
     """The embedded default model (GGUF), resolved once."""

@@ -259,3 +259,19 @@ def test_cpu_kernels_fall_back_when_their_cache_is_unwritable(tmp_path, monkeypa
         assert lib is None and "cannot write the kernel cache" in why
     finally:
         cpu_kernels.load.cache_clear()
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
+    """The CLI's log handler writes to whatever sys.stderr is when a line is logged: one replaced and closed
+    since (a redirect, a test's capture) neither loses the line nor raises "I/O operation on closed file"."""
+    import io
+
+    from enginecore.logging_setup import configure_logging
+
+    first, now = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("INFO", prefix="test")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", now)
+    logging.getLogger("xlaserve.test").info("engine %s", "ready")
+    assert "INFO" in now.getvalue() and "[xlaserve.test] engine ready" in now.getvalue()

@@ -101,12 +101,26 @@ def test_warmup_second_run_is_all_cache_hits(tiny, tmp_path):
 def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny, reference_tokens, tmp_path):
     """A second engine with the same config loads every program from the executable store (no tracing,
     lowering or XLA compile) and generates the same tokens; an unreadable entry is compiled and rewritten; a
-    different config misses."""
+    different config misses. JAX's persistent cache, which an earlier runner in the process may have turned on
+    (a TPU target's), is off: compiles it served could not be stored."""
+    from jaxengine.compilation import enable_persistent_cache
+
     cache = str(tmp_path / "xla")
     params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True)]
+    # an earlier runner in this process left JAX's persistent cache on (a TPU target's does), and it holds these
+    # very programs, compiled with it on
+    enable_persistent_cache(str(tmp_path / "jax"))
+    small(tiny, warmup="decode", compilation_cache_dir=str(tmp_path / "other")).llm_engine.core.shutdown()
+    enable_persistent_cache(str(tmp_path / "jax"))
+    off = small(tiny, warmup="none", compilation_cache_dir="none")  # caching off: JAX's too
+    off.llm_engine.core.shutdown()
+    assert jax.config.jax_compilation_cache_dir is None
+    enable_persistent_cache(str(tmp_path / "jax"))
+    jax.clear_caches()
     first = small(tiny, warmup="decode", compilation_cache_dir=cache)
+    assert jax.config.jax_compilation_cache_dir is None
+    assert first.llm_engine.core.runner._store.stores == len(first.llm_engine.core.warmup_stats["programs"]) > 0
     want = generate(first, params=params)
-    assert first.llm_engine.core.runner._store.stores > 0
     second = small(tiny, warmup="decode", compilation_cache_dir=cache)
     stats = second.llm_engine.core.warmup_stats
     runner = second.llm_engine.core.runner
