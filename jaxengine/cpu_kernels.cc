@@ -250,7 +250,7 @@ class Team {
 struct PanelCall {
     int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
     const float *x = nullptr, *w = nullptr;
-    int unit = 4, nt = 1;
+    int unit = 4, nt = 1, claim = 0;  // claim: panel_gemm_plan's (PanelArgmax claims its panels when > 0)
 };
 
 // Parts a slice of panel_gemm_plan's split, for XLA's threads: a few slices a thread, so one that starts late
@@ -272,8 +272,7 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
     if (T == 0 || N == 0) return ffi::Error::Success();
-    int claim;  // (parallel_for's slices here: PanelArgmax's folds need each slice's panels in order)
-    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt, &claim);
+    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt, &c.claim);
     c.per = slice_parts(c.parts, c.nt, c.unit);
     return ffi::Error::Success();
 }
@@ -297,8 +296,11 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 // out [T] = the first index of each row's maximum of x [T, K] . W_l^T over W's first n rows (NaN counting as
 // the largest: torch.argmax's), PanelCall's operands: greedy sampling without writing and re-reading the
-// [T, n] logits, PanelLinear's products folded into a running maximum per row and slice, the slices merged
-// (a merge whose result does not depend on their order). The torch backend's greedy_tokens, the same tokens.
+// [T, n] logits, PanelLinear's products folded into running maxima per row, the sets merged (folds and merge
+// alike do not depend on the order the panels come in). Where panel_gemm_plan claims panels (from
+// COMPUTE_BOUND_ROWS rows), nt tasks each fold the panels they claim (shares_claim) into a set of their own, as
+// the torch backend's panel_gemm does; else each slice has a set. The torch backend's greedy_tokens, the same
+// tokens.
 ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int32_t n) {
     const auto od = out->dimensions();
@@ -306,19 +308,35 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     PanelCall c;
     if (auto err = PlanPanelCall(pool, x, w, layer, od[0], n, c); !err.success()) return err;
     if (c.parts == 0) return ffi::Error::Success();
-    const int64_t per = c.per, slices = (c.parts + per - 1) / per, T = c.T;
-    // slice s's T maxima at bp + s * stride, each slice on cache lines of its own: threads take neighbouring
-    // slices, and maxima sharing a line would move it between cores at every fold
+    const bool claims = c.claim > 0 && c.nt > 1;
+    const int64_t per = c.per, sets = claims ? c.nt : (c.parts + per - 1) / per, T = c.T;
+    // set s's T maxima at bp + s * stride, each set on cache lines of its own: maxima sharing a line with
+    // another thread's would move it between cores at every fold
     const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
-    std::vector<char> best(stride * (size_t)slices + 64);
+    std::vector<char> best(stride * (size_t)sets + 64);
     char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
-    for (int64_t sl = 0; sl < slices; sl++) head_best_init(bp + stride * sl, (size_t)T);
-    parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) {
-        panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)(a / per), c.unit,
-                        (int)a, (int)b, (int)b);
-    });
+    for (int64_t s = 0; s < sets; s++) head_best_init(bp + stride * s, (size_t)T);
+    if (claims) {
+        // task t works from share t (a task XLA starts late finds its share taken from the back, or empty)
+        std::vector<uint64_t> shares(c.nt);
+        uint64_t *sh = shares.data();
+        shares_init(sh, (int)c.parts, c.nt);
+        parallel_for(pool, c.nt, c.nt, 1, [=](int64_t a, int64_t b) {
+            for (int64_t t = a; t < b; t++) {
+                int lo, hi, pe;
+                while (shares_claim(sh, c.nt, (int)t, c.claim, &lo, &hi, &pe))
+                    panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)t, c.unit,
+                                    lo, hi, pe);
+            }
+        });
+    } else {
+        parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) {
+            panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)(a / per), c.unit,
+                            (int)a, (int)b, (int)b);
+        });
+    }
     int32_t *op = out->typed_data();
-    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)slices, stride);
+    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)sets, stride);
     return ffi::Error::Success();
 }
 

@@ -1158,6 +1158,9 @@ typedef struct {
     int32_t nan;  // first NaN column seen, INT32_MAX if none
 } head_best;
 
+// Folds 8 outputs (columns col0 ..) into a row's running maxima: lane j keeps the largest value of its columns and,
+// among equal ones, the lowest column. So a set's result does not depend on the order its panels come in, and
+// claims (shares_claim) may hand a thread panels out of order: from the back of another's share.
 static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, int V, head_best *b) {
     const __m256 nanm = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
     if (__builtin_expect(col0 + 8 > V || _mm256_movemask_ps(nanm), 0)) {  // the padded tail, or a NaN
@@ -1166,7 +1169,7 @@ static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, 
         for (int j = 0; j < 8 && col0 + j < V; j++) {
             if (t[j] != t[j]) {
                 if (col0 + j < b->nan) b->nan = col0 + j;
-            } else if (t[j] > b->v[j]) {
+            } else if (t[j] > b->v[j] || (t[j] == b->v[j] && col0 + j < b->i[j])) {
                 b->v[j] = t[j];
                 b->i[j] = col0 + j;
             }
@@ -1174,12 +1177,14 @@ static inline __attribute__((always_inline)) void head_fold(__m256 a, int col0, 
         return;
     }
     const __m256 bv = _mm256_loadu_ps(b->v);
-    const __m256 gt = _mm256_cmp_ps(a, bv, _CMP_GT_OQ);
-    _mm256_storeu_ps(b->v, _mm256_blendv_ps(bv, a, gt));
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(col0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i bi = _mm256_loadu_si256((const __m256i *)b->i);
+    const __m256 take = _mm256_or_ps(_mm256_cmp_ps(a, bv, _CMP_GT_OQ),
+                                     _mm256_and_ps(_mm256_cmp_ps(a, bv, _CMP_EQ_OQ),
+                                                   _mm256_castsi256_ps(_mm256_cmpgt_epi32(bi, idx))));
+    _mm256_storeu_ps(b->v, _mm256_blendv_ps(bv, a, take));
     _mm256_storeu_si256((__m256i *)b->i, _mm256_castps_si256(_mm256_blendv_ps(
-        _mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), gt)));
+        _mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), take)));
 }
 
 // One k of a tile of R rows x P panels: every accumulator a[r * 2P + j] += x[r][k] * (panel's 8 lanes j at k).
@@ -1334,11 +1339,10 @@ static inline __attribute__((always_inline)) void kblock_tail(
     }
 }
 
-// rows [0, M) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile); with `best`
-// (argmax mode, K <= KBLOCK) into the rows' running maxima instead of y. Each row meets its panels in ascending
-// order, as head_fold's first-index ties need. In the first row block, each row tile of a panel also prefetches
-// a share of the next panel's k block, so the panel's first tile finds it in cache instead of waiting on memory
-// (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower). When b < pe
+// rows [0, M) times panels [a, b) (the partial last panel, if among them, unblocked by head_tile); with `best` (argmax
+// mode, K <= KBLOCK) into the rows' running maxima instead of y. In the first row block, each row tile of a panel also
+// prefetches a share of the next panel's k block, so the panel's first tile finds it in cache instead of waiting on
+// memory (later row blocks find the panels in L3; prefetching there too made 256-1024 rows 6-15% slower). When b < pe
 // the last panel prefetches panel b's first k block in the last k block: the caller's next range starts there
 // (shares_claim).
 static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, const float *wp, int V, float *y,
@@ -1571,7 +1575,6 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     int unit, nt, claim;
     const int parts = panel_gemm_plan(M, K, V, nthreads, &unit, &nt, &claim);
-    if (argmax != NULL) claim = 0;  // a thread's panels in ascending order, as head_fold's ties need
     head_best *best = NULL;
     if (argmax != NULL) {
         best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
@@ -1588,7 +1591,8 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
             panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, lo, hi, hi);
         } else {
             int a, b, pe;
-            while (shares_claim(sh, nt, t, claim, &a, &b, &pe)) panel_gemm_part(x, M, K, wp, V, y, NULL, unit, a, b, pe);
+            while (shares_claim(sh, nt, t, claim, &a, &b, &pe))
+                panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, a, b, pe);
         }
     }
     if (argmax != NULL) {

@@ -72,6 +72,7 @@ def open_library(path: str) -> tuple[ctypes.CDLL | None, str]:
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args.split()]
         fn.restype = ctypes.c_int
+    lib.panel_gemm_part.restype = lib.head_best_init.restype = None
     lib.decode_workspace.argtypes = [ctypes.c_int] * 6
     lib.decode_workspace.restype = ctypes.c_long
     if (lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES
@@ -111,6 +112,11 @@ _SIGNATURES = {
     "top_n_rows": "p i i l i p p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
+    "panel_gemm_part": "p i i p i p p i i i i",
+    "head_best_bytes": "",
+    "head_best_init": "p l",
+    "head_best_argmax": "p i l",
+    "shares_count": "i i i i p",
     "pack_panels_f32": "p i i l p",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
 }
