@@ -751,7 +751,9 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                         const int e = c1 < last ? c1 : last;
                         int k = c0;
                         if (R == 3) {
-                            for (; k + 4 <= e; k += 4) dots_tile(KV_F32, 3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                            // a last tile of 4 keys past e while the keys exist (their scores go unread): a tile
+                            // of 1 key has 3 chains, and ran ~3x as long a score
+                            for (; k < e && k + 4 <= nk; k += 4) dots_tile(KV_F32, 3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
                             for (; k < e; k++) dots_tile(KV_F32, 3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
                         } else {
                             for (int r = m; r < m + R; r++) {
