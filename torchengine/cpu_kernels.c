@@ -497,15 +497,8 @@ int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
 
-// the cached row of key position j (its block looked up in the table); row: bytes a cached token
-static inline const char *kv_row_at(const char *cache, const int32_t *bt, int block_size, long row, int j) {
-    return cache + ((size_t)bt[j / block_size] * block_size + j % block_size) * row;
-}
-
-// bytes [off, off + nbytes) of key position j's row (`row` bytes a token)
-static inline __attribute__((always_inline)) void prefetch_row(const char *cache, const int32_t *bt, int block_size,
-                                                              long row, long off, int nbytes, int j) {
-    const char *p = kv_row_at(cache, bt, block_size, row, j) + off;
+// bytes [0, nbytes) from p into L1
+static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int nbytes) {
     for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
@@ -530,13 +523,19 @@ static inline __attribute__((always_inline)) int decode_tasks(
         const int pf_bytes = (int)(((hk1 - hk0) * kv_head + D) * es);
         const int64_t tok = tokens ? tokens[i] : i;
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        float *S = (float *)malloc(sizeof(float) * (size_t)hs * (len + 1));  // scores [hs, len], inverse sums
-        if (!S) {
+        // the keys' row offsets in bytes (their blocks looked up once, not twice a pass with a division each),
+        // then scores [hs, len] and the inverse sums
+        size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)len + sizeof(float) * (size_t)hs * (len + 1));
+        if (!ro) {
             rc = -2;
             continue;
         }
-        float *inv = S + (size_t)hs * len;
+        float *S = (float *)(ro + len), *inv = S + (size_t)hs * len;
         const int32_t *bt = block_tables + (size_t)i * bt_stride;
+        for (int j = 0, b = start / block_size, o = start % block_size; j < len; j++) {
+            ro[j] = ((size_t)bt[b] * block_size + o) * row;
+            if (++o == block_size) o = 0, b++;
+        }
         const float *qr[hs];
         float *orow[hs];
         int tile[hs];  // heads in the tile from head g on: those of g's kv head, at most 3
@@ -550,11 +549,11 @@ static inline __attribute__((always_inline)) int decode_tasks(
         for (int j = 0; j < len; j += KS) {
             const int nkeys = len - j < KS ? len - j : KS;
             for (int c = KV_PREFETCH; c < KV_PREFETCH + KS && j + c < len; c++) {  // K and V: V read from cache later
-                prefetch_row(kcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
-                prefetch_row(vcache, bt, block_size, row, pf_off, pf_bytes, start + j + c);
+                prefetch_bytes(kcache + ro[j + c] + pf_off, pf_bytes);
+                prefetch_bytes(vcache + ro[j + c] + pf_off, pf_bytes);
             }
             const char *kp[4];
-            for (int c = 0; c < nkeys; c++) kp[c] = kv_row_at(kcache, bt, block_size, row, start + j + c);
+            for (int c = 0; c < nkeys; c++) kp[c] = kcache + ro[j + c];
             for (int g = 0; g < hs; g += tile[g]) {
                 const long off = (long)((h0 + g) / G) * kv_head * es;
                 const char *kb[4];
@@ -581,8 +580,8 @@ static inline __attribute__((always_inline)) int decode_tasks(
             const int nkeys = len - j0 < DECODE_KEYS ? len - j0 : DECODE_KEYS;
             const int pfn = len - j0 - DECODE_KEYS < DECODE_KEYS ? len - j0 - DECODE_KEYS : DECODE_KEYS;
             const char *vp[DECODE_KEYS], *pfr[DECODE_KEYS];  // this block's rows, the next block's parts
-            for (int c = 0; c < nkeys; c++) vp[c] = kv_row_at(vcache, bt, block_size, row, start + j0 + c);
-            for (int c = 0; c < pfn; c++) pfr[c] = kv_row_at(vcache, bt, block_size, row, start + j0 + DECODE_KEYS + c) + pf_off;
+            for (int c = 0; c < nkeys; c++) vp[c] = vcache + ro[j0 + c];
+            for (int c = 0; c < pfn; c++) pfr[c] = vcache + ro[j0 + DECODE_KEYS + c] + pf_off;
             for (int g = 0; g < hs; g += tile[g]) {
                 const long off = (long)((h0 + g) / G) * kv_head * es;
                 const char *vb[DECODE_KEYS];
@@ -604,7 +603,7 @@ static inline __attribute__((always_inline)) int decode_tasks(
         }
         for (int g = 0; g < hs; g++)
             for (int d = 0; d < D; d++) orow[g][d] *= inv[g];
-        free(S);
+        free(ro);
     }
     return rc;
 }
