@@ -72,11 +72,15 @@ def disable_persistent_cache() -> None:
     The setting is process-wide: a runner that compiled for a TPU target (or any runner without an executable
     store) leaves it on. A runner with caching off would then still write to that cache, and a CPU runner that
     stores executables would have its compiles served from it, which XLA:CPU cannot re-serialize, so it would
-    store nothing (`_load_or_compile`) and compile again at every start."""
-    if jax.config.jax_compilation_cache_dir is None:
+    store nothing (`_load_or_compile`) and compile again at every start. The last runner made decides for them
+    all: runners alive together in one process (in-process tests, a library user's) that want different settings
+    get the newest one's (`serve` and `warmup` make one runner a process)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current is None:
         return
     from jax._src import compilation_cache
 
+    logger.info("JAX's persistent compilation cache (%s) off: this runner caches its own way or not at all", current)
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
 

@@ -250,7 +250,7 @@ class Team {
 struct PanelCall {
     int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
     const float *x = nullptr, *w = nullptr;
-    int unit = 4, nt = 1, claim = 0;  // claim: panel_gemm_plan's (PanelArgmax claims its panels when > 0)
+    int unit = 4, nt = 1, claim = 0;  // claim: panel_gemm_plan's (PanelArgmax claims when > 0 and nt > 1)
 };
 
 // Parts a slice of panel_gemm_plan's split, for XLA's threads: a few slices a thread, so one that starts late
@@ -272,7 +272,8 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
     if (T == 0 || N == 0) return ffi::Error::Success();
-    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt, &c.claim);
+    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt,
+                              &c.claim);
     c.per = slice_parts(c.parts, c.nt, c.unit);
     return ffi::Error::Success();
 }

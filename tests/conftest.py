@@ -44,7 +44,8 @@ def _xlaserve_logging_restored():
     log = logging.getLogger("xlaserve")
     saved = (list(log.handlers), log.level, log.propagate)
     yield
-    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+    log.handlers[:], log.propagate = saved[0], saved[2]
+    log.setLevel(saved[1])  # (setLevel, not an assignment: it clears the child loggers' cached levels)
 
 
 @pytest.fixture(scope="session")

@@ -87,8 +87,9 @@ def test_bits_equal_the_torch_backends_panel_gemm(T):
 
 @pytest.mark.parametrize("T", [1, 7, 24, 29, 32, 300])
 def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T):
-    """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the slices
-    XLA's threads take and within one lane of a slice's running maxima, NaN counting as the largest), the torch
+    """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the sets of
+    running maxima XLA's threads fold into, by slice or by claim from 24 rows, and within one lane of a set; NaN
+    counting as the largest), the torch
     backend's panel_gemm greedy tokens. Both loop orders: the unblocked tiles below 24 rows, the k-blocked ones
     from 24 (29: its 5-row tail; 32: a batch-32 decode step's 2-row tail)."""
     import torch

@@ -107,19 +107,19 @@ def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny
 
     cache = str(tmp_path / "xla")
     params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True)]
-    # an earlier runner in this process left JAX's persistent cache on (a TPU target's does), and it holds these
-    # very programs, compiled with it on
-    enable_persistent_cache(str(tmp_path / "jax"))
-    small(tiny, warmup="decode", compilation_cache_dir=str(tmp_path / "other")).llm_engine.core.shutdown()
-    enable_persistent_cache(str(tmp_path / "jax"))
-    off = small(tiny, warmup="none", compilation_cache_dir="none")  # caching off: JAX's too
-    off.llm_engine.core.shutdown()
-    assert jax.config.jax_compilation_cache_dir is None
-    enable_persistent_cache(str(tmp_path / "jax"))
+    # an earlier runner in this process left JAX's persistent cache on (as a TPU target's does), and it holds
+    # these very programs (a runner without an executable store compiled them into it)
+    jax_cache = str(tmp_path / "jax")
+    small(tiny, warmup="decode", compilation_cache_dir=jax_cache,
+          compilation_config={"store_executables": False}).llm_engine.core.shutdown()
+    assert jax.config.jax_compilation_cache_dir == jax_cache and os.listdir(jax_cache)
     jax.clear_caches()
     first = small(tiny, warmup="decode", compilation_cache_dir=cache)
     assert jax.config.jax_compilation_cache_dir is None
     assert first.llm_engine.core.runner._store.stores == len(first.llm_engine.core.warmup_stats["programs"]) > 0
+    enable_persistent_cache(jax_cache)
+    small(tiny, warmup="none", compilation_cache_dir="none").llm_engine.core.shutdown()  # caching off: JAX's too
+    assert jax.config.jax_compilation_cache_dir is None
     want = generate(first, params=params)
     second = small(tiny, warmup="decode", compilation_cache_dir=cache)
     stats = second.llm_engine.core.warmup_stats

@@ -302,18 +302,17 @@ def test_shares_under_contention_hand_out_every_part_once(lib, n, nt, least, thr
         assert (counts == 1).all(), np.flatnonzero(counts != 1)[:10]
 
 
-@pytest.mark.parametrize("M", [8, 30])  # the unblocked order (parts of 4 panels) and the k-blocked one (single panels)
+@pytest.mark.parametrize("M", [8, 30])  # the unblocked order and the k-blocked one (from 24 rows)
 def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M):
     """A set of running maxima folded from the panels in any order (a claim takes them from the back of another
     thread's share) gives the first maximum: among equal values a lane keeps the lowest column."""
     V, K = 1003, 64
     w = randn(V, K, seed=5) * 0.1
-    w[[37 + 16 * 7, 37 + 16 * 40, 21]] = w[37].clone()  # ties in lane 5 of three panels, and in another lane
+    w[[37 + 16 * 7, 37 + 16 * 40, 21]] = w[37].clone()  # a tie in lane 5 of four panels (1, 2, 9 and 42)
     x = w[37].repeat(M, 1)
     x[1] = randn(1, K, seed=6)
     panels = cpu_kernels.pack_panels(w)
-    unit = 1 if M >= 24 else 4
-    parts = (-(-V // 16) + unit - 1) // unit
+    parts = -(-V // 16)  # one panel a part (unit 1), folded in the orders below
     size = lib.head_best_bytes()
     want = cpu_kernels.panel_gemm(lib, x, panels, V).argmax(-1)
     assert want[0] == 21
@@ -321,7 +320,7 @@ def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M):
         best = torch.zeros(size * M, dtype=torch.uint8)
         lib.head_best_init(best.data_ptr(), M)
         for p in order:
-            lib.panel_gemm_part(x.data_ptr(), M, K, panels.data_ptr(), V, None, best.data_ptr(), unit, p, p + 1, p + 1)
+            lib.panel_gemm_part(x.data_ptr(), M, K, panels.data_ptr(), V, None, best.data_ptr(), 1, p, p + 1, p + 1)
         got = [lib.head_best_argmax(best.data_ptr() + size * m, 1, 0) for m in range(M)]
         assert got == want.tolist()
 

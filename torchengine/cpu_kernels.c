@@ -268,7 +268,8 @@ static inline __m256 exp8(__m256 x) {
 
 // the largest of n floats, NaN skipped (-inf if none): `x > m ? x : m` over them, 8 lanes at a time (a scalar
 // chain of them waited 3 cycles an element: ~9% of prefill attention). A maximum does not round, so any order
-// gives the same value (up to a zero's sign, which exp_shift_sum's x - m cannot see).
+// gives the same value, up to a zero's sign: exp_shift_sum then takes exp(-0) for exp(+0) or the reverse, both
+// exactly 1 (exp8 and expf).
 static inline float row_max(const float *x, int n) {
     __m256 v = _mm256_set1_ps(-INFINITY);
     int k = 0;
@@ -523,7 +524,7 @@ static inline __attribute__((always_inline)) int decode_tasks(
         const int pf_bytes = (int)(((hk1 - hk0) * kv_head + D) * es);
         const int64_t tok = tokens ? tokens[i] : i;
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        // the keys' row offsets in bytes (their blocks looked up once, not twice a pass with a division each),
+        // the keys' row offsets in bytes (each key's block looked up once, not five times with a division each),
         // then scores [hs, len] and the inverse sums
         size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)len + sizeof(float) * (size_t)hs * (len + 1));
         if (!ro) {
@@ -752,7 +753,8 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                         if (R == 3) {
                             // a last tile of 4 keys past e while the keys exist (their scores go unread): a tile
                             // of 1 key has 3 chains, and ran ~3x as long a score
-                            for (; k < e && k + 4 <= nk; k += 4) dots_tile(KV_F32, 3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
+                            for (; k < e && k + 4 <= nk; k += 4)
+                                dots_tile(KV_F32, 3, 4, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
                             for (; k < e; k++) dots_tile(KV_F32, 3, 1, qr + m, kr + k, D, scale, S + (size_t)m * nk + k, nk);
                         } else {
                             for (int r = m; r < m + R; r++) {
@@ -1482,7 +1484,8 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
 
 // The argmax mode's running maxima, for callers that split panel_gemm_part's parts themselves (the jax
 // backend's custom call): `head_best_bytes` each, `head_best_init` before the parts fold into them, and
-// `head_best_argmax` to merge a row's n sets (`stride_bytes` apart, one per part range) into its token.
+// `head_best_argmax` to merge a row's n sets (`stride_bytes` apart: one a thread, or a slice of parts) into its
+// token.
 int head_best_bytes(void) { return (int)sizeof(head_best); }
 
 void head_best_init(head_best *b, size_t n) {
@@ -1600,13 +1603,13 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        head_best *own = best == NULL ? NULL : best + (size_t)M * t;  // this thread's running maxima
         if (!claim) {
             const int lo = (int)((long)parts * t / T), hi = (int)((long)parts * (t + 1) / T);
-            panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, lo, hi, hi);
+            panel_gemm_part(x, M, K, wp, V, y, own, unit, lo, hi, hi);
         } else {
             int a, b, pe;
-            while (shares_claim(sh, nt, t, claim, &a, &b, &pe))
-                panel_gemm_part(x, M, K, wp, V, y, best == NULL ? NULL : best + (size_t)M * t, unit, a, b, pe);
+            while (shares_claim(sh, nt, t, claim, &a, &b, &pe)) panel_gemm_part(x, M, K, wp, V, y, own, unit, a, b, pe);
         }
     }
     if (argmax != NULL) {
