@@ -250,15 +250,14 @@ class Team {
 struct PanelCall {
     int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
     const float *x = nullptr, *w = nullptr;
-    int unit = 4, nt = 1, claim = 0;  // claim: panel_gemm_plan's (PanelArgmax claims when > 0 and nt > 1)
+    int unit = 4, nt = 1, claim = 0;  // claim: panel_gemm_plan's (RunPanelCall claims when > 0 and nt > 1)
 };
 
-// Parts a slice of panel_gemm_plan's split, for XLA's threads: a few slices a thread, so one that starts late
-// (busy with another op) leaves less to wait for; two where the parts are single panels (from
-// COMPUTE_BOUND_ROWS rows: each slice streams all the rows past its panels, and four a thread ran 0.9-1.0x of
-// two); all of them where one thread runs the call.
-static int64_t slice_parts(int64_t parts, int nt, int unit) {
-    return nt <= 1 ? parts : std::max<int64_t>(1, parts / ((int64_t)nt * (unit == 1 ? 2 : 4)));
+// Parts a slice of panel_gemm_plan's split where its parts are not claimed (parts of 4 panels, below
+// COMPUTE_BOUND_ROWS rows), for XLA's threads: four slices a thread, so one that starts late (busy with another
+// op) leaves less to wait for; all of them where one thread runs the call.
+static int64_t slice_parts(int64_t parts, int nt) {
+    return nt <= 1 ? parts : std::max<int64_t>(1, parts / ((int64_t)nt * 4));
 }
 
 ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::F32> &w,
@@ -274,8 +273,33 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
     if (T == 0 || N == 0) return ffi::Error::Success();
     c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt,
                               &c.claim);
-    c.per = slice_parts(c.parts, c.nt, c.unit);
+    c.per = slice_parts(c.parts, c.nt);
     return ffi::Error::Success();
+}
+
+// fn(lo, hi, pe, set) over PanelCall's parts on the calling thread and XLA's: where panel_gemm_plan claims them
+// (from COMPUTE_BOUND_ROWS rows), nt tasks each work from a share of their own (shares_claim: a task XLA starts
+// late finds its share taken from the back, or empty), set = the task; else slices of c.per parts, set = the
+// slice. pe: where the thread's next parts likely start (panel_gemm_part's prefetch past hi).
+bool Claims(const PanelCall &c) { return c.claim > 0 && c.nt > 1; }
+int64_t Sets(const PanelCall &c) { return Claims(c) ? c.nt : (c.parts + c.per - 1) / c.per; }
+
+template <typename F>
+void RunPanelCall(ffi::ThreadPool &pool, const PanelCall &c, F fn) {
+    if (Claims(c)) {
+        std::vector<uint64_t> shares(c.nt);
+        uint64_t *sh = shares.data();
+        shares_init(sh, (int)c.parts, c.nt);
+        parallel_for(pool, c.nt, c.nt, 1, [=](int64_t a, int64_t b) {
+            for (int64_t t = a; t < b; t++) {
+                int lo, hi, pe;
+                while (shares_claim(sh, c.nt, (int)t, c.claim, &lo, &hi, &pe)) fn(lo, hi, pe, t);
+            }
+        });
+        return;
+    }
+    const int64_t per = c.per;
+    parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) { fn((int)a, (int)b, (int)b, a / per); });
 }
 
 // y [T, N] = x [T, K] . W_l^T (PanelCall's operands): the torch backend's float32 linears and LM head (the same
@@ -289,19 +313,17 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (auto err = PlanPanelCall(pool, x, w, layer, yd[0], yd[1], c); !err.success()) return err;
     if (c.parts == 0) return ffi::Error::Success();
     float *yp = y->typed_data();
-    parallel_for(pool, c.parts, c.nt, c.per, [=](int64_t a, int64_t b) {
-        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, (int)a, (int)b, (int)b);
+    RunPanelCall(pool, c, [=](int lo, int hi, int pe, int64_t) {
+        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, lo, hi, pe);
     });
     return ffi::Error::Success();
 }
 
 // out [T] = the first index of each row's maximum of x [T, K] . W_l^T over W's first n rows (NaN counting as
 // the largest: torch.argmax's), PanelCall's operands: greedy sampling without writing and re-reading the
-// [T, n] logits, PanelLinear's products folded into running maxima per row, the sets merged (folds and merge
-// alike do not depend on the order the panels come in). Where panel_gemm_plan claims panels (from
-// COMPUTE_BOUND_ROWS rows), nt tasks each fold the panels they claim (shares_claim) into a set of their own, as
-// the torch backend's panel_gemm does; else each slice has a set. The torch backend's greedy_tokens, the same
-// tokens.
+// [T, n] logits, PanelLinear's products folded into running maxima per row, one set a task or slice
+// (RunPanelCall), the sets merged (folds and merge alike do not depend on the order the panels come in). The
+// torch backend's greedy_tokens, the same tokens.
 ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int32_t n) {
     const auto od = out->dimensions();
@@ -309,33 +331,16 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     PanelCall c;
     if (auto err = PlanPanelCall(pool, x, w, layer, od[0], n, c); !err.success()) return err;
     if (c.parts == 0) return ffi::Error::Success();
-    const bool claims = c.claim > 0 && c.nt > 1;
-    const int64_t per = c.per, sets = claims ? c.nt : (c.parts + per - 1) / per, T = c.T;
+    const int64_t sets = Sets(c), T = c.T;
     // set s's T maxima at bp + s * stride, each set on cache lines of its own: maxima sharing a line with
     // another thread's would move it between cores at every fold
     const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
     std::vector<char> best(stride * (size_t)sets + 64);
     char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
     for (int64_t s = 0; s < sets; s++) head_best_init(bp + stride * s, (size_t)T);
-    if (claims) {
-        // task t works from share t (a task XLA starts late finds its share taken from the back, or empty)
-        std::vector<uint64_t> shares(c.nt);
-        uint64_t *sh = shares.data();
-        shares_init(sh, (int)c.parts, c.nt);
-        parallel_for(pool, c.nt, c.nt, 1, [=](int64_t a, int64_t b) {
-            for (int64_t t = a; t < b; t++) {
-                int lo, hi, pe;
-                while (shares_claim(sh, c.nt, (int)t, c.claim, &lo, &hi, &pe))
-                    panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)t, c.unit,
-                                    lo, hi, pe);
-            }
-        });
-    } else {
-        parallel_for(pool, c.parts, c.nt, per, [=](int64_t a, int64_t b) {
-            panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)(a / per), c.unit,
-                            (int)a, (int)b, (int)b);
-        });
-    }
+    RunPanelCall(pool, c, [=](int lo, int hi, int pe, int64_t set) {
+        panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)set, c.unit, lo, hi, pe);
+    });
     int32_t *op = out->typed_data();
     for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)sets, stride);
     return ffi::Error::Success();
@@ -629,7 +634,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         int unit = 0, nt = 1, claim = 0;
         const int64_t parts = panel_gemm_plan((int)M, (int)K, (int)N, (int)threads, &unit, &nt, &claim);
         if (claim == 0) {  // parts not to be claimed (see panel_gemm_plan): slices
-            team->run(parts, slice_parts(parts, nt, unit), [=](int64_t a, int64_t b) {
+            team->run(parts, slice_parts(parts, nt), [=](int64_t a, int64_t b) {
                 panel_gemm_part(in, (int)M, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)b);
             });
             return;
