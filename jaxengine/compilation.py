@@ -50,39 +50,31 @@ def resolve_cache_dir(configured: str | None) -> str | None:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def enable_persistent_cache(path: str) -> str:
-    """Point JAX's persistent compilation cache at `path` and cache every program (no size/time floor)."""
-    os.makedirs(path, exist_ok=True)
+def use_persistent_cache(path: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at `path` and cache every program (no size/time floor), or turn
+    it off (None).
+
+    The setting is process-wide, and JAX binds it at the first compile after a reset: without one, a change made
+    after any compile would be silently ignored. So every runner says what it wants. Left on by an earlier
+    runner (one that compiled for a TPU target), a runner with caching off would still write to it, and a CPU
+    runner that stores executables would have its compiles served from it, which XLA:CPU cannot re-serialize:
+    it would store nothing (`_load_or_compile`) and compile again at every start. The newest runner decides for
+    all of them: runners alive together in one process (in-process tests, a library user's) that want different
+    settings get its setting (`serve` and `warmup` make one runner a process)."""
     current = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if path is not None:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    elif current is not None:
+        logger.info("JAX's persistent compilation cache (%s) off: this runner caches its own way or not at all",
+                    current)
     if current != path:
         from jax._src import compilation_cache
 
-        # JAX decides once per process (at the first compile) whether a cache is in use and binds
-        # its path then: without a reset, enabling it after any compile would be silently ignored
+        jax.config.update("jax_compilation_cache_dir", path)
         compilation_cache.reset_cache()
     return path
-
-
-def disable_persistent_cache() -> None:
-    """Turn JAX's persistent compilation cache off for this process, if an earlier runner here turned it on.
-
-    The setting is process-wide: a runner that compiled for a TPU target (or any runner without an executable
-    store) leaves it on. A runner with caching off would then still write to that cache, and a CPU runner that
-    stores executables would have its compiles served from it, which XLA:CPU cannot re-serialize, so it would
-    store nothing (`_load_or_compile`) and compile again at every start. The last runner made decides for them
-    all: runners alive together in one process (in-process tests, a library user's) that want different settings
-    get the newest one's (`serve` and `warmup` make one runner a process)."""
-    current = jax.config.jax_compilation_cache_dir
-    if current is None:
-        return
-    from jax._src import compilation_cache
-
-    logger.info("JAX's persistent compilation cache (%s) off: this runner caches its own way or not at all", current)
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
 
 
 class _Counts:

@@ -613,12 +613,10 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     std::unique_lock<std::mutex> lock(g_workspace.mu, std::try_to_lock);
     std::vector<float> own;
     std::vector<float> &ws = lock.owns_lock() ? g_workspace.buf : own;
-    const size_t need = (size_t)T * (3 * H + QKV + Hq * D + 3 * I) + (S < T ? (size_t)S * (2 * H + Hq * D) : 0);
+    const size_t need = (size_t)T * (3 * H + QKV + Hq * D + 3 * I);
     if (ws.size() < need) ws.resize(need);
     float *residual = ws.data(), *h = residual + T * H, *y = h + T * H, *qkv = y + T * H, *att = qkv + T * QKV;
     float *gu = att + T * Hq * D, *act = gu + T * 2 * I;
-    float *res_s = S < T ? act + T * I : nullptr;  // the kept rows (S < T): residual, attention, o and down outputs
-    float *att_s = S < T ? res_s + S * H : nullptr, *y_s = S < T ? att_s + S * Hq * D : nullptr;
     std::fill(att, att + T * Hq * D, 0.f);  // padding tokens' rows stay 0 (attention writes the others)
     std::copy(x.typed_data(), x.typed_data() + T * H, residual);
 
@@ -652,10 +650,8 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const float *qn = q_norm.typed_data(), *kn = k_norm.typed_data();
     const bool has_bias = qkv_b.element_count() != 0, has_qk_norm = q_norm.element_count() != 0;
     std::atomic<int> rc{0};
-    // the rows after each layer's attention: all T, or in the last layer the S kept ones, gathered (row i is
-    // token kp[i])
-    int64_t M = T;
-    float *res = residual, *yo = y;
+    // after the last layer's attention, the S kept rows alone (gathered: row i is token kp[i])
+    const bool gathered = S < T;
 
     for (int64_t l = 0; l < L; l++) {
         char *kvc = c + l * layer_bytes;
@@ -701,32 +697,34 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                                              (int)(b - d_tasks), kv_type);
             if (e) rc.store(1);
         });
-        float *at = att;
-        if (l == L - 1 && S < T) {
+        const bool gather = l == L - 1 && gathered;
+        const int64_t M = gather ? S : T;
+        float *at = gather ? qkv : att;  // (qkv is not read after attention: S Hq D <= T QKV floats)
+        if (gather) {
+            // out gets every row's residual stream (the rows not kept are returned so), then residual and qkv the
+            // kept rows' stream and attention, in the order of kp
             float *o = out->typed_data();
             rows(T, H, [=](int64_t a, int64_t b) { std::copy(residual + a * H, residual + b * H, o + a * H); });
             rows(S, H + Hq * D, [=](int64_t a, int64_t b) {
                 for (int64_t i = a; i < b; i++) {
-                    std::copy(residual + kp[i] * H, residual + (kp[i] + 1) * H, res_s + i * H);
-                    std::copy(att + kp[i] * Hq * D, att + (kp[i] + 1) * Hq * D, att_s + i * Hq * D);
+                    std::copy(o + kp[i] * H, o + (kp[i] + 1) * H, residual + i * H);
+                    std::copy(att + kp[i] * Hq * D, att + (kp[i] + 1) * Hq * D, at + i * Hq * D);
                 }
             });
-            M = S, res = res_s, at = att_s, yo = y_s;
         }
-        linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, H, yo);
+        linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, H, y);
         rows(M, H, [=](int64_t a, int64_t b) {
-            rms_norm(yo + a * H, (int)(b - a), (int)H, H, res + a * H, mn, eps, h + a * H);
+            rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
         });
         linear(h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, 2 * I, gu);
         rows(M, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
-        linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, H, yo);
+        linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, H, y);
     }
     float *o = out->typed_data();
-    const bool gathered = M < T;
-    rows(M, H, [=](int64_t a, int64_t b) {
+    rows(gathered ? S : T, H, [=](int64_t a, int64_t b) {
         for (int64_t i = a; i < b; i++) {
             float *oi = o + (gathered ? kp[i] : i) * H;
-            for (int64_t j = 0; j < H; j++) oi[j] = res[i * H + j] + yo[i * H + j];
+            for (int64_t j = 0; j < H; j++) oi[j] = residual[i * H + j] + y[i * H + j];
         }
     });
     team->finish();

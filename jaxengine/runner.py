@@ -50,9 +50,8 @@ from jaxengine.compilation import (
     CompileGuard,
     CompileMonitor,
     ExecutableStore,
-    disable_persistent_cache,
-    enable_persistent_cache,
     resolve_cache_dir,
+    use_persistent_cache,
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
@@ -167,10 +166,8 @@ class JaxModelRunner:
         self._store_enabled = (bool(self.cache_dir) and devices is None and self.platform == "cpu"
                                and opts.get("store_executables", True))
         self._store: ExecutableStore | None = None
-        if self.cache_dir and not self._store_enabled:
-            enable_persistent_cache(self.cache_dir)
-        else:  # the setting is process-wide: an earlier runner here may have left it on
-            disable_persistent_cache()
+        # JAX's cache where there is no store (process-wide: set either way, an earlier runner may have left it on)
+        use_persistent_cache(self.cache_dir if self.cache_dir and not self._store_enabled else None)
         self.monitor = CompileMonitor().install()
         self.guard = CompileGuard(self.monitor)
         self._rep = replicated(self.mesh)

@@ -103,7 +103,7 @@ def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny
     lowering or XLA compile) and generates the same tokens; an unreadable entry is compiled and rewritten; a
     different config misses. JAX's persistent cache, which an earlier runner in the process may have turned on
     (a TPU target's), is off: compiles it served could not be stored."""
-    from jaxengine.compilation import enable_persistent_cache
+    from jaxengine.compilation import use_persistent_cache
 
     cache = str(tmp_path / "xla")
     params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True)]
@@ -117,7 +117,7 @@ def test_stored_executables_load_without_compiling_and_give_the_same_tokens(tiny
     first = small(tiny, warmup="decode", compilation_cache_dir=cache)
     assert jax.config.jax_compilation_cache_dir is None
     assert first.llm_engine.core.runner._store.stores == len(first.llm_engine.core.warmup_stats["programs"]) > 0
-    enable_persistent_cache(jax_cache)
+    use_persistent_cache(jax_cache)
     small(tiny, warmup="none", compilation_cache_dir="none").llm_engine.core.shutdown()  # caching off: JAX's too
     assert jax.config.jax_compilation_cache_dir is None
     want = generate(first, params=params)

@@ -209,13 +209,6 @@ def test_panel_gemm_many_rows(lib, M, K, V, threads):
     assert torch.equal(greedy, logits.argmax(-1))
 
 
-def shares_api(lib):
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.shares_init.argtypes, lib.shares_init.restype = [p, i, i], None
-    lib.shares_claim.argtypes, lib.shares_claim.restype = [p, i, i, i, p, p, p], i
-    return lib
-
-
 @pytest.mark.parametrize("n,nt,least", [(60, 2, 4), (36, 2, 4), (192, 2, 4), (7, 3, 4), (1000, 5, 1), (3, 4, 1)])
 def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
     """The linears' parts between threads (shares_claim), in random interleavings of the threads' claims (and a
@@ -225,16 +218,15 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
     continues there) and the claim's end for a taken one."""
     import numpy as np
 
-    api = shares_api(lib)
     a, b, pe = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     for empty in (0, -3):  # nothing to hand out
         sh = (ctypes.c_uint64 * nt)()
-        api.shares_init(sh, empty, nt)
-        assert not api.shares_claim(sh, nt, 0, 0, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe))
+        lib.shares_init(sh, empty, nt)
+        assert not lib.shares_claim(sh, nt, 0, 0, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe))
     rng = np.random.default_rng(n * 7 + nt)
     for _ in range(50):
         sh = (ctypes.c_uint64 * nt)()
-        api.shares_init(sh, n, nt)
+        lib.shares_init(sh, n, nt)
         start = [n * t // nt for t in range(nt)]
         end = [n * (t + 1) // nt for t in range(nt)]
         lo, hi = list(start), list(end)  # what the model says is left of each share
@@ -243,7 +235,7 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
         active = list(range(-1, nt))  # -1: a thread without a share
         while active:
             t = int(rng.choice(active))
-            if not api.shares_claim(sh, nt, t, least, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe)):
+            if not lib.shares_claim(sh, nt, t, least, ctypes.byref(a), ctypes.byref(b), ctypes.byref(pe)):
                 assert all(h == l for l, h in zip(lo, hi))  # nothing left anywhere
                 active.remove(t)
                 continue
@@ -271,9 +263,6 @@ def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V):
     k block), a partial last panel, the unblocked order at 8 rows (parts of 4 panels)."""
     import numpy as np
 
-    lib.panel_gemm_part.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                    ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
-    lib.panel_gemm_part.restype = None
     x, w = randn(M, K, seed=7), randn(V, K, seed=8)
     panels = cpu_kernels.pack_panels(w)
     want = cpu_kernels.panel_gemm(lib, x, panels, V)
@@ -295,7 +284,6 @@ def test_shares_under_contention_hand_out_every_part_once(lib, n, nt, least, thr
     others), the compare-and-swaps contended: each part handed out exactly once."""
     import numpy as np
 
-    lib.shares_count.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
     for _ in range(20):
         counts = np.zeros(n, dtype=np.int32)
         assert lib.shares_count(n, nt, least, threads, counts.ctypes.data) == 0

@@ -759,7 +759,7 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                         } else {
                             for (int r = m; r < m + R; r++) {
                                 int kk = c0;
-                                for (; kk + 4 <= e; kk += 4)
+                                for (; kk < e && kk + 4 <= nk; kk += 4)  // (past e as above)
                                     dots_tile(KV_F32, 1, 4, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
                                 for (; kk < e; kk++) dots_tile(KV_F32, 1, 1, qr + r, kr + kk, D, scale, S + (size_t)r * nk + kk, nk);
                             }

@@ -68,13 +68,11 @@ def open_library(path: str) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)
     except OSError as e:  # e.g. a noexec mount
         return None, f"cannot load {path}: {e}"
-    for name, args in _SIGNATURES.items():
+    for name, sig in _SIGNATURES.items():
+        ret, _, args = sig.rpartition(":")  # "ret: args" (ret: int when not given)
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args.split()]
-        fn.restype = ctypes.c_int
-    lib.panel_gemm_part.restype = lib.head_best_init.restype = None
-    lib.decode_workspace.argtypes = [ctypes.c_int] * 6
-    lib.decode_workspace.restype = ctypes.c_long
+        fn.restype = _CTYPES[ret.strip() or "i"]
     if (lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES
             or lib.max_rows() != MAX_ROWS):
         return None, "cpu_kernels.c's block layout or row limit does not match cpu_kernels.py"
@@ -96,7 +94,7 @@ def lib_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 
 
 # argument types of the C functions: p pointer, i int, l long, f float
-_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float}
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_long, "f": ctypes.c_float, "v": None}
 _SIGNATURES = {
     "q4_gemm": "p i i p i p i",
     "q8_gemm": "p i i p i p i",
@@ -112,13 +110,16 @@ _SIGNATURES = {
     "top_n_rows": "p i i l i p p",
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
-    "panel_gemm_part": "p i i p i p p i i i i",
+    "panel_gemm_part": "v: p i i p i p p i i i i",
     "head_best_bytes": "",
-    "head_best_init": "p l",
+    "head_best_init": "v: p l",
+    "shares_init": "v: p i i",
+    "shares_claim": "p i i i p p p",
     "head_best_argmax": "p i l",
     "shares_count": "i i i i p",
     "pack_panels_f32": "p i i l p",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
+    "decode_workspace": "l: i i i i i i",
 }
 
 
