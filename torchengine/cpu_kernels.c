@@ -1234,7 +1234,7 @@ static inline __attribute__((always_inline)) void head_tile(
         acc += pf_lines;
         if (acc >= K) {
             acc -= K;
-            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf, _MM_HINT_T1);  // (head_rows: into L2)
             pf += 64;
         }
         panel_k_step(R, P, x, K, w, k, a);
@@ -1257,7 +1257,12 @@ static inline __attribute__((always_inline)) void head_tile(
 // rows m0..m0+R-1 over panels p0..p1, P panels a tile (single panels at the end). Each tile also prefetches
 // slice mi of nm of the panels it will meet in the next block (p1.. < pe), spread over its k loop: the rows'
 // first tile of a block then finds its weights in cache instead of waiting on memory while later tiles, which
-// read them from L2, leave the memory idle (5-12% faster linears at 32-64 rows; none with one row block).
+// read them from L2, leave the memory idle (5-12% faster linears at 32-64 rows). Into L2 (T1), not L1: a
+// block's 7 panels (252 KiB at K = 576) only pass through L1, and there they evicted the tile's own; T1 ran a
+// decode step's linears 1.11-1.34x as fast at 8-16 rows (T0 kept for kblock_part, whose panels' k blocks fit
+// L1: T1 ran 0.98x there). With one row block (up to 6 rows) only the one-panel tiles (4-6 rows) prefetch:
+// 1.13-1.22x at 5-6 rows; the 1-3-row tiles, 2-4 panels wide, leave it to the hardware's streams (prefetching
+// their next block ran 0.92-0.97x).
 static inline __attribute__((always_inline)) void head_rows(
     const int R, const int P, const float *x, int m0, int K, const float *wp, int p0, int p1, int V, float *y,
     head_best *best, int pe, int mi, int nm) {
@@ -1266,7 +1271,7 @@ static inline __attribute__((always_inline)) void head_rows(
     head_best *bm = best == NULL ? NULL : best + m0;
     const int l0 = (int)((long)K * mi / nm), l1 = (int)((long)K * (mi + 1) / nm);
     for (int p = p0; p < p1;) {
-        const int q = p1 + (p - p0), lines = q < pe && nm > 1 ? l1 - l0 : 0;
+        const int q = p1 + (p - p0), lines = q < pe && (nm > 1 || P == 1) ? l1 - l0 : 0;
         const char *pf = (const char *)(wp + ((size_t)q * K + l0) * 16);
         if (p + P <= p1) {
             head_tile(R, P, xm, K, wp, p, V, ym, bm, pf, lines);
@@ -1278,7 +1283,7 @@ static inline __attribute__((always_inline)) void head_rows(
     }
 }
 
-// From COMPUTE_BOUND_ROWS rows on (a prefill's linears, and a decode step's from batch 24), panel_gemm_part
+// From COMPUTE_BOUND_ROWS rows on (a prefill's linears, and a decode step's from batch 19), panel_gemm_part
 // changes its loop order, where the unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
 // stream all the activations past every block of its panels, and a long k (K > 1024: the down projection's
 // panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of L1 too. kblock_part takes blocks of
@@ -1292,8 +1297,9 @@ static inline __attribute__((always_inline)) void head_rows(
 // unblocked tiles. The threshold was 256 rows until the blocked order learnt to prefetch the next panel
 // (kblock_part) and to fold the LM head's argmax: from 24 rows it then runs a decode step's linears and greedy
 // head 1.07-1.14x as fast as the unblocked order (bench_kernels_ab, 24-64 rows); at 8 rows 0.87-0.92x, at 16
-// even.
-#define COMPUTE_BOUND_ROWS 24
+// even. Session 26 (a 2-core Zen 4): once head_rows prefetched into L2 (below), the blocked order ran 19-23
+// rows 1.02-1.12x as fast and 12-16 rows 0.83-0.87x, so it starts at 19 (18 rows are three whole tiles of 6).
+#define COMPUTE_BOUND_ROWS 19
 #define KBLOCK 576
 #define ROW_BLOCK 48  // a multiple of HEAD_ROWS
 
