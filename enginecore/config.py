@@ -249,6 +249,14 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
+# A server's step budget on a CPU. A step there is compute-bound from a few rows on, so a 2048-token prefill
+# chunk holds every running request's next token for its whole length (~2 s for the embedded model on 2 cores):
+# 512-token chunks cut the median TTFT at concurrency 16 from 2.4 s to 1.45 s at the same output tok/s
+# (benchmarks/README.md, bench_peers, session 26). Offline (`LLM`) keeps 2048: there the larger chunks ran
+# 2-5% faster.
+SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
 @dataclass
 class EngineArgs:
     """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs)."""
@@ -303,6 +311,17 @@ class EngineArgs:
         if unknown:
             raise ConfigError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
         return cls(**kwargs)
+
+    def apply_serving_defaults(self) -> None:
+        """The defaults `xlaserve serve` (and `xlaserve warmup`, which compiles what serve will run) changes from
+        the offline ones, where the flag was not given: on a CPU, steps of at most SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+        tokens (vLLM's API server, like `LLM`, takes 2048 there)."""
+        from enginecore.platform import detect_platform
+
+        if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
+            return
+        if (detect_platform() if self.platform == "auto" else self.platform) == "cpu":
+            self.max_num_batched_tokens = max(SERVE_CPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 64)
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""

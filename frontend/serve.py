@@ -224,6 +224,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
         raise ConfigError(f"--shutdown-timeout must be 0 (abort in-flight requests at once) or more seconds; "
                           f"got {ns.shutdown_timeout}")
     engine_args = engine_args_from_namespace(ns)
+    engine_args.apply_serving_defaults()
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)

@@ -55,6 +55,7 @@ def run_warmup_cli(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 
     ns = parse_serve_args(parser, argv)
     engine_args = engine_args_from_namespace(ns)
+    engine_args.apply_serving_defaults()  # the shapes `serve` will run
     if engine_args.backend == "torch":
         parser.error("xlaserve warmup compiles the JAX engine; --backend torch has nothing to warm up ahead of time")
     if not engine_args.topology and (ns.executables_dir or ns.roofline_context is not None):

@@ -44,6 +44,28 @@ def test_defaults_match_engine_args():
     assert ns.host == "127.0.0.1" and ns.port == 8000
 
 
+def test_serve_takes_smaller_prefill_chunks_on_a_cpu_only_where_the_flag_is_not_given():
+    """`serve` and `warmup` on a CPU: steps of 512 tokens (offline keeps 2048); a given flag, another platform,
+    or chunked prefill turned off keep the offline rule; a larger --max-num-seqs raises the budget to it."""
+    from enginecore.config import SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+
+    def budget(*argv, serving=True):
+        args = engine_args_from_namespace(parse(*argv))
+        if serving:
+            args.apply_serving_defaults()
+        return args.create_engine_config(model_max_len=8192).scheduler_config.max_num_batched_tokens
+
+    assert SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 512
+    assert budget("--platform", "cpu") == 512
+    assert budget("--platform", "cpu", serving=False) == 2048
+    assert budget("--platform", "cpu", "--max-num-batched-tokens", "1024") == 1024
+    assert budget("--platform", "cpu", "--max-num-seqs", "600") == 600
+    assert budget("--platform", "cpu", "--no-enable-chunked-prefill", "--max-model-len", "4096") == 4096
+    args = engine_args_from_namespace(parse("--platform", "tpu"))
+    args.apply_serving_defaults()
+    assert args.max_num_batched_tokens is None  # the TPU's own default (8192), decided with the config
+
+
 def test_vllm_spellings_parse_into_engine_args():
     ns = parse("some/model", "--dtype", "bfloat16", "--max-model-len", "2K", "--served-model-name", "a", "b",
                "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "8",
