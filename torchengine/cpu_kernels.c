@@ -489,6 +489,10 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 // which follow streams within a 4 KiB page, lose them at every block, and a decode step's attention ran at
 // ~6 GB/s, a third of this memory's bandwidth (benchmarks/bench_kernels_ab.py --what attention). So the
 // kernels fetch the rows KV_PREFETCH keys ahead of the scores (and the next DECODE_KEYS of V) while they work.
+// The scores' fetches go to L2 (T1): a key's K and V rows of all heads are 24 lines at float32, 8 keys ahead
+// ~200 in flight, more than L1's miss buffers hold; into L2 they ran a step's attention 1.2-1.6x as fast at 4-32
+// rows (170 and 1024 tokens, both cache layouts; session 26, a Zen 4), even at 1-2 rows. 16 keys ahead ran
+// 0.94-0.96x, 4 keys 1.02-1.07x at 170 tokens but 0.91x at 1024.
 #define KV_PREFETCH 8
 #define DECODE_KEYS 16  // keys a block of the output loop (their V rows stay in L1)
 
@@ -498,9 +502,9 @@ int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
 
-// bytes [0, nbytes) from p into L1
+// bytes [0, nbytes) from p into L2
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int nbytes) {
-    for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // The tasks over a cache of type T, each key's row read once for the task's heads in the score pass (its V
