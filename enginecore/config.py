@@ -320,7 +320,8 @@ class EngineArgs:
 
         if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
             return
-        if (detect_platform() if self.platform == "auto" else self.platform) == "cpu":
+        platform = self.platform if self.platform != "auto" else "tpu" if self.topology else detect_platform()
+        if platform == "cpu":  # (`warmup --topology` compiles for a TPU: jaxengine.aot takes auto as tpu)
             self.max_num_batched_tokens = max(SERVE_CPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 64)
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:

@@ -61,9 +61,10 @@ def test_serve_takes_smaller_prefill_chunks_on_a_cpu_only_where_the_flag_is_not_
     assert budget("--platform", "cpu", "--max-num-batched-tokens", "1024") == 1024
     assert budget("--platform", "cpu", "--max-num-seqs", "600") == 600
     assert budget("--platform", "cpu", "--no-enable-chunked-prefill", "--max-model-len", "4096") == 4096
-    args = engine_args_from_namespace(parse("--platform", "tpu"))
-    args.apply_serving_defaults()
-    assert args.max_num_batched_tokens is None  # the TPU's own default (8192), decided with the config
+    for argv in (("--platform", "tpu"), ("--topology", "v5e:2x2")):  # warmup --topology on this CPU host: a TPU's
+        args = engine_args_from_namespace(parse(*argv))
+        args.apply_serving_defaults()
+        assert args.max_num_batched_tokens is None, argv  # the TPU's own default (8192), decided with the config
 
 
 def test_vllm_spellings_parse_into_engine_args():
