@@ -65,7 +65,7 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "kv_cache_memory_bytes": ("CacheConfig", "Bytes of KV cache (overrides --gpu-memory-utilization for the "
                               "cache; on CPU the default budget). Accepts K/M/G suffixes.", None),
     "max_num_seqs": ("SchedulerConfig", "Most sequences in one step (default 256; 64 on CPU).", None),
-    "max_num_batched_tokens": ("SchedulerConfig", "Token budget of one step (default 8192; on CPU 2048, and 512 for `serve`).", None),
+    "max_num_batched_tokens": ("SchedulerConfig", "Token budget of one step (default 8192; on CPU 2048, and for `serve` / `warmup` 512, at least --max-num-seqs).", None),
     "enable_chunked_prefill": ("SchedulerConfig", "Split long prompts over several steps.", None),
     "long_prefill_token_threshold": ("SchedulerConfig", "Most prompt tokens one request gets per step "
                                      "(0: no cap).", None),
@@ -437,6 +437,14 @@ def parse_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> argpar
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
     return EngineArgs(**kwargs)
+
+
+def serving_engine_args(ns: argparse.Namespace) -> EngineArgs:
+    """The engine arguments of `serve`, and of `warmup`, which compiles what serve will run: the flags, then the
+    server's own defaults (`EngineArgs.apply_serving_defaults`). `run-batch` keeps the offline ones."""
+    args = engine_args_from_namespace(ns)
+    args.apply_serving_defaults()
+    return args
 
 
 # ---- --help=<group|flag|keyword> ------------------------------------------------------

@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 
-from frontend.args import build_serve_parser, engine_args_from_namespace, parse_serve_args
+from frontend.args import build_serve_parser, parse_serve_args, serving_engine_args
 
 logger = logging.getLogger("xlaserve.serve")
 
@@ -223,8 +223,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     if not ns.shutdown_timeout >= 0:  # (NaN too)
         raise ConfigError(f"--shutdown-timeout must be 0 (abort in-flight requests at once) or more seconds; "
                           f"got {ns.shutdown_timeout}")
-    engine_args = engine_args_from_namespace(ns)
-    engine_args.apply_serving_defaults()
+    engine_args = serving_engine_args(ns)
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)

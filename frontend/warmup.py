@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from frontend.args import build_serve_parser, engine_args_from_namespace, parse_serve_args
+from frontend.args import build_serve_parser, parse_serve_args, serving_engine_args
 
 logger = logging.getLogger("xlaserve.warmup")
 
@@ -54,8 +54,7 @@ def run_warmup_cli(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     from enginecore.model_loader import ModelLoadError
 
     ns = parse_serve_args(parser, argv)
-    engine_args = engine_args_from_namespace(ns)
-    engine_args.apply_serving_defaults()  # the shapes `serve` will run
+    engine_args = serving_engine_args(ns)  # the shapes `serve` will run
     if engine_args.backend == "torch":
         parser.error("xlaserve warmup compiles the JAX engine; --backend torch has nothing to warm up ahead of time")
     if not engine_args.topology and (ns.executables_dir or ns.roofline_context is not None):

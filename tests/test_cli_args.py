@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from enginecore.config import ConfigError, EngineArgs
-from frontend.args import ENGINE_FLAG_DOCS, engine_args_from_namespace, human_int, parse_serve_args
+from frontend.args import ENGINE_FLAG_DOCS, engine_args_from_namespace, human_int, parse_serve_args, serving_engine_args
 from frontend.cli import build_parser
 from frontend.vllm_compat import VLLM_COMPAT_FLAGS
 
@@ -50,9 +50,7 @@ def test_serve_takes_smaller_prefill_chunks_on_a_cpu_only_where_the_flag_is_not_
     from enginecore.config import SERVE_CPU_MAX_NUM_BATCHED_TOKENS
 
     def budget(*argv, serving=True):
-        args = engine_args_from_namespace(parse(*argv))
-        if serving:
-            args.apply_serving_defaults()
+        args = (serving_engine_args if serving else engine_args_from_namespace)(parse(*argv))
         return args.create_engine_config(model_max_len=8192).scheduler_config.max_num_batched_tokens
 
     assert SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 512
@@ -62,9 +60,7 @@ def test_serve_takes_smaller_prefill_chunks_on_a_cpu_only_where_the_flag_is_not_
     assert budget("--platform", "cpu", "--max-num-seqs", "600") == 600
     assert budget("--platform", "cpu", "--no-enable-chunked-prefill", "--max-model-len", "4096") == 4096
     for argv in (("--platform", "tpu"), ("--topology", "v5e:2x2")):  # warmup --topology on this CPU host: a TPU's
-        args = engine_args_from_namespace(parse(*argv))
-        args.apply_serving_defaults()
-        assert args.max_num_batched_tokens is None, argv  # the TPU's own default (8192), decided with the config
+        assert serving_engine_args(parse(*argv)).max_num_batched_tokens is None, argv  # the TPU's own default (8192), decided with the config
 
 
 def test_vllm_spellings_parse_into_engine_args():
@@ -225,9 +221,10 @@ def test_warmup_subcommand_hands_serve_flags_to_jaxengine(monkeypatch, capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["warmup"]
     code = sub.get_default("_run")(sub, ["--max-model-len", "256", "--max-num-seqs", "4", "--level", "decode",
-                                         "--compilation-cache-dir", "/tmp/xc"])
+                                         "--compilation-cache-dir", "/tmp/xc", "--platform", "cpu"])
     assert code == 0
     assert seen["level"] == "decode" and seen["args"].max_model_len == 256 and seen["args"].max_num_seqs == 4
+    assert seen["args"].max_num_batched_tokens == 512  # serve's budget on a CPU: the shapes it will run
     assert seen["args"].compilation_cache_dir == "/tmp/xc"
     out = capsys.readouterr().out
     assert "model tokens=16 reqs=8" in out and "compiled" in out

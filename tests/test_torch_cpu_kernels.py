@@ -162,7 +162,7 @@ def test_pack_panels_kernel_gives_the_reference_layout(lib):
     assert lib.pack_panels_f32(w.data_ptr(), 4, 5, 4, got.data_ptr()) != 0  # rows closer than K floats
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 18, 19, 32, 70])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 18, 19, 23, 32, 70])
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
 def test_panel_gemm(lib, M, V, K):
     """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
@@ -266,7 +266,7 @@ def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V):
     x, w = randn(M, K, seed=7), randn(V, K, seed=8)
     panels = cpu_kernels.pack_panels(w)
     want = cpu_kernels.panel_gemm(lib, x, panels, V)
-    unit = 1 if M >= 24 else 4
+    unit = 1 if M >= 19 else 4  # panel_gemm_plan's unit (COMPUTE_BOUND_ROWS)
     parts = -(-(-(-V // 16)) // unit)
     rng = np.random.default_rng(M)
     for _ in range(20):

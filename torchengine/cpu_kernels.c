@@ -1264,7 +1264,8 @@ static inline __attribute__((always_inline)) void head_tile(
 // read them from L2, leave the memory idle (5-12% faster linears at 32-64 rows). Into L2 (T1), not L1: a
 // block's 7 panels (252 KiB at K = 576) only pass through L1, and there they evicted the tile's own; T1 ran a
 // decode step's linears 1.11-1.34x as fast at 8-16 rows (T0 kept for kblock_part, whose panels' k blocks fit
-// L1: T1 ran 0.98x there). With one row block (up to 6 rows) only the one-panel tiles (4-6 rows) prefetch:
+// L1: T1 ran 0.98x there). With one row block (up to 6 rows at K >= 342: a block is 4096 / K rows) only the
+// one-panel tiles (4-6 rows) prefetch:
 // 1.13-1.22x at 5-6 rows; the 1-3-row tiles, 2-4 panels wide, leave it to the hardware's streams (prefetching
 // their next block ran 0.92-0.97x).
 static inline __attribute__((always_inline)) void head_rows(
