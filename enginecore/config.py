@@ -315,7 +315,7 @@ class EngineArgs:
     def apply_serving_defaults(self) -> None:
         """The defaults `xlaserve serve` (and `xlaserve warmup`, which compiles what serve will run) changes from
         the offline ones, where the flag was not given: on a CPU, steps of at most SERVE_CPU_MAX_NUM_BATCHED_TOKENS
-        tokens (vLLM's API server, like `LLM`, takes 2048 there)."""
+        tokens (vLLM 0.32 on a CPU: 2048 for its API server, 4096 for `LLM`)."""
         from enginecore.platform import detect_platform
 
         if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
