@@ -312,6 +312,10 @@ class EngineArgs:
             raise ConfigError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
         return cls(**kwargs)
 
+    def _max_num_seqs(self, platform: str) -> int:
+        """--max-num-seqs, or vLLM's default for the platform: CPU gets a smaller batch."""
+        return self.max_num_seqs if self.max_num_seqs is not None else (256 if platform != "cpu" else 64)
+
     def apply_serving_defaults(self) -> None:
         """The defaults `xlaserve serve` (and `xlaserve warmup`, which compiles what serve will run) changes from
         the offline ones, where the flag was not given: on a CPU, steps of at most SERVE_CPU_MAX_NUM_BATCHED_TOKENS
@@ -322,7 +326,7 @@ class EngineArgs:
             return
         platform = self.platform if self.platform != "auto" else "tpu" if self.topology else detect_platform()
         if platform == "cpu":  # (`warmup --topology` compiles for a TPU: jaxengine.aot takes auto as tpu)
-            self.max_num_batched_tokens = max(SERVE_CPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 64)
+            self.max_num_batched_tokens = max(SERVE_CPU_MAX_NUM_BATCHED_TOKENS, self._max_num_seqs(platform))
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
@@ -363,8 +367,7 @@ class EngineArgs:
             load_format=self.load_format,
             quantization=self.quantization,
         )
-        # vLLM's defaults: CPU gets a smaller batch.
-        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if platform != "cpu" else 64)
+        max_num_seqs = self._max_num_seqs(platform)
         if self.max_num_batched_tokens is not None:
             mnbt = self.max_num_batched_tokens
         elif self.enable_chunked_prefill:

@@ -65,7 +65,8 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "kv_cache_memory_bytes": ("CacheConfig", "Bytes of KV cache (overrides --gpu-memory-utilization for the "
                               "cache; on CPU the default budget). Accepts K/M/G suffixes.", None),
     "max_num_seqs": ("SchedulerConfig", "Most sequences in one step (default 256; 64 on CPU).", None),
-    "max_num_batched_tokens": ("SchedulerConfig", "Token budget of one step (default 8192; on CPU 2048, and for `serve` / `warmup` 512, at least --max-num-seqs).", None),
+    "max_num_batched_tokens": ("SchedulerConfig", "Token budget of one step (default 8192; on CPU 2048, and for "
+                               "`serve` / `warmup` 512, at least --max-num-seqs).", None),
     "enable_chunked_prefill": ("SchedulerConfig", "Split long prompts over several steps.", None),
     "long_prefill_token_threshold": ("SchedulerConfig", "Most prompt tokens one request gets per step "
                                      "(0: no cap).", None),

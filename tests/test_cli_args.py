@@ -59,8 +59,9 @@ def test_serve_takes_smaller_prefill_chunks_on_a_cpu_only_where_the_flag_is_not_
     assert budget("--platform", "cpu", "--max-num-batched-tokens", "1024") == 1024
     assert budget("--platform", "cpu", "--max-num-seqs", "600") == 600
     assert budget("--platform", "cpu", "--no-enable-chunked-prefill", "--max-model-len", "4096") == 4096
-    for argv in (("--platform", "tpu"), ("--topology", "v5e:2x2")):  # warmup --topology on this CPU host: a TPU's
-        assert serving_engine_args(parse(*argv)).max_num_batched_tokens is None, argv  # the TPU's own default (8192), decided with the config
+    # a TPU's own default (8192) is decided with the config; warmup --topology on this CPU host compiles for a TPU
+    for argv in (("--platform", "tpu"), ("--topology", "v5e:2x2")):
+        assert serving_engine_args(parse(*argv)).max_num_batched_tokens is None, argv
 
 
 def test_vllm_spellings_parse_into_engine_args():
