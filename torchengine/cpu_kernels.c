@@ -1225,21 +1225,30 @@ static inline __attribute__((always_inline)) void panel_k_step(const int R, cons
     }
 }
 
-// pf_lines cache lines from pf are prefetched, evenly over the k loop (head_rows)
+// pf_lines cache lines from pf are prefetched, evenly over the k loop (head_rows): with P > 1, pf_run of a
+// panel, then as many from pf_stride lines on (the next panel's)
 static inline __attribute__((always_inline)) void head_tile(
     const int R, const int P, const float *x, int K, const float *wp, int p0, int V, float *y, head_best *best,
-    const char *pf, int pf_lines) {
+    const char *pf, int pf_lines, int pf_run, int pf_stride) {
     __m256 a[HEAD_ROWS * 2];  // R * 2P <= 12 accumulators
 #pragma GCC unroll 12
     for (int i = 0; i < R * 2 * P; i++) a[i] = _mm256_setzero_ps();
     const float *w = wp + (size_t)p0 * K * 16;
-    int acc = 0;
+    int acc = 0, left = pf_run;
     for (int k = 0; k < K; k++) {
-        acc += pf_lines;
-        if (acc >= K) {
-            acc -= K;
-            _mm_prefetch(pf, _MM_HINT_T1);  // (head_rows: into L2)
-            pf += 64;
+        if (P == 1) {  // (at most K lines, one panel's: the loop's only extra work is this counter)
+            acc += pf_lines;
+            if (acc >= K) {
+                acc -= K;
+                _mm_prefetch(pf, _MM_HINT_T1);  // (head_rows: into L2)
+                pf += 64;
+            }
+        } else {  // pf_run lines of each of several panels, pf_stride lines apart: up to P * pf_run
+            for (acc += pf_lines; acc >= K; acc -= K) {
+                _mm_prefetch(pf, _MM_HINT_T1);
+                pf += 64;
+                if (--left == 0) pf += (size_t)(pf_stride - pf_run) * 64, left = pf_run;
+            }
         }
         panel_k_step(R, P, x, K, w, k, a);
     }
@@ -1259,7 +1268,7 @@ static inline __attribute__((always_inline)) void head_tile(
 }
 
 // rows m0..m0+R-1 over panels p0..p1, P panels a tile (single panels at the end). Each tile also prefetches
-// slice mi of nm of the panels it will meet in the next block (p1.. < pe), spread over its k loop: the rows'
+// slice mi of nm of the P panels it will meet in the next block (p1.. < pe), spread over its k loop: the rows'
 // first tile of a block then finds its weights in cache instead of waiting on memory while later tiles, which
 // read them from L2, leave the memory idle (5-12% faster linears at 32-64 rows). Into L2 (T1), not L1: a
 // block's 7 panels (252 KiB at K = 576) only pass through L1, and there they evicted the tile's own; T1 ran a
@@ -1267,24 +1276,27 @@ static inline __attribute__((always_inline)) void head_tile(
 // L1: T1 ran 0.98x there). With one row block (up to 6 rows at K >= 342: a block is 4096 / K rows) only the
 // one-panel tiles (4-6 rows) prefetch:
 // 1.13-1.22x at 5-6 rows; the 1-3-row tiles, 2-4 panels wide, leave it to the hardware's streams (prefetching
-// their next block ran 0.92-0.97x).
+// their next block ran 0.92-0.97x). After whole blocks of 6 rows (nm: the row blocks that prefetch, counted by
+// panel_gemm_part), a last one of 2-3 rows fetches its slice of all its tiles' panels (it fetched only the first
+// panel's, leaving the rest of the block to the hardware: 1.04-1.12x at 8, 9 and 13-15 rows, session 27), one of
+// a single row none (the others' slices widen: 1.10-1.17x at 7 rows).
 static inline __attribute__((always_inline)) void head_rows(
     const int R, const int P, const float *x, int m0, int K, const float *wp, int p0, int p1, int V, float *y,
     head_best *best, int pe, int mi, int nm) {
     const float *xm = x + (size_t)m0 * K;
     float *ym = y == NULL ? NULL : y + (size_t)m0 * V;
     head_best *bm = best == NULL ? NULL : best + m0;
-    const int l0 = (int)((long)K * mi / nm), l1 = (int)((long)K * (mi + 1) / nm);
+    const int l0 = nm > 0 ? (int)((long)K * mi / nm) : 0, l1 = nm > 0 ? (int)((long)K * (mi + 1) / nm) : 0;
+    const int run = mi < nm && (R >= 4 || (R >= 2 && nm > 1)) ? l1 - l0 : 0;  // lines of each panel
     for (int p = p0; p < p1;) {
-        const int q = p1 + (p - p0), lines = q < pe && (nm > 1 || P == 1) ? l1 - l0 : 0;
+        const int w = p + P <= p1 ? P : 1, q = p1 + (p - p0), nq = pe - q < w ? pe - q : w;
         const char *pf = (const char *)(wp + ((size_t)q * K + l0) * 16);
-        if (p + P <= p1) {
-            head_tile(R, P, xm, K, wp, p, V, ym, bm, pf, lines);
-            p += P;
-        } else {
-            head_tile(R, 1, xm, K, wp, p, V, ym, bm, pf, lines);
-            p++;
-        }
+        const int lines = nq > 0 ? nq * run : 0;
+        if (w == P)
+            head_tile(R, P, xm, K, wp, p, V, ym, bm, pf, lines, run, K);
+        else
+            head_tile(R, 1, xm, K, wp, p, V, ym, bm, pf, lines, run, K);
+        p += w;
     }
 }
 
@@ -1416,10 +1428,10 @@ static __attribute__((noinline)) void kblock_part(const float *x, int M, int K, 
         int m = 0;
         for (; m + HEAD_ROWS <= M; m += HEAD_ROWS)
             head_tile(6, 1, x + (size_t)m * K, K, wp, whole, V, y == NULL ? NULL : y + (size_t)m * V,
-                      best == NULL ? NULL : best + m, NULL, 0);
+                      best == NULL ? NULL : best + m, NULL, 0, 0, 0);
         for (; m < M; m++)
             head_tile(1, 1, x + (size_t)m * K, K, wp, whole, V, y == NULL ? NULL : y + (size_t)m * V,
-                      best == NULL ? NULL : best + m, NULL, 0);
+                      best == NULL ? NULL : best + m, NULL, 0, 0, 0);
     }
 }
 
@@ -1477,7 +1489,8 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
     if (MB < HEAD_ROWS) MB = HEAD_ROWS;
     for (int p0 = a; p0 < b; p0 += NB) {
         const int p1 = p0 + NB < b ? p0 + NB : b;
-        const int pe = p1 + NB < b ? p1 + NB : b, nm = (M + MB - 1) / MB;
+        // the row blocks that prefetch (head_rows): all but a last one of a single row, or a lone one of 1-3 rows
+        const int pe = p1 + NB < b ? p1 + NB : b, nm = M / MB + (M % MB >= (M < MB ? 4 : 2));
         for (int m0 = 0, mi = 0; m0 < M; m0 += MB, mi++) {
             const int m1 = m0 + MB < M ? m0 + MB : M;
             int m = m0;
