@@ -4,6 +4,8 @@
   `gguf` package's dequantizer gives (so the f32 path and the 4-bit path hold the same weights);
 - Q4_0's form (offset -8 d) too, on a block written by hand;
 - the AVX2 kernel (`torchengine/cpu_kernels.c`) computes exactly its numpy definition;
+- without the flag, the float32 model's decode steps of few rows multiply the file's blocks as stored
+  (`q4x_gemm`) to the bits of the float32 weights, kernel and engine;
 - an Int4Linear equals the dense float32 linear of the dequantized weight up to the kernels' rounding
   (either kernel), on the 4-bit path (few rows) and the dense path (many rows);
 - the engine with the flag answers like the dequantized model: same first greedy tokens on chat
@@ -123,6 +125,33 @@ def test_int4_linear_matches_dense(rows, kernel):
         assert not torch.equal(got, want), "the 4-bit path was expected to run"
 
 
+@pytest.mark.parametrize("q4_0", [False, True])
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (200, 1536)])
+def test_q4x_gemm_gives_panel_gemms_bits(N, K, q4_0):
+    """A GGUF file's Q4_1 / Q4_0 blocks multiplied as they are stored (q4x_gemm) give the bits of panel_gemm
+    over the weights the loader dequantizes from them (Q4_1 (d * q) + m, Q4_0 d * (q - 8)): every row count of the kernel's tiles (4-row tiles, 1-3-row tails, two of them), a partial
+    last panel, one group of 32 and many, and the loader's own dequantizer as the reference weights."""
+    from torchengine import cpu_kernels
+
+    lib, why = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels cannot run here: {why}")
+    rng = np.random.default_rng(N + K)
+    G = K // 32
+    q = rng.integers(0, 16, (N, K)).astype(np.uint8)
+    d = (rng.standard_normal((N, G)) * 0.02).astype(np.float16).astype(np.float32)
+    m = -8 * d if q4_0 else (rng.standard_normal((N, G)) * 0.1).astype(np.float16).astype(np.float32)
+    if q4_0:
+        w = (d[..., None] * (q.reshape(N, G, 32).astype(np.float32) - 8)).reshape(N, K)
+    else:
+        w = Int4Groups(q, d, m).dequantize()
+    panels = cpu_kernels.pack_panels(torch.from_numpy(w))
+    blocks = cpu_kernels.pack_q4x(q, d, None if q4_0 else m)
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.q4x_gemm(lib, x, blocks, N, q4_0), cpu_kernels.panel_gemm(lib, x, panels, N))
+
+
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(backend="torch", platform="cpu", max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
@@ -166,6 +195,41 @@ def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines
     # greedy steps take the logits path with a small-rows LM head: a row's token must not depend on whether
     # its neighbours need logits (the logits path gives chunks of few rows to the Q8 head)
     assert q.llm_engine.core.runner.model.greedy_tokens(torch.zeros(40, 576)) is None
+
+
+def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engines, one_call_vs_python_layers):
+    """Without the flag, the dequantized model's linears also keep the file's Q4_1 blocks (torchengine.quant.
+    attach_q4x), which decode steps of few rows multiply instead of the float32 weights: the same tokens and
+    logprobs, to the bit, as with the float32 weights alone, in the one-call layers and the Python ones."""
+    from torchengine import cpu_kernels
+
+    _, f = engines
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    runner = f.llm_engine.core.runner
+    lins = [m for m in runner.model.modules() if getattr(m, "q4x", None) is not None]
+    assert len(lins) == 4 * runner.model.arch.num_hidden_layers and all(m.q4x_kind == 1 for m in lins)
+    layers = runner._decode_layers()
+    assert layers is not None and layers.layers[0].down_q4x is not None and layers.layers[0].q4x_rows > 0
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 5 * i))} for i in range(3)]
+    assert one_call_vs_python_layers(f, prompts, sp)
+    with_blocks = f.generate(prompts, sp, use_tqdm=False)
+    saved = [(m, m.q4x) for m in lins]
+    try:
+        for m in lins:
+            m.q4x = None
+        runner._decode_layers_bound = None  # bound again, without them
+        assert runner._decode_layers().layers[0].down_q4x is None
+        float32 = f.generate(prompts, sp, use_tqdm=False)
+    finally:
+        for m, t in saved:
+            m.q4x = t
+        runner._decode_layers_bound = None
+    for a, b in zip(with_blocks, float32):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
 
 
 def test_flag_refused_where_it_cannot_run(tiny_model_dir):

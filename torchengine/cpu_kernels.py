@@ -120,6 +120,7 @@ _SIGNATURES = {
     "pack_panels_f32": "p i i l p",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
     "decode_workspace": "l: i i i i i i",
+    "q4x_gemm": "p i i p i p i i",
 }
 
 
@@ -133,6 +134,45 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     out[:, :, 2:4] = offset.astype(np.float16).reshape(N, G, 1).view(np.uint8)
     out[:, :, 4:] = qg[:, :, :16] | (qg[:, :, 16:] << 4)
     return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
+
+
+Q4X_GROUP_BYTES = 320  # the C file's: a panel's 16 rows x 32 k of `pack_q4x`
+# steps of at most this many rows multiply a linear's q4x panels (where it has them) instead of its float32 ones:
+# the same bits, ~0.16 of the bytes; per-row dequantizing costs more than streaming float32 from ~10 rows on
+# (a decode step's linears, SmolLM2-135M, 2-core Zen 4: 2.9x at 1 row, 2.3x at 4, 1.25x at 8, 0.8x at 12)
+Q4X_MAX_ROWS = 8
+
+
+def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
+    """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32], float16-exact; offset None: Q4_0, whose
+    weights are scale * (q - 8)) -> `q4x_gemm`'s panels, uint8 [ceil(N / 16), K / 32, 320]: per panel and group
+    of 32 k, the 16 rows' scales and offsets (float16), then per k 8 bytes, byte j row j's q | row j + 8's << 4
+    (zero rows pad the last panel)."""
+    N, K = q.shape
+    G, P = K // 32, -(-N // PANEL)
+    qp = np.zeros((P * PANEL, K), np.uint8)
+    qp[:N] = q
+    qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
+    out = np.empty((P, G, Q4X_GROUP_BYTES), np.uint8)
+    for at, a in ((0, scale), (32, offset)):
+        h = np.zeros((P * PANEL, G), np.float16)
+        if a is not None:
+            h[:N] = a
+        out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
+    out[:, :, 64:] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
+    return torch.from_numpy(out)
+
+
+def q4x_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, q4_0: bool = False) -> torch.Tensor:
+    """x [M, K] float32 . W^T with W `pack_q4x`'s panels of [N, K] -> [M, N] float32: the bits of `panel_gemm`
+    over the dequantized weight."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty((M, N), dtype=torch.float32)
+    assert panels.shape == (-(-N // PANEL), K // 32, Q4X_GROUP_BYTES) and panels.is_contiguous()
+    _check(lib.q4x_gemm(x.data_ptr(), M, K, panels.data_ptr(), N, y.data_ptr(), 0 if q4_0 else 1,
+                        torch.get_num_threads()), "q4x_gemm")
+    return y
 
 
 def pack8(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
@@ -389,12 +429,15 @@ _LINEARS = ("qkv", "o", "gate_up", "down")
 class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
     _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w",
                                                      "down_w", "key_cache", "value_cache")]
-                + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS])
+                + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS]
+                + [(f"{n}_q4x", ctypes.c_void_p) for n in _LINEARS] + [("q4x_rows", ctypes.c_int),
+                                                                         ("q4x_kind", ctypes.c_int)])
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
     """(float32 weight panels, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can
-    run: a packed `torchengine.model.Linear`, or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
+    run: a packed `torchengine.model.Linear` (its `q4x` panels go separately), or `torchengine.quant.Int4Linear`
+    on this library's Q4 kernel."""
     from torchengine.model import Linear
     from torchengine.quant import Int4Linear
 
@@ -435,6 +478,15 @@ class DecodeLayers:
                 setattr(c, f"{name}_w", ptr(w))
                 setattr(c, f"{name}_q4", ptr(q4))
                 setattr(c, f"{name}_rows", rows)
+            # the linears' q4x panels (a GGUF file's Q4 blocks of the same float32 weights), where all have them
+            q4x = [getattr(m, "q4x", None) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
+                                                      ly.mlp.down_proj)]
+            kinds = {getattr(m, "q4x_kind", None) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
+                                                            ly.mlp.down_proj)}
+            if all(t is not None for t in q4x) and len(kinds) == 1:
+                for name, t in zip(_LINEARS, q4x):
+                    setattr(c, f"{name}_q4x", ptr(t))
+                c.q4x_rows, c.q4x_kind = Q4X_MAX_ROWS, kinds.pop()
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":

@@ -112,6 +112,10 @@ class Linear(_Loaded, nn.Linear):
     """
 
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
+    # a GGUF file's Q4_1 (q4x_kind 1) or Q4_0 (0) blocks of this float32 weight (`torchengine.quant.attach_q4x`):
+    # `cpu_kernels.q4x_gemm`'s panels, for steps of up to cpu_kernels.Q4X_MAX_ROWS rows (the same bits)
+    q4x: torch.Tensor | None = None
+    q4x_kind = 1
 
     def packable(self) -> bool:
         return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
@@ -135,7 +139,10 @@ class Linear(_Loaded, nn.Linear):
         if self.panels is not None:
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
-            y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
+            if self.q4x is not None and x.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:
+                y = cpu_kernels.q4x_gemm(cpu_kernels.lib(), x, self.q4x, self.out_features, self.q4x_kind == 0)
+            else:
+                y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
         lib = cpu_kernels.lib_for(x, self.weight)
         if lib is not None and x.dim() == 2 and x.shape[0] > 0 and self.weight.is_contiguous():

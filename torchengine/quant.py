@@ -75,20 +75,16 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_gguf_linears(model, source: ModelSource) -> int:
-    """Give every linear whose weight the GGUF file stores as Q4_0/Q4_1 (all its fused parts) a 4-bit
-    path; the model's dense weights must already be loaded. Returns how many linears got one.
-
-    The LM head gets a path for steps of few rows too (`_quantize_lm_head`): the file's Q8_0 blocks where
-    the AVX2 kernel runs, else bfloat16 for one row.
-    """
+def _int4_linears(model, source: ModelSource) -> tuple[dict[str, tuple[nn.Module, Int4Groups]], Int8Groups | None]:
+    """The decoder linears whose weight the GGUF file stores as Q4_0/Q4_1, every fused part: {module path:
+    (the module, its groups with the rows in the module's order)}, and the LM head's groups if the file
+    stores it as Q8_0. One pass over the file's quantized tensors."""
     arch = model.arch
-    lib, why = cpu_kernels.load()
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-    head = None  # the LM head's Int8Groups, if the file stores it as Q8_0
+    head = None
     parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
     modules = dict(model.named_modules())
-    for hf_name, g in source.iter_quantized_weights():  # one pass over the file's quantized tensors
+    for hf_name, g in source.iter_quantized_weights():
         if isinstance(g, Int8Groups):
             head = g if hf_name == head_name else head
             continue
@@ -100,27 +96,65 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         if stored not in _MODULES:
             continue
         path = f"layers.{layer}.{_MODULES[stored]}"
-        lin = modules[path]
-        N, K = lin.weight.shape
+        N, K = modules[path].weight.shape
         p = parts.setdefault(path, {"q": np.zeros((N, K), np.uint8), "scale": np.zeros((N, K // Int4Groups.GROUP),
                                     np.float32), "offset": np.zeros((N, K // Int4Groups.GROUP), np.float32), "rows": 0})
         rows = fused_slices(arch, spec.fused, 1)[spec.param] if spec.fused else slice(0, N)
         for key in ("q", "scale", "offset"):
             p[key][rows] = getattr(g, key)
         p["rows"] += rows.stop - rows.start
-    done = 0
-    for path, p in parts.items():
-        lin = modules[path]
-        if p["rows"] != lin.weight.shape[0]:
-            continue  # a fused part stored in another type: this linear stays dense
+    # a linear with a fused part stored in another type has none
+    return {path: (modules[path], Int4Groups(p["q"], p["scale"], p["offset"])) for path, p in parts.items()
+            if p["rows"] == modules[path].weight.shape[0]}, head
+
+
+def quantize_gguf_linears(model, source: ModelSource) -> int:
+    """Give every linear whose weight the GGUF file stores as Q4_0/Q4_1 (all its fused parts) a 4-bit
+    path; the model's dense weights must already be loaded. Returns how many linears got one.
+
+    The LM head gets a path for steps of few rows too (`_quantize_lm_head`): the file's Q8_0 blocks where
+    the AVX2 kernel runs, else bfloat16 for one row.
+    """
+    lib, why = cpu_kernels.load()
+    found, head = _int4_linears(model, source)
+    modules = dict(model.named_modules())
+    for path, (lin, g) in found.items():
         parent_path, _, attr = path.rpartition(".")
-        setattr(modules[parent_path], attr, Int4Linear(lin, Int4Groups(p["q"], p["scale"], p["offset"])))
-        done += 1
-    if done:
+        setattr(modules[parent_path], attr, Int4Linear(lin, g))
+    if found:
         logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/cpu_kernels.c)" if lib is not None
                     else f"torch's int4 kernel ({why})")
         _quantize_lm_head(model, head if lib is not None and model.tp_size == 1 else None, lib)
-    return done
+    return len(found)
+
+
+def attach_q4x(model, source: ModelSource) -> int:
+    """Without --quantization: give every float32 `Linear` whose weight is a GGUF file's Q4_1 / Q4_0 blocks
+    dequantized its blocks as `cpu_kernels.q4x_gemm`'s panels (`Linear.q4x`), which steps of few rows
+    multiply instead of the float32 panels: the same bits (each weight rebuilt as the loader computed it, the
+    same FMA chains), ~0.16 of the bytes a decode step streams. Each weight is checked against the loaded one
+    first; one that differs (another loader's arithmetic) keeps float32 only. Call before `pack_cpu_weights`
+    (which frees the [out, in] matrices). Returns how many linears got them."""
+    from torchengine.model import Linear
+
+    if cpu_kernels.lib() is None or getattr(source, "kind", None) != "gguf":
+        return 0
+    found, _ = _int4_linears(model, source)
+    n = 0
+    for path, (lin, g) in found.items():
+        if type(lin) is not Linear or lin.weight is None or lin.weight.dtype != torch.float32 or lin.weight.is_meta:
+            continue
+        N, K = g.q.shape
+        q4_0 = bool(np.array_equal(g.offset, -8.0 * g.scale))  # Int4Groups' Q4_0: offset -8 d
+        q = g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32)
+        w = (g.scale[..., None] * (q - 8) if q4_0 else q * g.scale[..., None] + g.offset[..., None]).reshape(N, K)
+        if not np.array_equal(w, lin.weight.detach().numpy()):
+            logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps "
+                           "float32 only", path)
+            continue
+        lin.q4x, lin.q4x_kind = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset), 0 if q4_0 else 1
+        n += 1
+    return n
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:

@@ -185,6 +185,14 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
+        elif (self.device.type == "cpu" and self.dtype == torch.float32 and self.tp_size == 1
+              and os.environ.get("XLASERVE_Q4X", "on") != "off"):
+            from torchengine.quant import attach_q4x
+
+            if n := attach_q4x(model, self.model_source):
+                logger.info("rank %d: %d linears also as the file's 4-bit blocks, the same bits, for steps of <= %d "
+                            "rows (cpu_kernels.q4x_gemm; XLASERVE_Q4X=off: float32 only)", self.rank, n,
+                            cpu_kernels.Q4X_MAX_ROWS)
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
