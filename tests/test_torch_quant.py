@@ -5,7 +5,7 @@
 - Q4_0's form (offset -8 d) too, on a block written by hand;
 - the AVX2 kernel (`torchengine/cpu_kernels.c`) computes exactly its numpy definition;
 - without the flag, the float32 model's decode steps of few rows multiply the file's blocks as stored
-  (`q4x_gemm`) to the bits of the float32 weights, kernel and engine;
+  (`qx_gemm`: Q4_1, Q4_0, the LM head's Q8_0) to the bits of the float32 weights, kernel and engine;
 - an Int4Linear equals the dense float32 linear of the dequantized weight up to the kernels' rounding
   (either kernel), on the 4-bit path (few rows) and the dense path (many rows);
 - the engine with the flag answers like the dequantized model: same first greedy tokens on chat
@@ -128,7 +128,7 @@ def test_int4_linear_matches_dense(rows, kernel):
 @pytest.mark.parametrize("q4_0", [False, True])
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (200, 1536)])
 def test_q4x_gemm_gives_panel_gemms_bits(N, K, q4_0):
-    """A GGUF file's Q4_1 / Q4_0 blocks multiplied as they are stored (q4x_gemm) give the bits of panel_gemm
+    """A GGUF file's Q4_1 / Q4_0 blocks multiplied as they are stored (qx_gemm) give the bits of panel_gemm
     over the weights the loader dequantizes from them (Q4_1 (d * q) + m, Q4_0 d * (q - 8)): every row count of the kernel's tiles (4-row tiles, 1-3-row tails, two of them), a partial
     last panel, one group of 32 and many, and the loader's own dequantizer as the reference weights."""
     from torchengine import cpu_kernels
@@ -147,9 +147,39 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, q4_0):
         w = Int4Groups(q, d, m).dequantize()
     panels = cpu_kernels.pack_panels(torch.from_numpy(w))
     blocks = cpu_kernels.pack_q4x(q, d, None if q4_0 else m)
+    kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
     for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.q4x_gemm(lib, x, blocks, N, q4_0), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
+
+
+@pytest.mark.parametrize("N,K", [(1003, 576), (40, 64)])
+def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+    """An LM head stored as Q8_0 (the embedded model's), multiplied as stored: panel_gemm's logits over the
+    dequantized weights to the bit, and its greedy tokens, ties included (the lowest index, as torch.argmax),
+    with a vocabulary that is not a multiple of 16 or 8."""
+    from enginecore.model_loader import Int8Groups
+    from torchengine import cpu_kernels
+
+    lib, why = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels cannot run here: {why}")
+    rng = np.random.default_rng(N)
+    G = K // 32
+    g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8),
+                   (rng.standard_normal((N, G)) * 0.01).astype(np.float16).astype(np.float32))
+    g.q[N // 2] = g.q[3]  # rows 3 and N / 2: the same logits, a tie
+    g.scale[N // 2] = g.scale[3]
+    panels = cpu_kernels.pack_panels(torch.from_numpy(g.dequantize()))
+    blocks = cpu_kernels.pack_q8x(g.q, g.scale)
+    for M in (1, 3, 4, 7, 8):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        logits = cpu_kernels.panel_gemm(lib, x, panels, N)
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"]), logits)
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        x[0] = 0  # every logit 0: the first index
+        assert cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)[0] == 0
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +228,10 @@ def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines
 
 
 def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engines, one_call_vs_python_layers):
-    """Without the flag, the dequantized model's linears also keep the file's Q4_1 blocks (torchengine.quant.
-    attach_q4x), which decode steps of few rows multiply instead of the float32 weights: the same tokens and
-    logprobs, to the bit, as with the float32 weights alone, in the one-call layers and the Python ones."""
+    """Without the flag, the dequantized model's linears also keep the file's Q4_1 blocks and its LM head its
+    Q8_0 ones (torchengine.quant.attach_q4x), which decode steps of few rows multiply instead of the float32
+    weights: the same tokens and logprobs, to the bit, as with the float32 weights alone, in the one-call layers
+    and the Python ones (greedy tokens and logits: logprobs=2 takes the logits path, a greedy step the argmax)."""
     from torchengine import cpu_kernels
 
     _, f = engines
@@ -208,21 +239,27 @@ def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engin
         pytest.skip("the AVX2 kernels do not run here")
     runner = f.llm_engine.core.runner
     lins = [m for m in runner.model.modules() if getattr(m, "q4x", None) is not None]
-    assert len(lins) == 4 * runner.model.arch.num_hidden_layers and all(m.q4x_kind == 1 for m in lins)
+    assert len(lins) == 4 * runner.model.arch.num_hidden_layers
+    assert all(m.q4x_kind == cpu_kernels.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_q8x is not None
     layers = runner._decode_layers()
     assert layers is not None and layers.layers[0].down_q4x is not None and layers.layers[0].q4x_rows > 0
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 5 * i))} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # the head's argmax, no logits
     assert one_call_vs_python_layers(f, prompts, sp)
-    with_blocks = f.generate(prompts, sp, use_tqdm=False)
-    saved = [(m, m.q4x) for m in lins]
+    with_blocks, tokens = f.generate(prompts, sp, use_tqdm=False), f.generate(prompts, greedy, use_tqdm=False)
+    saved, head = [(m, m.q4x) for m in lins], runner.model.head_q8x
     try:
+        runner.model.head_q8x = None
         for m in lins:
             m.q4x = None
         runner._decode_layers_bound = None  # bound again, without them
         assert runner._decode_layers().layers[0].down_q4x is None
         float32 = f.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in f.generate(prompts, greedy, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in tokens]
     finally:
+        runner.model.head_q8x = head
         for m, t in saved:
             m.q4x = t
         runner._decode_layers_bound = None

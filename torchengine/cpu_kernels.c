@@ -1643,36 +1643,52 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
     return 0;
 }
 
-// A float32 linear whose weight is a GGUF file's Q4_1 (or Q4_0) blocks dequantized, multiplied from the blocks
-// themselves, to the same bits: each weight is rebuilt as the loader computed it (Q4_1 (d * q) + m, Q4_0
-// d * (q - 8), rounded to float32: enginecore/gguf_dequant.c; d * q, 11 significant bits times 4, is exact, so
-// a compiler's fusing it with the sum changes nothing) and every output is the same single FMA chain over k in
-// ascending order as panel_gemm's. So a step's outputs do not depend on which of the
-// two ran, and a decode step of few rows, which streams its weights from memory, reads 0.625 bytes a weight
-// instead of 4. Panels of 16 output rows as panel_gemm's, each K / 32 groups of Q4X_GROUP_BYTES: the 16 rows'
-// d (float16), their m (float16; zeros for Q4_0), then per k 8 bytes, byte j holding row j's q in its low
-// nibble and row j + 8's in its high one (torchengine.cpu_kernels.pack_q4x).
-#define Q4X_GROUP_BYTES 320
-#define Q4X_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
+// A float32 linear (or LM head) whose weight is a GGUF file's Q4_1, Q4_0 or Q8_0 blocks dequantized,
+// multiplied from the blocks themselves, to the same bits: each weight is rebuilt as the loader computed it
+// (Q4_1 (d * q) + m, Q4_0 d * (q - 8), Q8_0 q * d, rounded to float32: enginecore/gguf_dequant.c; d * q, 11
+// significant bits times at most 8, is exact, so a compiler's fusing it with the sum changes nothing) and every
+// output is the same single FMA chain over k in ascending order as panel_gemm's (with `argmax`, folded as its
+// greedy head folds them). So a step's outputs do not depend on which of the two ran, and a decode step of
+// few rows, which streams its weights from memory, reads 0.625 (Q4) or 1.06 (Q8) bytes a weight instead of 4.
+// Panels of 16 output rows as panel_gemm's, each K / 32 groups: the 16 rows' d (float16), for Q4_1 their m
+// (float16; zeros for Q4_0), then per k the 16 rows' q: Q4 in 8 bytes, byte j holding row j's q in its low
+// nibble and row j + 8's in its high one; Q8 in 16 bytes (torchengine.cpu_kernels.pack_q4x / pack_q8x).
+#define QX_Q4_0 0
+#define QX_Q4_1 1
+#define QX_Q8_0 2
+#define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 
-static inline __attribute__((always_inline)) void q4x_tile(const int R, const int kind, const float *x, int K,
-                                                         const uint8_t *panel, float *y, long ldy, int ncols) {
-    __m256 a[2 * Q4X_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
+static inline int qx_group_bytes(int kind) { return kind == QX_Q8_0 ? 32 + 32 * 16 : 64 + 32 * 8; }
+
+static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
+                                                        const uint8_t *panel, float *y, long ldy, int col0, int N,
+                                                        head_best *best) {
+    __m256 a[2 * QX_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
 #pragma GCC unroll 8
     for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const int gb = qx_group_bytes(kind);
     for (int g = 0; g < K / 32; g++) {
-        const uint8_t *b = panel + (size_t)g * Q4X_GROUP_BYTES, *qs = b + 64;
+        const uint8_t *b = panel + (size_t)g * gb, *qs = b + (kind == QX_Q8_0 ? 32 : 64);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
-        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32)));
-        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 48)));
+        __m256 m0 = d0, m1 = d1;
+        if (kind == QX_Q4_1) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 48)));
+        }
         for (int kk = 0; kk < 32; kk++) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
-            __m256i q0 = _mm256_and_si256(v, low), q1 = _mm256_srli_epi32(v, 4);
-            if (kind == 0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
+            __m256i q0, q1;
+            if (kind == QX_Q8_0) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
+                q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
+            } else {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
+                q0 = _mm256_and_si256(v, low), q1 = _mm256_srli_epi32(v, 4);
+                if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
+            }
             __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
-            if (kind == 1) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
+            if (kind == QX_Q4_1) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
             const int k = g * 32 + kk;
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -1684,49 +1700,70 @@ static inline __attribute__((always_inline)) void q4x_tile(const int R, const in
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        if (ncols == 16) {
+        if (best != NULL) {
+            head_fold(a[2 * r], col0, N, best + r);
+            head_fold(a[2 * r + 1], col0 + 8, N, best + r);
+        } else if (col0 + 16 <= N) {
             _mm256_storeu_ps(y + r * ldy, a[2 * r]);
             _mm256_storeu_ps(y + r * ldy + 8, a[2 * r + 1]);
         } else {
             float t[16];
             _mm256_storeu_ps(t, a[2 * r]);
             _mm256_storeu_ps(t + 8, a[2 * r + 1]);
-            for (int j = 0; j < ncols; j++) y[r * ldy + j] = t[j];
+            for (int j = 0; j < N - col0; j++) y[r * ldy + j] = t[j];
         }
     }
 }
 
-static void q4x_panels(const int kind, const float *x, int M, int K, const uint8_t *w, int N, float *y, int p0,
-                       int p1) {
-    const size_t pb = (size_t)K / 32 * Q4X_GROUP_BYTES;
-    for (int p = p0; p < p1; p++) {
-        const int nc = N - p * 16 < 16 ? N - p * 16 : 16;
-        for (int m = 0; m < M; m += Q4X_ROWS) {
+// panels [p0, p1) for all M rows, QX_ROWS at a time (y, or the rows' running maxima `best`)
+static void qx_panels(const int kind, const float *x, int M, int K, const uint8_t *w, int N, float *y,
+                      head_best *best, int p0, int p1) {
+    const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
+    for (int p = p0; p < p1; p++)
+        for (int m = 0; m < M; m += QX_ROWS) {
             const float *xm = x + (size_t)m * K;
-            float *ym = y + (size_t)m * N + p * 16;
-            switch (M - m < Q4X_ROWS ? M - m : Q4X_ROWS) {
-                case 4: q4x_tile(4, kind, xm, K, w + p * pb, ym, N, nc); break;
-                case 3: q4x_tile(3, kind, xm, K, w + p * pb, ym, N, nc); break;
-                case 2: q4x_tile(2, kind, xm, K, w + p * pb, ym, N, nc); break;
-                default: q4x_tile(1, kind, xm, K, w + p * pb, ym, N, nc); break;
+            float *ym = y == NULL ? NULL : y + (size_t)m * N + p * 16;
+            head_best *bm = best == NULL ? NULL : best + m;
+            switch (M - m < QX_ROWS ? M - m : QX_ROWS) {
+                case 4: qx_tile(4, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
+                case 3: qx_tile(3, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
+                case 2: qx_tile(2, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
+                default: qx_tile(1, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
             }
         }
-    }
 }
 
-// y [M, N] = x [M, K] . W^T from pack_q4x's panels; kind 1: Q4_1, 0: Q4_0. Returns 0, or -1 for bad arguments.
-int q4x_gemm(const float *x, int M, int K, const void *w, int N, float *y, int kind, int nthreads) {
-    if (M < 1 || K <= 0 || K % 32 || N <= 0 || (kind != 0 && kind != 1)) return -1;
+// y [M, N] = x [M, K] . W^T from pack_q4x's / pack_q8x's panels of `kind` (QX_Q4_0, QX_Q4_1, QX_Q8_0); or, with
+// `argmax` (y NULL), each row's argmax as panel_gemm's greedy head gives it. Returns 0, -1 for bad arguments,
+// -2 if the maxima cannot be allocated.
+int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_t *argmax, int kind, int nthreads) {
+    if (M < 1 || K <= 0 || K % 32 || N <= 0 || kind < QX_Q4_0 || kind > QX_Q8_0 || (y == NULL) == (argmax == NULL))
+        return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16;
     int nt = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? nthreads : 1;
     if (nt > NP) nt = NP;
+    head_best *best = NULL;
+    if (argmax != NULL) {
+        best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
+        if (best == NULL) return -2;
+        head_best_init(best, (size_t)M * nt);
+    }
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int p0 = (int)((long)NP * t / T), p1 = (int)((long)NP * (t + 1) / T);
-        if (kind == 1) q4x_panels(1, x, M, K, (const uint8_t *)w, N, y, p0, p1);
-        else q4x_panels(0, x, M, K, (const uint8_t *)w, N, y, p0, p1);
+        head_best *own = best == NULL ? NULL : best + (size_t)M * t;
+        const uint8_t *wb = (const uint8_t *)w;
+        switch (kind) {
+            case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, own, p0, p1); break;
+            case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, own, p0, p1); break;
+            default: qx_panels(QX_Q8_0, x, M, K, wb, N, y, own, p0, p1); break;
+        }
+    }
+    if (argmax != NULL) {
+        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
+        free(best);
     }
     return 0;
 }
@@ -1747,17 +1784,17 @@ typedef struct {  // *_w: panel_gemm's panels
     // as torchengine.quant.Int4Linear chooses between them and the float32 weight
     const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
     int qkv_rows, o_rows, gate_up_rows, down_rows;
-    // a GGUF file's 4-bit blocks of the float32 weights (q4x_gemm's panels, NULL: none), the same bits as them,
-    // for steps of at most q4x_rows tokens; q4x_kind 1: Q4_1, 0: Q4_0
+    // a GGUF file's 4-bit blocks of the float32 weights (qx_gemm's panels, NULL: none), the same bits as them,
+    // for steps of at most q4x_rows tokens; q4x_kind: QX_Q4_1 or QX_Q4_0
     const void *qkv_q4x, *o_q4x, *gate_up_q4x, *down_q4x;
     int q4x_rows, q4x_kind;
 } decode_layer;
 
-// w: the float32 weight in panel_gemm's panels; q4x: the same weight's q4x_gemm panels, or NULL
+// w: the float32 weight in panel_gemm's panels; q4x: the same weight's qx_gemm panels, or NULL
 static int linear(const decode_layer *ly, const float *x, int T, int K, const float *w, const void *q4,
                   int q4_rows, const void *q4x, int N, float *y, int nthreads) {
     if (q4 != NULL && T <= q4_rows) return q4_gemm(x, T, K, q4, N, y, nthreads);
-    if (q4x != NULL && T <= ly->q4x_rows) return q4x_gemm(x, T, K, q4x, N, y, ly->q4x_kind, nthreads);
+    if (q4x != NULL && T <= ly->q4x_rows) return qx_gemm(x, T, K, q4x, N, y, NULL, ly->q4x_kind, nthreads);
     return panel_gemm(x, T, K, w, N, y, NULL, nthreads);
 }
 

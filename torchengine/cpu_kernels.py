@@ -120,7 +120,7 @@ _SIGNATURES = {
     "pack_panels_f32": "p i i l p",
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
     "decode_workspace": "l: i i i i i i",
-    "q4x_gemm": "p i i p i p i i",
+    "qx_gemm": "p i i p i p p i i",
 }
 
 
@@ -136,16 +136,17 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
 
 
-Q4X_GROUP_BYTES = 320  # the C file's: a panel's 16 rows x 32 k of `pack_q4x`
-# steps of at most this many rows multiply a linear's q4x panels (where it has them) instead of its float32 ones:
-# the same bits, ~0.16 of the bytes; per-row dequantizing costs more than streaming float32 from ~10 rows on
-# (a decode step's linears, SmolLM2-135M, 2-core Zen 4: 2.9x at 1 row, 2.3x at 4, 1.25x at 8, 0.8x at 12)
+# steps of at most this many rows multiply a weight's `pack_q4x` / `pack_q8x` panels (where it has them)
+# instead of its float32 ones: the same bits, 0.16 / 0.27 of the bytes; dequantizing for every 4 rows costs more
+# than streaming float32 from ~10 rows on (a decode step's linears, SmolLM2-135M, 2-core Zen 4: 2.9x at 1 row,
+# 2.3x at 4, 1.25x at 8, 0.8x at 12)
 Q4X_MAX_ROWS = 8
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the C file's QX_*
 
 
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
     """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32], float16-exact; offset None: Q4_0, whose
-    weights are scale * (q - 8)) -> `q4x_gemm`'s panels, uint8 [ceil(N / 16), K / 32, 320]: per panel and group
+    weights are scale * (q - 8)) -> `qx_gemm`'s panels, uint8 [ceil(N / 16), K / 32, 320]: per panel and group
     of 32 k, the 16 rows' scales and offsets (float16), then per k 8 bytes, byte j row j's q | row j + 8's << 4
     (zero rows pad the last panel)."""
     N, K = q.shape
@@ -153,26 +154,47 @@ def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tor
     qp = np.zeros((P * PANEL, K), np.uint8)
     qp[:N] = q
     qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
-    out = np.empty((P, G, Q4X_GROUP_BYTES), np.uint8)
-    for at, a in ((0, scale), (32, offset)):
-        h = np.zeros((P * PANEL, G), np.float16)
-        if a is not None:
-            h[:N] = a
-        out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
+    out = np.empty((P, G, 64 + 32 * 8), np.uint8)
+    _pack_f16(out, 0, scale, P)
+    _pack_f16(out, 32, offset, P)
     out[:, :, 64:] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
     return torch.from_numpy(out)
 
 
-def q4x_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, q4_0: bool = False) -> torch.Tensor:
-    """x [M, K] float32 . W^T with W `pack_q4x`'s panels of [N, K] -> [M, N] float32: the bits of `panel_gemm`
-    over the dequantized weight."""
+def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """Int8Groups arrays (q [N, K] int8, scale [N, K/32], float16-exact; w = q * scale: Q8_0) -> `qx_gemm`'s
+    panels, uint8 [ceil(N / 16), K / 32, 544]: per panel and group of 32 k, the 16 rows' scales (float16), then
+    per k the 16 rows' q (zero rows pad the last panel)."""
+    N, K = q.shape
+    G, P = K // 32, -(-N // PANEL)
+    qp = np.zeros((P * PANEL, K), np.int8)
+    qp[:N] = q
+    out = np.empty((P, G, 32 + 32 * 16), np.uint8)
+    _pack_f16(out, 0, scale, P)
+    out[:, :, 32:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
+    return torch.from_numpy(out)
+
+
+def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
+    """a [N, G] (None: zeros) as float16 into bytes [at, at + 32) of out [P, G, :], the 16 rows of a panel in order."""
+    G = out.shape[1]
+    h = np.zeros((P * PANEL, G), np.float16)
+    if a is not None:
+        h[: a.shape[0]] = a
+    out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
+
+
+def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
+            greedy: bool = False) -> torch.Tensor:
+    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` (`kind`: QX_KINDS) -> [M, N]
+    float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape
-    y = torch.empty((M, N), dtype=torch.float32)
-    assert panels.shape == (-(-N // PANEL), K // 32, Q4X_GROUP_BYTES) and panels.is_contiguous()
-    _check(lib.q4x_gemm(x.data_ptr(), M, K, panels.data_ptr(), N, y.data_ptr(), 0 if q4_0 else 1,
-                        torch.get_num_threads()), "q4x_gemm")
-    return y
+    out = torch.empty((M,) if greedy else (M, N), dtype=torch.int64 if greedy else torch.float32)
+    assert panels.shape[:2] == (-(-N // PANEL), K // 32) and panels.is_contiguous() and x.dtype == torch.float32
+    _check(lib.qx_gemm(x.data_ptr(), M, K, panels.data_ptr(), N, None if greedy else out.data_ptr(),
+                       out.data_ptr() if greedy else None, kind, torch.get_num_threads()), "qx_gemm")
+    return out
 
 
 def pack8(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:

@@ -112,8 +112,8 @@ class Linear(_Loaded, nn.Linear):
     """
 
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
-    # a GGUF file's Q4_1 (q4x_kind 1) or Q4_0 (0) blocks of this float32 weight (`torchengine.quant.attach_q4x`):
-    # `cpu_kernels.q4x_gemm`'s panels, for steps of up to cpu_kernels.Q4X_MAX_ROWS rows (the same bits)
+    # a GGUF file's Q4_1 or Q4_0 blocks of this float32 weight (`torchengine.quant.attach_q4x`; q4x_kind:
+    # cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of up to Q4X_MAX_ROWS rows (the same bits)
     q4x: torch.Tensor | None = None
     q4x_kind = 1
 
@@ -140,7 +140,7 @@ class Linear(_Loaded, nn.Linear):
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
             if self.q4x is not None and x.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:
-                y = cpu_kernels.q4x_gemm(cpu_kernels.lib(), x, self.q4x, self.out_features, self.q4x_kind == 0)
+                y = cpu_kernels.qx_gemm(cpu_kernels.lib(), x, self.q4x, self.out_features, self.q4x_kind)
             else:
                 y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
@@ -234,6 +234,9 @@ class Transformer(nn.Module):
         # of up to lm_head_small_rows rows: normed hidden [N, H] -> logits [N, V] float32
         self.lm_head_small: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.lm_head_small_rows = 0
+        # the LM head as a GGUF file's Q8_0 blocks (`torchengine.quant.attach_q4x`): `cpu_kernels.qx_gemm`'s
+        # panels of the same weights, for steps of up to cpu_kernels.Q4X_MAX_ROWS rows (the same bits)
+        self.head_q8x: torch.Tensor | None = None
         self.embed = _Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -302,6 +305,9 @@ class Transformer(nn.Module):
         if self.head_panels is not None:  # each row's logits the same whatever the row count
             if n == 0:
                 return h.new_empty((0, self.arch.vocab_size))
+            if self.head_q8x is not None and n <= cpu_kernels.Q4X_MAX_ROWS:  # the same bits
+                return cpu_kernels.qx_gemm(cpu_kernels.lib(), h, self.head_q8x, self.arch.vocab_size,
+                                           cpu_kernels.QX_KINDS["Q8_0"])
             return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
@@ -324,6 +330,9 @@ class Transformer(nn.Module):
         # row's token would depend on whether its neighbours need logits
         if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
             return None
+        if self.head_q8x is not None and hidden.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:  # the same tokens
+            return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_q8x,
+                                       self.arch.vocab_size, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)
         return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,
                                       self.arch.vocab_size, greedy=True)
 

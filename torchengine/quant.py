@@ -130,31 +130,49 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
 
 def attach_q4x(model, source: ModelSource) -> int:
     """Without --quantization: give every float32 `Linear` whose weight is a GGUF file's Q4_1 / Q4_0 blocks
-    dequantized its blocks as `cpu_kernels.q4x_gemm`'s panels (`Linear.q4x`), which steps of few rows
-    multiply instead of the float32 panels: the same bits (each weight rebuilt as the loader computed it, the
-    same FMA chains), ~0.16 of the bytes a decode step streams. Each weight is checked against the loaded one
-    first; one that differs (another loader's arithmetic) keeps float32 only. Call before `pack_cpu_weights`
-    (which frees the [out, in] matrices). Returns how many linears got them."""
+    dequantized its blocks as `cpu_kernels.qx_gemm`'s panels (`Linear.q4x`), and the LM head its Q8_0 blocks
+    (`head_q8x`), which steps of few rows multiply instead of the float32 panels: the same bits (each weight
+    rebuilt as the loader computed it, the same FMA chains), 0.16 / 0.27 of the bytes a decode step streams.
+    Each weight is checked against the loaded one first; one that differs (another loader's arithmetic) keeps
+    float32 only. Call before `pack_cpu_weights` (which frees the [out, in] matrices). Returns how many
+    weights got them."""
     from torchengine.model import Linear
 
     if cpu_kernels.lib() is None or getattr(source, "kind", None) != "gguf":
         return 0
-    found, _ = _int4_linears(model, source)
+    found, head = _int4_linears(model, source)
     n = 0
     for path, (lin, g) in found.items():
         if type(lin) is not Linear or lin.weight is None or lin.weight.dtype != torch.float32 or lin.weight.is_meta:
             continue
         N, K = g.q.shape
         q4_0 = bool(np.array_equal(g.offset, -8.0 * g.scale))  # Int4Groups' Q4_0: offset -8 d
-        q = g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32)
-        w = (g.scale[..., None] * (q - 8) if q4_0 else q * g.scale[..., None] + g.offset[..., None]).reshape(N, K)
-        if not np.array_equal(w, lin.weight.detach().numpy()):
-            logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps "
-                           "float32 only", path)
-            continue
-        lin.q4x, lin.q4x_kind = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset), 0 if q4_0 else 1
-        n += 1
+        w = g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32)  # the loader's values, computed in place
+        if q4_0:
+            w -= 8
+        w *= g.scale[..., None]
+        if not q4_0:
+            w += g.offset[..., None]
+        if _same_weight(path, w.reshape(N, K), lin.weight):
+            lin.q4x = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
+            lin.q4x_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
+            n += 1
+    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    if head is not None and model.head_panels is None and w.dtype == torch.float32 and not w.is_meta:
+        want = head.q.reshape(head.q.shape[0], -1, 32).astype(np.float32)
+        want *= head.scale[..., None]
+        if _same_weight("the LM head", want.reshape(head.q.shape), w):
+            model.head_q8x = cpu_kernels.pack_q8x(head.q, head.scale)
+            n += 1
     return n
+
+
+def _same_weight(what: str, want: np.ndarray, have: torch.Tensor) -> bool:
+    if have.shape == want.shape and np.array_equal(want, have.detach().numpy()):
+        return True
+    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
+                   what)
+    return False
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:

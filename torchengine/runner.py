@@ -190,8 +190,8 @@ class TorchModelRunner:
             from torchengine.quant import attach_q4x
 
             if n := attach_q4x(model, self.model_source):
-                logger.info("rank %d: %d linears also as the file's 4-bit blocks, the same bits, for steps of <= %d "
-                            "rows (cpu_kernels.q4x_gemm; XLASERVE_Q4X=off: float32 only)", self.rank, n,
+                logger.info("rank %d: %d weights also as the file's 4- and 8-bit blocks, the same bits, for steps of "
+                            "<= %d rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: float32 only)", self.rank, n,
                             cpu_kernels.Q4X_MAX_ROWS)
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
