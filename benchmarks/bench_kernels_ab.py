@@ -5,6 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -25,6 +26,10 @@ one; their outputs then differ by that rounding, so the bits are not compared. `
 `decode_layers` call (what the torch backend runs for a decode step: every layer's norms, linears, RoPE, KV
 write and attention; random weights, the attention's scattered float32 caches), so a change that moves work
 between the kernels (e.g. fetching the next layer's cache during this one's MLP) is timed as a step sees it.
+`--what qx`: no base; the working tree's decode step linears and greedy head from float32 panels
+(`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
+(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `Q4X_MAX_ROWS` rows), the same bits
+(checked first).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ def main() -> int:
     ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
     ap.add_argument("--rows", default="1,8,32,64", help="tokens a step")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--what", choices=("linears", "attention", "layers"), default="linears")
+    ap.add_argument("--what", choices=("linears", "attention", "layers", "qx"), default="linears")
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
@@ -91,6 +96,8 @@ def main() -> int:
         return 1
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
     torch.set_num_threads(threads)
+    if args.what == "qx":
+        return qx_step(args, threads)
     rel = os.path.relpath(CPU_KERNELS_C, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "cpu_kernels.c")
@@ -298,6 +305,74 @@ def decode_step(libs, args, threads: int) -> int:
         best, med = best_of(libs, step, args.reps)
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x",
               flush=True)
+    return 0
+
+
+def qx_step(args, threads: int) -> int:
+    """--what qx: float32 panels against GGUF blocks multiplied as stored, the same weights, one build."""
+    import numpy as np
+    import torch
+
+    from enginecore.model_loader import Int4Groups, Int8Groups
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
+        return 1
+    rng = np.random.default_rng(0)
+
+    def f16(shape, s):
+        return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
+
+    layers = []  # per layer: [(float32 panels, q4x panels)] for q/k/v, o, gate/up, down
+    for _ in range(LAYERS):
+        ws = []
+        for k, n in SHAPES:
+            g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), f16((n, k // 32), 0.01), f16((n, k // 32), 0.05))
+            ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())),
+                       cpu_kernels.pack_q4x(g.q, g.scale, g.offset)))
+        layers.append(ws)
+    h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
+    head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
+    q41, q80 = cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q8_0"]
+    print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
+          f"(panel_gemm, ~540 MB) vs Q4_1 blocks and a Q8_0 head as stored (qx_gemm, ~100 MB), the same weights, "
+          f"best of {args.reps} interleaved")
+    print(f"{'rows':>5}  {'f32 ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'speedup':>7}  {'median':>7}")
+    nbytes = {"f32": 4 * (LAYERS * sum(k * n for k, n in SHAPES) + VOCAB * HIDDEN)}
+    nbytes["qx"] = LAYERS * sum(k * n for k, n in SHAPES) * 20 // 32 + VOCAB * HIDDEN * 34 // 32
+    for M in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(M, k) for k in (576, 1536)}
+        outs = {name: ({n: torch.empty(M, n) for _, n in SHAPES}, torch.empty(M, dtype=torch.int64))
+                for name in ("f32", "qx")}
+
+        def step(name: str) -> None:
+            ys, best = outs[name]
+            for ws in layers:
+                for (k, n), (wf, wq) in zip(SHAPES, ws):
+                    rc = (lib.panel_gemm(xs[k].data_ptr(), M, k, wf.data_ptr(), n, ys[n].data_ptr(), None, threads)
+                          if name == "f32" else
+                          lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, ys[n].data_ptr(), None, q41, threads))
+                    if rc:
+                        raise RuntimeError(f"{name}: the kernel refused its arguments")
+            rc = (lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[0].data_ptr(), VOCAB, None, best.data_ptr(),
+                                 threads) if name == "f32" else
+                  lib.qx_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[1].data_ptr(), VOCAB, None, best.data_ptr(), q80,
+                              threads))
+            if rc:
+                raise RuntimeError(f"{name}: the kernel refused its arguments")
+
+        for name in outs:
+            step(name)
+        (ys_a, b_a), (ys_b, b_b) = outs["f32"], outs["qx"]
+        if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
+            print(f"{M:>5}  the two give different outputs")
+            return 1
+        best, med = best_of({"base": None, "new": None},
+                            lambda name: step("f32" if name == "base" else "qx"), args.reps)
+        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes['f32'] / best['base'] / 1e9:>8.1f}  "
+              f"{nbytes['qx'] / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
     return 0
 
 
