@@ -15,6 +15,9 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   logits are never written (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took
   5.5); 1.05-1.4x f32_gemm from 16 rows on, 1.5-2.7x at one row, on hot weights (bench_dense's shapes);
 - `f32_gemm`: the same product on [out, in] weights (8-lane chains; a weight not packed, bench_dense);
+- `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
+  of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
+  `torchengine.quant.attach_q4x`): a decode step of up to `Q4X_MAX_ROWS` rows reads a sixth of the bytes;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 

@@ -115,7 +115,7 @@ class Linear(_Loaded, nn.Linear):
     # a GGUF file's Q4_1 or Q4_0 blocks of this float32 weight (`torchengine.quant.attach_q4x`; q4x_kind:
     # cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of up to Q4X_MAX_ROWS rows (the same bits)
     q4x: torch.Tensor | None = None
-    q4x_kind = 1
+    q4x_kind = 1  # (Q4_1)
 
     def packable(self) -> bool:
         return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
