@@ -182,6 +182,53 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
         assert cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)[0] == 0
 
 
+def test_attach_q4x_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplog):
+    """attach_q4x checks every weight against the loaded one bit for bit: a Q4_1 linear and a Q4_0 one (its
+    own arithmetic, d * (q - 8)) and a Q8_0 LM head get their blocks, of their kinds; a linear whose loaded
+    weight differs from its blocks by one ulp in one place keeps float32 only, with a warning."""
+    from types import SimpleNamespace
+
+    from enginecore.model_loader import Int8Groups
+    from torchengine import cpu_kernels, quant
+    from torchengine.model import Linear
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(3)
+    N, K = 40, 64
+
+    def f16(shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float16).astype(np.float32)
+
+    g1 = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), f16((N, 2)), f16((N, 2)))
+    d0 = f16((N, 2))
+    g0 = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d0, -8 * d0)
+    w0 = (d0[..., None] * (g0.q.reshape(N, 2, 32).astype(np.float32) - 8)).reshape(N, K)
+    head = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16((N, 2)))
+
+    def linear(w):
+        lin = Linear(K, N, bias=False)
+        lin.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(w)), requires_grad=False)
+        return lin
+
+    nudged = g1.dequantize()
+    nudged[7, 9] = np.nextafter(nudged[7, 9], np.float32(1))
+    good, q40, bad = linear(g1.dequantize()), linear(w0), linear(nudged)
+    model = SimpleNamespace(embed=SimpleNamespace(weight=torch.from_numpy(head.dequantize())), lm_head=None,
+                            head_panels=None, head_q8x=None)
+    monkeypatch.setattr(quant, "_int4_linears", lambda m, s: ({"a": (good, g1), "b": (bad, g1), "c": (q40, g0)}, head))
+    assert quant.attach_q4x(model, SimpleNamespace(kind="gguf")) == 3
+    assert bad.q4x is None and "b: the GGUF blocks do not give" in caplog.text
+    assert (good.q4x_kind, q40.q4x_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
+    lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
+    for lin in (good, q40):
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, lin.q4x, N, lin.q4x_kind),
+                           cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(lin.weight.detach()), N))
+    assert torch.equal(cpu_kernels.qx_gemm(lib, x, model.head_q8x, N, cpu_kernels.QX_KINDS["Q8_0"]),
+                       cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(model.embed.weight), N))
+    assert quant.attach_q4x(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
+
+
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(backend="torch", platform="cpu", max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
