@@ -139,8 +139,7 @@ def main() -> int:
 
         for name in libs:
             step(name)
-        (ys_a, b_a), (ys_b, b_b) = outs["base"], outs["new"]
-        if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
+        if not same_outputs(outs["base"], outs["new"]):
             print(f"{M:>5}  the two builds give different outputs")
             return 1
         best, med = best_of(libs, step, args.reps)
@@ -148,6 +147,13 @@ def main() -> int:
         print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {flops / best['base'] / 1e9:>12.0f}  "
               f"{flops / best['new'] / 1e9:>11.0f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
     return 0
+
+
+def same_outputs(a, b) -> bool:
+    """Whether two ({width: linear output}, greedy tokens) of a step's linears are the same bits."""
+    import torch
+
+    return all(torch.equal(a[0][n], b[0][n]) for n in a[0]) and torch.equal(a[1], b[1])
 
 
 def attention(libs, args, threads: int) -> int:
@@ -365,8 +371,7 @@ def qx_step(args, threads: int) -> int:
 
         for name in outs:
             step(name)
-        (ys_a, b_a), (ys_b, b_b) = outs["f32"], outs["qx"]
-        if not (all(torch.equal(ys_a[n], ys_b[n]) for n in ys_a) and torch.equal(b_a, b_b)):
+        if not same_outputs(outs["f32"], outs["qx"]):
             print(f"{M:>5}  the two give different outputs")
             return 1
         best, med = best_of({"base": None, "new": None},
