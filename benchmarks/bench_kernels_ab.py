@@ -124,14 +124,13 @@ def main() -> int:
     print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GFLOP/s':>12}  {'new GFLOP/s':>11}  {'speedup':>7}  {'median':>7}")
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
-        outs = {name: ({n: torch.empty(M, n) for _, n in SHAPES}, torch.empty(M, dtype=torch.int64))
-                for name in libs}
+        outs = {name: step_outputs(M) for name in libs}
 
         def step(name: str) -> None:
             lib, (ys, best) = libs[name], outs[name]
-            for ws in layers:
-                for (k, n), w in zip(SHAPES, ws):
-                    if lib.panel_gemm(xs[k].data_ptr(), M, k, w.data_ptr(), n, ys[n].data_ptr(), None, threads):
+            for l, ws in enumerate(layers):
+                for j, ((k, n), w) in enumerate(zip(SHAPES, ws)):
+                    if lib.panel_gemm(xs[k].data_ptr(), M, k, w.data_ptr(), n, ys[l, j].data_ptr(), None, threads):
                         raise RuntimeError("panel_gemm refused its arguments")
             if lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head.data_ptr(), VOCAB, None, best.data_ptr(),
                               threads):
@@ -149,11 +148,19 @@ def main() -> int:
     return 0
 
 
-def same_outputs(a, b) -> bool:
-    """Whether two ({width: linear output}, greedy tokens) of a step's linears are the same bits."""
+def step_outputs(M: int):
+    """A step's outputs at M rows: ({(layer, linear): [M, out]}, the greedy tokens [M])."""
     import torch
 
-    return all(torch.equal(a[0][n], b[0][n]) for n in a[0]) and torch.equal(a[1], b[1])
+    return ({(l, j): torch.empty(M, n) for l in range(LAYERS) for j, (_, n) in enumerate(SHAPES)},
+            torch.empty(M, dtype=torch.int64))
+
+
+def same_outputs(a, b) -> bool:
+    """Whether two `step_outputs` hold the same bits."""
+    import torch
+
+    return all(torch.equal(a[0][key], b[0][key]) for key in a[0]) and torch.equal(a[1], b[1])
 
 
 def attention(libs, args, threads: int) -> int:
@@ -350,16 +357,15 @@ def qx_step(args, threads: int) -> int:
     nbytes["qx"] = LAYERS * sum(k * n for k, n in SHAPES) * 20 // 32 + VOCAB * HIDDEN * 34 // 32
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k) for k in (576, 1536)}
-        outs = {name: ({n: torch.empty(M, n) for _, n in SHAPES}, torch.empty(M, dtype=torch.int64))
-                for name in ("f32", "qx")}
+        outs = {name: step_outputs(M) for name in ("f32", "qx")}
 
         def step(name: str) -> None:
             ys, best = outs[name]
-            for ws in layers:
-                for (k, n), (wf, wq) in zip(SHAPES, ws):
-                    rc = (lib.panel_gemm(xs[k].data_ptr(), M, k, wf.data_ptr(), n, ys[n].data_ptr(), None, threads)
-                          if name == "f32" else
-                          lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, ys[n].data_ptr(), None, q41, threads))
+            for l, ws in enumerate(layers):
+                for j, ((k, n), (wf, wq)) in enumerate(zip(SHAPES, ws)):
+                    y = ys[l, j].data_ptr()
+                    rc = (lib.panel_gemm(xs[k].data_ptr(), M, k, wf.data_ptr(), n, y, None, threads) if name == "f32"
+                          else lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, y, None, q41, threads))
                     if rc:
                         raise RuntimeError(f"{name}: the kernel refused its arguments")
             rc = (lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[0].data_ptr(), VOCAB, None, best.data_ptr(),

@@ -125,12 +125,32 @@ def test_int4_linear_matches_dense(rows, kernel):
         assert not torch.equal(got, want), "the 4-bit path was expected to run"
 
 
-@pytest.mark.parametrize("q4_0", [False, True])
+def _loader_weights(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """What the loader serves for a GGUF tensor of `kind` holding q [N, K] and d (m) [N, K / 32]: the raw blocks
+    written as the file stores them, dequantized by `enginecore/gguf_dequant.c` (model_loader._dequantize)."""
+    from enginecore.model_loader import _dequantize
+
+    N, K = q.shape
+    f16 = lambda a: a.astype(np.float16).reshape(N, K // 32, 1).view(np.uint8)  # noqa: E731
+    qb = q.reshape(N, K // 32, 32)
+    if kind == "Q8_0":
+        raw = np.concatenate([f16(d), qb.view(np.uint8)], axis=2)
+    else:
+        nib = (qb[..., :16] | (qb[..., 16:] << 4)).astype(np.uint8)
+        raw = np.concatenate([f16(d)] + ([f16(m)] if kind == "Q4_1" else []) + [nib], axis=2)
+    w = _dequantize(raw.reshape(-1), {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}[kind])
+    if w is None:
+        pytest.skip("the GGUF dequantizer cannot be built here")
+    return w.reshape(N, K)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (200, 1536)])
-def test_q4x_gemm_gives_panel_gemms_bits(N, K, q4_0):
+def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind):
     """A GGUF file's Q4_1 / Q4_0 blocks multiplied as they are stored (qx_gemm) give the bits of panel_gemm
-    over the weights the loader dequantizes from them (Q4_1 (d * q) + m, Q4_0 d * (q - 8)): every row count of the kernel's tiles (4-row tiles, 1-3-row tails, two of them), a partial
-    last panel, one group of 32 and many, and the loader's own dequantizer as the reference weights."""
+    over the weights the loader serves (enginecore/gguf_dequant.c from the same raw blocks; Int4Groups'
+    numpy form agrees with it): every row count of the kernel's tiles (4-row tiles, 1-3-row tails, two of
+    them), a partial last panel, one group of 32 and many, negative scales (Q4_0's zeros then signed)."""
     from torchengine import cpu_kernels
 
     lib, why = cpu_kernels.load()
@@ -140,24 +160,25 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, q4_0):
     G = K // 32
     q = rng.integers(0, 16, (N, K)).astype(np.uint8)
     d = (rng.standard_normal((N, G)) * 0.02).astype(np.float16).astype(np.float32)
-    m = -8 * d if q4_0 else (rng.standard_normal((N, G)) * 0.1).astype(np.float16).astype(np.float32)
-    if q4_0:
-        w = (d[..., None] * (q.reshape(N, G, 32).astype(np.float32) - 8)).reshape(N, K)
-    else:
-        w = Int4Groups(q, d, m).dequantize()
+    m = -8 * d if kind == "Q4_0" else (rng.standard_normal((N, G)) * 0.1).astype(np.float16).astype(np.float32)
+    w = _loader_weights(kind, q, d, m)
+    if kind == "Q4_1":
+        np.testing.assert_array_equal(Int4Groups(q, d, m).dequantize(), w)
     panels = cpu_kernels.pack_panels(torch.from_numpy(w))
-    blocks = cpu_kernels.pack_q4x(q, d, None if q4_0 else m)
-    kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
+    blocks = cpu_kernels.pack_q4x(q, d, None if kind == "Q4_0" else m)
     for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS[kind]),
+                           cpu_kernels.panel_gemm(lib, x, panels, N))
+    with pytest.raises(ValueError, match="bad arguments"):  # panels of another kind are refused, not overread
+        cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"])
 
 
 @pytest.mark.parametrize("N,K", [(1003, 576), (40, 64)])
 def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     """An LM head stored as Q8_0 (the embedded model's), multiplied as stored: panel_gemm's logits over the
-    dequantized weights to the bit, and its greedy tokens, ties included (the lowest index, as torch.argmax),
-    with a vocabulary that is not a multiple of 16 or 8."""
+    weights the loader serves to the bit, and its greedy tokens, ties included (the lowest index, as
+    torch.argmax), with a vocabulary that is not a multiple of 16 or 8."""
     from enginecore.model_loader import Int8Groups
     from torchengine import cpu_kernels
 
@@ -170,7 +191,9 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
                    (rng.standard_normal((N, G)) * 0.01).astype(np.float16).astype(np.float32))
     g.q[N // 2] = g.q[3]  # rows 3 and N / 2: the same logits, a tie
     g.scale[N // 2] = g.scale[3]
-    panels = cpu_kernels.pack_panels(torch.from_numpy(g.dequantize()))
+    w = _loader_weights("Q8_0", g.q, g.scale)
+    np.testing.assert_array_equal(g.dequantize(), w)
+    panels = cpu_kernels.pack_panels(torch.from_numpy(w))
     blocks = cpu_kernels.pack_q8x(g.q, g.scale)
     for M in (1, 3, 4, 7, 8):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -185,7 +208,8 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
 def test_attach_q4x_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplog):
     """attach_q4x checks every weight against the loaded one bit for bit: a Q4_1 linear and a Q4_0 one (its
     own arithmetic, d * (q - 8)) and a Q8_0 LM head get their blocks, of their kinds; a linear whose loaded
-    weight differs from its blocks by one ulp in one place keeps float32 only, with a warning."""
+    weight differs from its blocks by one ulp in one place, or by the sign of its zeros, keeps float32 only,
+    with a warning."""
     from types import SimpleNamespace
 
     from enginecore.model_loader import Int8Groups
@@ -213,12 +237,17 @@ def test_attach_q4x_keeps_float32_only_where_the_blocks_differ(monkeypatch, capl
 
     nudged = g1.dequantize()
     nudged[7, 9] = np.nextafter(nudged[7, 9], np.float32(1))
-    good, q40, bad = linear(g1.dequantize()), linear(w0), linear(nudged)
+    signed = w0.copy()  # -0.0 where the loader wrote 0.0: another bit pattern, caught too
+    signed[signed == 0] = -signed[signed == 0]
+    assert (signed == 0).any()
+    good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(embed=SimpleNamespace(weight=torch.from_numpy(head.dequantize())), lm_head=None,
                             head_panels=None, head_q8x=None)
-    monkeypatch.setattr(quant, "_int4_linears", lambda m, s: ({"a": (good, g1), "b": (bad, g1), "c": (q40, g0)}, head))
+    monkeypatch.setattr(quant, "_int4_linears", lambda m, s: (
+        {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_q4x(model, SimpleNamespace(kind="gguf")) == 3
     assert bad.q4x is None and "b: the GGUF blocks do not give" in caplog.text
+    assert zeros.q4x is None and "d: the GGUF blocks do not give" in caplog.text
     assert (good.q4x_kind, q40.q4x_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
     lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     for lin in (good, q40):

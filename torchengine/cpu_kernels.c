@@ -1785,16 +1785,16 @@ typedef struct {  // *_w: panel_gemm's panels
     const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
     int qkv_rows, o_rows, gate_up_rows, down_rows;
     // a GGUF file's 4-bit blocks of the float32 weights (qx_gemm's panels, NULL: none), the same bits as them,
-    // for steps of at most q4x_rows tokens; q4x_kind: QX_Q4_1 or QX_Q4_0
+    // for steps of at most q4x_rows tokens; *_q4x_kind: QX_Q4_1 or QX_Q4_0
     const void *qkv_q4x, *o_q4x, *gate_up_q4x, *down_q4x;
-    int q4x_rows, q4x_kind;
+    int q4x_rows, qkv_q4x_kind, o_q4x_kind, gate_up_q4x_kind, down_q4x_kind;
 } decode_layer;
 
-// w: the float32 weight in panel_gemm's panels; q4x: the same weight's qx_gemm panels, or NULL
+// w: the float32 weight in panel_gemm's panels; q4x: the same weight's qx_gemm panels (of q4x_kind), or NULL
 static int linear(const decode_layer *ly, const float *x, int T, int K, const float *w, const void *q4,
-                  int q4_rows, const void *q4x, int N, float *y, int nthreads) {
+                  int q4_rows, const void *q4x, int q4x_kind, int N, float *y, int nthreads) {
     if (q4 != NULL && T <= q4_rows) return q4_gemm(x, T, K, q4, N, y, nthreads);
-    if (q4x != NULL && T <= ly->q4x_rows) return qx_gemm(x, T, K, q4x, N, y, NULL, ly->q4x_kind, nthreads);
+    if (q4x != NULL && T <= ly->q4x_rows) return qx_gemm(x, T, K, q4x, N, y, NULL, q4x_kind, nthreads);
     return panel_gemm(x, T, K, w, N, y, NULL, nthreads);
 }
 
@@ -1825,7 +1825,7 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
         const decode_layer *ly = layers + l;
         // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
         rc |= rms_norm(l == 0 ? residual : y, T, H, H, l == 0 ? NULL : residual, ly->attn_norm, eps, h);
-        rc |= linear(ly, h, T, H, ly->qkv_w, ly->qkv_q4, ly->qkv_rows, ly->qkv_q4x, QKV, qkv, nthreads);
+        rc |= linear(ly, h, T, H, ly->qkv_w, ly->qkv_q4, ly->qkv_rows, ly->qkv_q4x, ly->qkv_q4x_kind, QKV, qkv, nthreads);
         if (ly->qkv_b != NULL)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < QKV; j++) qkv[(size_t)t * QKV + j] += ly->qkv_b[j];
@@ -1834,11 +1834,11 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
                        ly->value_cache, Hkv * D, kv_type);
         rc |= decode_attention(qkv, QKV, T, tokens, kv_lens, block_tables, bt_stride, ly->key_cache,
                                ly->value_cache, block_size, Hq, Hkv, D, scale, window, att, nthreads, kv_type);
-        rc |= linear(ly, att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, ly->o_q4x, H, y, nthreads);
+        rc |= linear(ly, att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, ly->o_q4x, ly->o_q4x_kind, H, y, nthreads);
         rc |= rms_norm(y, T, H, H, residual, ly->mlp_norm, eps, h);
-        rc |= linear(ly, h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, ly->gate_up_q4x, 2 * I, gu, nthreads);
+        rc |= linear(ly, h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, ly->gate_up_q4x, ly->gate_up_q4x_kind, 2 * I, gu, nthreads);
         rc |= silu_mul(gu, T, I, act);
-        rc |= linear(ly, act, T, I, ly->down_w, ly->down_q4, ly->down_rows, ly->down_q4x, H, y, nthreads);
+        rc |= linear(ly, act, T, I, ly->down_w, ly->down_q4, ly->down_rows, ly->down_q4x, ly->down_q4x_kind, H, y, nthreads);
     }
     for (size_t i = 0; i < (size_t)T * H; i++) out[i] = residual[i] + y[i];
     return rc;

@@ -187,14 +187,23 @@ def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
     out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
 
 
+def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
+    """Whether `panels` are `pack_q4x` / `pack_q8x`'s of a [N, K] weight of `kind` (what qx_gemm reads)."""
+    group = 32 + 32 * 16 if kind == QX_KINDS["Q8_0"] else 64 + 32 * 8
+    return (kind in QX_KINDS.values() and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
+            and panels.is_contiguous() and tuple(panels.shape) == (-(-N // PANEL), K // 32, group))
+
+
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
             greedy: bool = False) -> torch.Tensor:
     """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` (`kind`: QX_KINDS) -> [M, N]
     float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape
+    if not (x.dtype == torch.float32 and M > 0 and _qx_shape_ok(panels, N, K, kind)):
+        raise ValueError(f"cpu_kernels.qx_gemm: bad arguments (x {tuple(x.shape)} {x.dtype}, panels "
+                         f"{tuple(panels.shape)} {panels.dtype}, N {N}, kind {kind})")
     out = torch.empty((M,) if greedy else (M, N), dtype=torch.int64 if greedy else torch.float32)
-    assert panels.shape[:2] == (-(-N // PANEL), K // 32) and panels.is_contiguous() and x.dtype == torch.float32
     _check(lib.qx_gemm(x.data_ptr(), M, K, panels.data_ptr(), N, None if greedy else out.data_ptr(),
                        out.data_ptr() if greedy else None, kind, torch.get_num_threads()), "qx_gemm")
     return out
@@ -455,8 +464,8 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
     _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w",
                                                      "down_w", "key_cache", "value_cache")]
                 + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS]
-                + [(f"{n}_q4x", ctypes.c_void_p) for n in _LINEARS] + [("q4x_rows", ctypes.c_int),
-                                                                         ("q4x_kind", ctypes.c_int)])
+                + [(f"{n}_q4x", ctypes.c_void_p) for n in _LINEARS] + [("q4x_rows", ctypes.c_int)]
+                + [(f"{n}_q4x_kind", ctypes.c_int) for n in _LINEARS])
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
@@ -494,24 +503,24 @@ class DecodeLayers:
         self.kv_caches = kv_caches  # the list bound (the runner allocates a new one when it resizes the cache)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.layers = (_DecodeLayer * len(model.layers))()
+        self.q4x = []  # the q4x panels the structs point to, kept alive with them
         for c, ly, (kc, vc) in zip(self.layers, model.layers, kv_caches):
-            parts = dict(zip(_LINEARS, map(_linear_parts, (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
-                                                           ly.mlp.down_proj))))
+            mods = dict(zip(_LINEARS, (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)))
+            parts = {name: _linear_parts(m) for name, m in mods.items()}
             c.attn_norm, c.mlp_norm = ptr(ly.attn_norm.weight), ptr(ly.mlp_norm.weight)
             c.key_cache, c.value_cache, c.qkv_b = ptr(kc), ptr(vc), ptr(parts["qkv"][1])
             for name, (w, _, q4, rows) in parts.items():
                 setattr(c, f"{name}_w", ptr(w))
                 setattr(c, f"{name}_q4", ptr(q4))
                 setattr(c, f"{name}_rows", rows)
-            # the linears' q4x panels (a GGUF file's Q4 blocks of the same float32 weights), where all have them
-            q4x = [getattr(m, "q4x", None) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
-                                                      ly.mlp.down_proj)]
-            kinds = {getattr(m, "q4x_kind", None) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
-                                                            ly.mlp.down_proj)}
-            if all(t is not None for t in q4x) and len(kinds) == 1:
-                for name, t in zip(_LINEARS, q4x):
+            # each linear's q4x panels (a GGUF file's Q4 blocks of the same float32 weights), where it has them
+            c.q4x_rows = Q4X_MAX_ROWS
+            for name, m in mods.items():
+                t = getattr(m, "q4x", None)
+                if t is not None and _qx_shape_ok(t, m.out_features, m.in_features, m.q4x_kind):
                     setattr(c, f"{name}_q4x", ptr(t))
-                c.q4x_rows, c.q4x_kind = Q4X_MAX_ROWS, kinds.pop()
+                    setattr(c, f"{name}_q4x_kind", m.q4x_kind)
+                    self.q4x.append(t)
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":

@@ -115,7 +115,7 @@ class Linear(_Loaded, nn.Linear):
     # a GGUF file's Q4_1 or Q4_0 blocks of this float32 weight (`torchengine.quant.attach_q4x`; q4x_kind:
     # cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of up to Q4X_MAX_ROWS rows (the same bits)
     q4x: torch.Tensor | None = None
-    q4x_kind = 1  # (Q4_1)
+    q4x_kind = cpu_kernels.QX_KINDS["Q4_1"]
 
     def packable(self) -> bool:
         return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
@@ -326,8 +326,9 @@ class Transformer(nn.Module):
         """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
         head in panels, folding each tile into a running maximum); None where that path does not run (then
         compute the logits)."""
-        # not with a small-rows LM head (gguf): the logits path takes it for chunks of few rows, so a greedy
-        # row's token would depend on whether its neighbours need logits
+        # not with a small-rows LM head (--quantization gguf): the logits path takes it for chunks of few rows,
+        # so a greedy row's token would depend on whether its neighbours need logits. head_q8x is one too, but
+        # gives the float32 panels' bits, so either path gives the same token
         if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
             return None
         if self.head_q8x is not None and hidden.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:  # the same tokens

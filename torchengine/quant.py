@@ -138,37 +138,38 @@ def attach_q4x(model, source: ModelSource) -> int:
     weights got them."""
     from torchengine.model import Linear
 
-    if cpu_kernels.lib() is None or getattr(source, "kind", None) != "gguf":
+    if (cpu_kernels.lib() is None or getattr(source, "kind", None) != "gguf"
+            or getattr(model, "tp_size", 1) != 1):
         return 0
     found, head = _int4_linears(model, source)
     n = 0
     for path, (lin, g) in found.items():
-        if type(lin) is not Linear or lin.weight is None or lin.weight.dtype != torch.float32 or lin.weight.is_meta:
+        if type(lin) is not Linear or not _cpu_float32(lin.weight):
             continue
         N, K = g.q.shape
         q4_0 = bool(np.array_equal(g.offset, -8.0 * g.scale))  # Int4Groups' Q4_0: offset -8 d
-        w = g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32)  # the loader's values, computed in place
-        if q4_0:
-            w -= 8
-        w *= g.scale[..., None]
-        if not q4_0:
-            w += g.offset[..., None]
-        if _same_weight(path, w.reshape(N, K), lin.weight):
+        want = ((g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32) - 8) * g.scale[..., None]).reshape(N, K) \
+            if q4_0 else g.dequantize()  # the loader's Q4_0 is d * (q - 8), not q * d + (-8 d)
+        if _same_weight(path, want, lin.weight):
             lin.q4x = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
             lin.q4x_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
             n += 1
     w = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    if head is not None and model.head_panels is None and w.dtype == torch.float32 and not w.is_meta:
-        want = head.q.reshape(head.q.shape[0], -1, 32).astype(np.float32)
-        want *= head.scale[..., None]
-        if _same_weight("the LM head", want.reshape(head.q.shape), w):
+    if head is not None and model.head_panels is None and _cpu_float32(w):
+        if _same_weight("the LM head", head.dequantize(), w):
             model.head_q8x = cpu_kernels.pack_q8x(head.q, head.scale)
             n += 1
     return n
 
 
+def _cpu_float32(w: torch.Tensor | None) -> bool:
+    return w is not None and w.dtype == torch.float32 and w.is_cpu and not w.is_meta
+
+
 def _same_weight(what: str, want: np.ndarray, have: torch.Tensor) -> bool:
-    if have.shape == want.shape and np.array_equal(want, have.detach().numpy()):
+    """Whether `have` holds `want`'s bits (as bits: -0.0 is not 0.0), else a warning."""
+    have = have.detach().contiguous().numpy()
+    if have.shape == want.shape and np.array_equal(want.view(np.uint32), have.view(np.uint32)):
         return True
     logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
                    what)
