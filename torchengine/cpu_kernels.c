@@ -215,6 +215,13 @@ int q8_gemm(const float *x, int M, int K, const void *w, int N, float *y, int nt
 // in a step on two threads, 7 us in a tight loop).
 #define PARALLEL_WORK (1L << 15)
 
+// threads worth waking for M rows times an [N, K] weight: all of nthreads from PARALLEL_WORK multiply-adds,
+// rows counted up to 8 (a few rows' product is the weight's streaming); at most `most`
+static inline int gemm_threads(int M, int K, int N, int nthreads, int most) {
+    const int n = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
+    return n < most ? n : most;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The float32 glue of a decode step. In torch each of these is several ops of a few microseconds to tens of
 // microseconds of dispatch for a few hundred floats of work; a decode step of a 30-layer model runs them
@@ -1151,7 +1158,7 @@ int f32_gemm(const float *x, int M, int K, const float *w, int N, float *y, int 
     if (M < 1 || K <= 0 || N <= 0) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int chunks = (N + 23) / 24;
-    const int nt = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads < chunks ? nthreads : chunks) : 1;
+    const int nt = gemm_threads(M, K, N, nthreads, chunks);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -1465,11 +1472,11 @@ int pack_panels_f32(const float *w, int V, int K, long ld, float *out) {
 // Returns the number of parts, sets *unit (panels a part) and *nt (the threads worth waking, <= nthreads, <= the
 // parts). jaxengine's custom call splits the same parts between XLA's threads.
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *claim) {
-    const int NP = (V + 15) / 16, n = (long)V * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? (nthreads > 0 ? nthreads : 1) : 1;
+    const int NP = (V + 15) / 16;
     *unit = M >= COMPUTE_BOUND_ROWS ? 1 : 4;
     *claim = *unit == 1 ? 4 : 0;
     const int parts = (NP + *unit - 1) / *unit;
-    *nt = n < parts ? n : parts;
+    *nt = gemm_threads(M, K, V, nthreads, parts);
     return parts;
 }
 
@@ -1611,17 +1618,26 @@ int shares_count(int n, int nt, int min, int nthreads, int32_t *counts) {
     return 0;
 }
 
+// M rows' running maxima for each of nt threads (thread t's at best + M t), initialised; NULL if out of memory
+static head_best *maxima_new(int M, int nt) {
+    head_best *best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
+    if (best != NULL) head_best_init(best, (size_t)M * nt);
+    return best;
+}
+
+// each row's token from the nt threads' maxima (maxima_new's), which are then freed
+static void maxima_merge(head_best *best, int M, int nt, int64_t *argmax) {
+    for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
+    free(best);
+}
+
 int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, int64_t *argmax, int nthreads) {
     if (M < 1 || K <= 0 || V <= 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     int unit, nt, claim;
     const int parts = panel_gemm_plan(M, K, V, nthreads, &unit, &nt, &claim);
-    head_best *best = NULL;
-    if (argmax != NULL) {
-        best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
-        if (best == NULL) return -2;
-        head_best_init(best, (size_t)M * nt);
-    }
+    head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
+    if (argmax != NULL && best == NULL) return -2;
     uint64_t sh[nt];
     if (claim) shares_init(sh, parts, nt);
 #pragma omp parallel num_threads(nt)
@@ -1636,10 +1652,7 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
             while (shares_claim(sh, nt, t, claim, &a, &b, &pe)) panel_gemm_part(x, M, K, wp, V, y, own, unit, a, b, pe);
         }
     }
-    if (argmax != NULL) {
-        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
-        free(best);
-    }
+    if (argmax != NULL) maxima_merge(best, M, nt, argmax);
     return 0;
 }
 
@@ -1740,15 +1753,9 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
     if (M < 1 || K <= 0 || K % 32 || N <= 0 || kind < QX_Q4_0 || kind > QX_Q8_0 || (y == NULL) == (argmax == NULL))
         return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    const int NP = (N + 15) / 16;
-    int nt = (long)N * K * (M < 8 ? M : 8) >= PARALLEL_WORK ? nthreads : 1;
-    if (nt > NP) nt = NP;
-    head_best *best = NULL;
-    if (argmax != NULL) {
-        best = (head_best *)malloc(sizeof(head_best) * (size_t)M * nt);
-        if (best == NULL) return -2;
-        head_best_init(best, (size_t)M * nt);
-    }
+    const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
+    head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
+    if (argmax != NULL && best == NULL) return -2;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -1761,10 +1768,7 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
             default: qx_panels(QX_Q8_0, x, M, K, wb, N, y, own, p0, p1); break;
         }
     }
-    if (argmax != NULL) {
-        for (int m = 0; m < M; m++) argmax[m] = head_best_argmax(best + m, nt, sizeof(head_best) * (size_t)M);
-        free(best);
-    }
+    if (argmax != NULL) maxima_merge(best, M, nt, argmax);
     return 0;
 }
 
