@@ -321,9 +321,17 @@ class Int4Groups:
         groups = (N, K // cls.GROUP)
         return cls(q.reshape(N, K), d.reshape(groups), m.reshape(groups))
 
+    @property
+    def is_q4_0(self) -> bool:
+        """Q4_0's form (every offset -8 scale)."""
+        return bool(np.array_equal(self.offset, -8.0 * self.scale))
+
     def dequantize(self) -> np.ndarray:
+        """The float32 weight, bit for bit as the loader computes it (enginecore/gguf_dequant.c): Q4_1
+        (q * scale) + offset, Q4_0 (q - 8) * scale (its zeros then carry the scale's sign)."""
         N, K = self.q.shape
-        w = self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None] + self.offset[..., None]
+        q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
+        w = (q - 8) * self.scale[..., None] if self.is_q4_0 else q * self.scale[..., None] + self.offset[..., None]
         return w.reshape(N, K)
 
 

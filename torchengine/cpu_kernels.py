@@ -145,6 +145,9 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
 # 2.3x at 4, 1.25x at 8, 0.8x at 12)
 Q4X_MAX_ROWS = 8
 QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the C file's QX_*
+# bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
+# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes
+QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16}
 
 
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
@@ -157,7 +160,7 @@ def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> tor
     qp = np.zeros((P * PANEL, K), np.uint8)
     qp[:N] = q
     qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
-    out = np.empty((P, G, 64 + 32 * 8), np.uint8)
+    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q4_1"]]), np.uint8)
     _pack_f16(out, 0, scale, P)
     _pack_f16(out, 32, offset, P)
     out[:, :, 64:] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
@@ -172,7 +175,7 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     G, P = K // 32, -(-N // PANEL)
     qp = np.zeros((P * PANEL, K), np.int8)
     qp[:N] = q
-    out = np.empty((P, G, 32 + 32 * 16), np.uint8)
+    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q8_0"]]), np.uint8)
     _pack_f16(out, 0, scale, P)
     out[:, :, 32:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
     return torch.from_numpy(out)
@@ -189,9 +192,8 @@ def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
 
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
     """Whether `panels` are `pack_q4x` / `pack_q8x`'s of a [N, K] weight of `kind` (what qx_gemm reads)."""
-    group = 32 + 32 * 16 if kind == QX_KINDS["Q8_0"] else 64 + 32 * 8
-    return (kind in QX_KINDS.values() and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
-            and panels.is_contiguous() and tuple(panels.shape) == (-(-N // PANEL), K // 32, group))
+    return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
+            and panels.is_contiguous() and tuple(panels.shape) == (-(-N // PANEL), K // 32, QX_GROUP_BYTES[kind]))
 
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,

@@ -146,11 +146,8 @@ def attach_q4x(model, source: ModelSource) -> int:
     for path, (lin, g) in found.items():
         if type(lin) is not Linear or not _cpu_float32(lin.weight):
             continue
-        N, K = g.q.shape
-        q4_0 = bool(np.array_equal(g.offset, -8.0 * g.scale))  # Int4Groups' Q4_0: offset -8 d
-        want = ((g.q.reshape(N, -1, Int4Groups.GROUP).astype(np.float32) - 8) * g.scale[..., None]).reshape(N, K) \
-            if q4_0 else g.dequantize()  # the loader's Q4_0 is d * (q - 8), not q * d + (-8 d)
-        if _same_weight(path, want, lin.weight):
+        q4_0 = g.is_q4_0
+        if _same_weight(path, g.dequantize(), lin.weight):
             lin.q4x = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
             lin.q4x_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
             n += 1
