@@ -5,7 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -28,8 +28,9 @@ write and attention; random weights, the attention's scattered float32 caches), 
 between the kernels (e.g. fetching the next layer's cache during this one's MLP) is timed as a step sees it.
 `--what qx`: no base; the working tree's decode step linears and greedy head from float32 panels
 (`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
-(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `Q4X_MAX_ROWS` rows), the same bits
-(checked first).
+(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `QX_MAX_ROWS` rows), the same bits
+(checked first); `--qx-kind bf16`: bfloat16-exact weights against the same as their high halves (what a bfloat16
+checkpoint served in float32 runs).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
+    ap.add_argument("--qx-kind", default="q4", choices=("q4", "bf16"),
+                    help="--what qx: a GGUF's Q4_1 blocks and Q8_0 head, or bfloat16-exact weights as bfloat16")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -338,23 +341,39 @@ def qx_step(args, threads: int) -> int:
     def f16(shape, s):
         return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
 
-    layers = []  # per layer: [(float32 panels, q4x panels)] for q/k/v, o, gate/up, down
+    bf16 = args.qx_kind == "bf16"
+
+    def bf16_weight(n, k):
+        return (torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)) / k ** 0.5).bfloat16().float()
+
+    layers = []  # per layer: [(float32 panels, qx panels)] for q/k/v, o, gate/up, down
     for _ in range(LAYERS):
         ws = []
         for k, n in SHAPES:
+            if bf16:
+                w = bf16_weight(n, k)
+                ws.append((cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w)))
+                continue
             g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), f16((n, k // 32), 0.01), f16((n, k // 32), 0.05))
             ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())),
                        cpu_kernels.pack_q4x(g.q, g.scale, g.offset)))
         layers.append(ws)
-    h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
-    head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
-    q41, q80 = cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q8_0"]
+    if bf16:
+        w = bf16_weight(VOCAB, HIDDEN)
+        head = (cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w))
+        kinds = (cpu_kernels.QX_KINDS["BF16"],) * 2
+        what = "bfloat16-exact weights as their high halves (qx_gemm, ~270 MB)"
+    else:
+        h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
+        head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
+        kinds = cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q8_0"]
+        what = "Q4_1 blocks and a Q8_0 head as stored (qx_gemm, ~100 MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
-          f"(panel_gemm, ~540 MB) vs Q4_1 blocks and a Q8_0 head as stored (qx_gemm, ~100 MB), the same weights, "
-          f"best of {args.reps} interleaved")
+          f"(panel_gemm, ~540 MB) vs {what}, the same weights, best of {args.reps} interleaved")
     print(f"{'rows':>5}  {'f32 ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'speedup':>7}  {'median':>7}")
     nbytes = {"f32": 4 * (LAYERS * sum(k * n for k, n in SHAPES) + VOCAB * HIDDEN)}
-    nbytes["qx"] = LAYERS * sum(k * n for k, n in SHAPES) * 20 // 32 + VOCAB * HIDDEN * 34 // 32
+    nbytes["qx"] = (nbytes["f32"] // 2 if bf16 else
+                    LAYERS * sum(k * n for k, n in SHAPES) * 20 // 32 + VOCAB * HIDDEN * 34 // 32)
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k) for k in (576, 1536)}
         outs = {name: step_outputs(M) for name in ("f32", "qx")}
@@ -365,13 +384,13 @@ def qx_step(args, threads: int) -> int:
                 for j, ((k, n), (wf, wq)) in enumerate(zip(SHAPES, ws)):
                     y = ys[l, j].data_ptr()
                     rc = (lib.panel_gemm(xs[k].data_ptr(), M, k, wf.data_ptr(), n, y, None, threads) if name == "f32"
-                          else lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, y, None, q41, threads))
+                          else lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, y, None, kinds[0], threads))
                     if rc:
                         raise RuntimeError(f"{name}: the kernel refused its arguments")
             rc = (lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[0].data_ptr(), VOCAB, None, best.data_ptr(),
                                  threads) if name == "f32" else
-                  lib.qx_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[1].data_ptr(), VOCAB, None, best.data_ptr(), q80,
-                              threads))
+                  lib.qx_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[1].data_ptr(), VOCAB, None, best.data_ptr(),
+                              kinds[1], threads))
             if rc:
                 raise RuntimeError(f"{name}: the kernel refused its arguments")
 

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -205,8 +207,37 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
         assert cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)[0] == 0
 
 
-def test_attach_q4x_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplog):
-    """attach_q4x checks every weight against the loaded one bit for bit: a Q4_1 linear and a Q4_0 one (its
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
+def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+    """A bfloat16-exact float32 weight multiplied as its high halves (qx_gemm's QX_BF16 panels: a bfloat16
+    checkpoint served in float32) gives panel_gemm's bits: every row count of the kernel's tiles (6-row tiles,
+    1-5-row tails, two and three tiles), a partial last panel, one group of 32 and many, signed zeros and
+    subnormals among the weights; and its greedy tokens, ties included (the lowest index)."""
+    from torchengine import cpu_kernels
+
+    lib, why = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels cannot run here: {why}")
+    rng = np.random.default_rng(N + K)
+    w = torch.from_numpy(rng.standard_normal((N, K)).astype(np.float32) / K ** 0.5).bfloat16().float()
+    w[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39]).bfloat16().float()  # zeros and subnormals, kept exactly
+    w[N // 2] = w[N - 1 if N // 2 != N - 1 else 0]  # a tie: two rows of the same weights
+    assert cpu_kernels.bf16_exact(w) and not cpu_kernels.bf16_exact(w + 1e-4)
+    panels, halves = cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w)
+    bf16 = cpu_kernels.QX_KINDS["BF16"]
+    for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 18):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16, greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+    x[0] = 0  # every logit 0: the first index
+    assert cpu_kernels.qx_gemm(lib, x, halves, N, bf16, greedy=True)[0] == 0
+    with pytest.raises(ValueError, match="bad arguments"):  # panels of another kind are refused, not overread
+        cpu_kernels.qx_gemm(lib, x, halves, N, cpu_kernels.QX_KINDS["Q4_1"])
+
+
+def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplog):
+    """attach_qx checks every weight against the loaded one bit for bit: a Q4_1 linear and a Q4_0 one (its
     own arithmetic, d * (q - 8)) and a Q8_0 LM head get their blocks, of their kinds; a linear whose loaded
     weight differs from its blocks by one ulp in one place, or by the sign of its zeros, keeps float32 only,
     with a warning."""
@@ -242,20 +273,20 @@ def test_attach_q4x_keeps_float32_only_where_the_blocks_differ(monkeypatch, capl
     assert (signed == 0).any()
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(embed=SimpleNamespace(weight=torch.from_numpy(head.dequantize())), lm_head=None,
-                            head_panels=None, head_q8x=None)
+                            head_panels=None, head_qx=None, modules=lambda: iter((good, q40, bad, zeros)))
     monkeypatch.setattr(quant, "_int4_linears", lambda m, s: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
-    assert quant.attach_q4x(model, SimpleNamespace(kind="gguf")) == 3
-    assert bad.q4x is None and "b: the GGUF blocks do not give" in caplog.text
-    assert zeros.q4x is None and "d: the GGUF blocks do not give" in caplog.text
-    assert (good.q4x_kind, q40.q4x_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
+    assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
+    assert bad.qx is None and "b: the GGUF blocks do not give" in caplog.text
+    assert zeros.qx is None and "d: the GGUF blocks do not give" in caplog.text
+    assert (good.qx_kind, q40.qx_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
     lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     for lin in (good, q40):
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, lin.q4x, N, lin.q4x_kind),
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, lin.qx, N, lin.qx_kind),
                            cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(lin.weight.detach()), N))
-    assert torch.equal(cpu_kernels.qx_gemm(lib, x, model.head_q8x, N, cpu_kernels.QX_KINDS["Q8_0"]),
+    assert torch.equal(cpu_kernels.qx_gemm(lib, x, model.head_qx, N, cpu_kernels.QX_KINDS["Q8_0"]),
                        cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(model.embed.weight), N))
-    assert quant.attach_q4x(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
+    assert quant.attach_qx(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +336,7 @@ def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines
 
 def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engines, one_call_vs_python_layers):
     """Without the flag, the dequantized model's linears also keep the file's Q4_1 blocks and its LM head its
-    Q8_0 ones (torchengine.quant.attach_q4x), which decode steps of few rows multiply instead of the float32
+    Q8_0 ones (torchengine.quant.attach_qx), which decode steps of few rows multiply instead of the float32
     weights: the same tokens and logprobs, to the bit, as with the float32 weights alone, in the one-call layers
     and the Python ones (greedy tokens and logits: logprobs=2 takes the logits path, a greedy step the argmax)."""
     from torchengine import cpu_kernels
@@ -314,35 +345,120 @@ def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engin
     if cpu_kernels.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     runner = f.llm_engine.core.runner
-    lins = [m for m in runner.model.modules() if getattr(m, "q4x", None) is not None]
+    lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
     assert len(lins) == 4 * runner.model.arch.num_hidden_layers
-    assert all(m.q4x_kind == cpu_kernels.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_q8x is not None
+    assert all(m.qx_kind == cpu_kernels.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_qx is not None
     layers = runner._decode_layers()
-    assert layers is not None and layers.layers[0].down_q4x is not None and layers.layers[0].q4x_rows > 0
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    assert layers is not None and layers.layers[0].down_qx is not None
+    assert layers.layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[cpu_kernels.QX_KINDS["Q4_1"]]
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 5 * i))} for i in range(3)]
+    _same_with_and_without_qx(f, lins, prompts, one_call_vs_python_layers)
+
+
+def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> None:
+    """`llm`'s outputs with its linears' (`lins`) and LM head's qx panels are those without them: the same tokens
+    and logprobs, to the bit, in the one-call layers and the Python ones (greedy tokens and logits: logprobs=2
+    takes the logits path, a greedy step the argmax)."""
+    runner = llm.llm_engine.core.runner
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # the head's argmax, no logits
-    assert one_call_vs_python_layers(f, prompts, sp)
-    with_blocks, tokens = f.generate(prompts, sp, use_tqdm=False), f.generate(prompts, greedy, use_tqdm=False)
-    saved, head = [(m, m.q4x) for m in lins], runner.model.head_q8x
+    assert one_call_vs_python_layers(llm, prompts, sp)
+    with_qx, tokens = llm.generate(prompts, sp, use_tqdm=False), llm.generate(prompts, greedy, use_tqdm=False)
+    saved, head = [(m, m.qx) for m in lins], runner.model.head_qx
     try:
-        runner.model.head_q8x = None
+        runner.model.head_qx = None
         for m in lins:
-            m.q4x = None
+            m.qx = None
         runner._decode_layers_bound = None  # bound again, without them
-        assert runner._decode_layers().layers[0].down_q4x is None
-        float32 = f.generate(prompts, sp, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in f.generate(prompts, greedy, use_tqdm=False)] == \
+        assert runner._decode_layers().layers[0].down_qx is None
+        float32 = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == \
             [o.outputs[0].token_ids for o in tokens]
     finally:
-        runner.model.head_q8x = head
+        runner.model.head_qx = head
         for m, t in saved:
-            m.q4x = t
+            m.qx = t
         runner._decode_layers_bound = None
-    for a, b in zip(with_blocks, float32):
+    for a, b in zip(with_qx, float32):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tiny_model_dir, tmp_path_factory):
+    """The tiny llama (untied LM head) saved as a bfloat16 checkpoint, as most Hugging Face models are."""
+    import shutil
+
+    import transformers as tf
+
+    src = tiny_model_dir("llama")
+    d = str(tmp_path_factory.mktemp("tiny_llama_bf16"))
+    tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    for fn in os.listdir(src):
+        if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
+            shutil.copy(os.path.join(src, fn), d)
+    return d
+
+
+def test_float32_decode_multiplies_a_bfloat16_checkpoints_halves_to_the_same_bits(
+        bf16_llama, one_call_vs_python_layers):
+    """A bfloat16 checkpoint served in float32 (the CPU's default): every linear and the LM head also keep
+    their weights as bfloat16 (attach_qx), which decode steps of up to QX_MAX_ROWS[BF16] rows multiply: the
+    same tokens and logprobs, to the bit, as the float32 weights alone."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    llm = LLM(model=bf16_llama, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
+              max_num_seqs=4, enable_prefix_caching=False)
+    try:
+        runner = llm.llm_engine.core.runner
+        lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+        assert len(lins) == 4 * runner.model.arch.num_hidden_layers
+        bf16 = cpu_kernels.QX_KINDS["BF16"]
+        assert all(m.qx_kind == bf16 for m in lins) and runner.model.head_qx_kind == bf16
+        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[bf16]
+        prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
+        _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monkeypatch):
+    """attach_qx's bfloat16 part: a weight every value of which is a bfloat16 gets QX_BF16 panels, and so does
+    the LM head (the embedding, tied); one value off, or an input width the panels' groups of 32 do not divide,
+    keeps float32 only; and nothing where the copies would take more than a quarter of the memory available."""
+    from types import SimpleNamespace
+
+    from torchengine import cpu_kernels, quant
+    from torchengine.model import Linear
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+
+    def linear(n, k, off=False):
+        w = torch.randn(n, k).bfloat16().float()
+        if off:
+            w[n - 1, k - 1] = torch.nextafter(w[n - 1, k - 1], torch.tensor(2.0))  # one ulp: not a bfloat16
+        lin = Linear(k, n, bias=False)
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        return lin
+
+    def model():
+        lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48))
+        return lins, SimpleNamespace(embed=SimpleNamespace(weight=torch.randn(100, 64).bfloat16().float()),
+                                     lm_head=None, head_panels=None, head_qx=None, modules=lambda: iter(lins))
+
+    (good, off, narrow), m = model()
+    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 2
+    assert good.qx_kind == m.head_qx_kind == cpu_kernels.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
+    x = torch.randn(3, 64)
+    assert torch.equal(cpu_kernels.qx_gemm(cpu_kernels.lib(), x, m.head_qx, 100, m.head_qx_kind),
+                       cpu_kernels.panel_gemm(cpu_kernels.lib(), x, cpu_kernels.pack_panels(m.embed.weight), 100))
+    monkeypatch.setattr("enginecore.kv_cache.available_memory_bytes", lambda: 4 * 2 * 40 * 64)  # too little
+    (good, _, _), m = model()
+    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.head_qx is None
 
 
 def test_flag_refused_where_it_cannot_run(tiny_model_dir):

@@ -1666,44 +1666,63 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // Panels of 16 output rows as panel_gemm's, each K / 32 groups: the 16 rows' d (float16), for Q4_1 their m
 // (float16; zeros for Q4_0), then per k the 16 rows' q: Q4 in 8 bytes, byte j holding row j's q in its low
 // nibble and row j + 8's in its high one; Q8 in 16 bytes (torchengine.cpu_kernels.pack_q4x / pack_q8x).
+// QX_BF16: a float32 weight that is bfloat16-exact (a bfloat16 checkpoint served in float32: its low 16 bits are
+// zero) as its high halves, per k the 16 rows' in 32 bytes, no scales (pack_bf16x): rebuilt by a shift, exactly,
+// half the bytes.
 #define QX_Q4_0 0
 #define QX_Q4_1 1
 #define QX_Q8_0 2
+#define QX_BF16 3
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
+#define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
 
-static inline int qx_group_bytes(int kind) { return kind == QX_Q8_0 ? 32 + 32 * 16 : 64 + 32 * 8; }
+static inline int qx_group_bytes(int kind) {
+    return kind == QX_BF16 ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : 64 + 32 * 8;
+}
 
 static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
                                                         const uint8_t *panel, float *y, long ldy, int col0, int N,
-                                                        head_best *best) {
-    __m256 a[2 * QX_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
-#pragma GCC unroll 8
+                                                        head_best *best, const uint8_t *pf) {
+    __m256 a[2 * QX_BF16_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
+#pragma GCC unroll 12
     for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     const int gb = qx_group_bytes(kind);
     for (int g = 0; g < K / 32; g++) {
-        const uint8_t *b = panel + (size_t)g * gb, *qs = b + (kind == QX_Q8_0 ? 32 : 64);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+        const uint8_t *b = panel + (size_t)g * gb, *qs = b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : 64);
+        if (pf != NULL)  // the same group of the next panel
+            for (int off = 0; off < gb; off += 64) _mm_prefetch((const char *)pf + (size_t)g * gb + off, _MM_HINT_T1);
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0;
+        if (kind != QX_BF16) {
+            d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+        }
         __m256 m0 = d0, m1 = d1;
         if (kind == QX_Q4_1) {
             m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32)));
             m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 48)));
         }
         for (int kk = 0; kk < 32; kk++) {
-            __m256i q0, q1;
-            if (kind == QX_Q8_0) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
-                q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
+            __m256 w0, w1;
+            if (kind == QX_BF16) {  // a bfloat16's bits are a float32's high half
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + kk * 32));
+                w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+                w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
             } else {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
-                q0 = _mm256_and_si256(v, low), q1 = _mm256_srli_epi32(v, 4);
-                if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
+                __m256i q0, q1;
+                if (kind == QX_Q8_0) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
+                    q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
+                } else {
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
+                    q0 = _mm256_and_si256(v, low), q1 = _mm256_srli_epi32(v, 4);
+                    if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
+                }
+                w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
+                if (kind == QX_Q4_1) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
             }
-            __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
-            if (kind == QX_Q4_1) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
             const int k = g * 32 + kk;
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
                 a[2 * r] = _mm256_fmadd_ps(xv, w0, a[2 * r]);
@@ -1711,7 +1730,7 @@ static inline __attribute__((always_inline)) void qx_tile(const int R, const int
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
         if (best != NULL) {
             head_fold(a[2 * r], col0, N, best + r);
@@ -1732,25 +1751,33 @@ static inline __attribute__((always_inline)) void qx_tile(const int R, const int
 static void qx_panels(const int kind, const float *x, int M, int K, const uint8_t *w, int N, float *y,
                       head_best *best, int p0, int p1) {
     const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
+    const int rows = kind == QX_BF16 ? QX_BF16_ROWS : QX_ROWS;
     for (int p = p0; p < p1; p++)
-        for (int m = 0; m < M; m += QX_ROWS) {
+        for (int m = 0; m < M; m += rows) {
             const float *xm = x + (size_t)m * K;
             float *ym = y == NULL ? NULL : y + (size_t)m * N + p * 16;
             head_best *bm = best == NULL ? NULL : best + m;
-            switch (M - m < QX_ROWS ? M - m : QX_ROWS) {
-                case 4: qx_tile(4, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
-                case 3: qx_tile(3, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
-                case 2: qx_tile(2, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
-                default: qx_tile(1, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm); break;
+            const uint8_t *pf = M >= 2 && m == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
+            switch (M - m < rows ? M - m : rows) {
+                case 6:
+                    if (kind == QX_BF16) qx_tile(6, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    break;
+                case 5:
+                    if (kind == QX_BF16) qx_tile(5, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    break;
+                case 4: qx_tile(4, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
+                case 3: qx_tile(3, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
+                case 2: qx_tile(2, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
+                default: qx_tile(1, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
             }
         }
 }
 
-// y [M, N] = x [M, K] . W^T from pack_q4x's / pack_q8x's panels of `kind` (QX_Q4_0, QX_Q4_1, QX_Q8_0); or, with
+// y [M, N] = x [M, K] . W^T from pack_q4x's / pack_q8x's / pack_bf16x's panels of `kind` (QX_*); or, with
 // `argmax` (y NULL), each row's argmax as panel_gemm's greedy head gives it. Returns 0, -1 for bad arguments,
 // -2 if the maxima cannot be allocated.
 int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_t *argmax, int kind, int nthreads) {
-    if (M < 1 || K <= 0 || K % 32 || N <= 0 || kind < QX_Q4_0 || kind > QX_Q8_0 || (y == NULL) == (argmax == NULL))
+    if (M < 1 || K <= 0 || K % 32 || N <= 0 || kind < QX_Q4_0 || kind > QX_BF16 || (y == NULL) == (argmax == NULL))
         return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
@@ -1765,7 +1792,8 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
         switch (kind) {
             case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, own, p0, p1); break;
             case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, own, p0, p1); break;
-            default: qx_panels(QX_Q8_0, x, M, K, wb, N, y, own, p0, p1); break;
+            case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, own, p0, p1); break;
+            default: qx_panels(QX_BF16, x, M, K, wb, N, y, own, p0, p1); break;
         }
     }
     if (argmax != NULL) maxima_merge(best, M, nt, argmax);
@@ -1788,17 +1816,17 @@ typedef struct {  // *_w: panel_gemm's panels
     // as torchengine.quant.Int4Linear chooses between them and the float32 weight
     const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
     int qkv_rows, o_rows, gate_up_rows, down_rows;
-    // a GGUF file's 4-bit blocks of the float32 weights (qx_gemm's panels, NULL: none), the same bits as them,
-    // for steps of at most q4x_rows tokens; *_q4x_kind: QX_Q4_1 or QX_Q4_0
-    const void *qkv_q4x, *o_q4x, *gate_up_q4x, *down_q4x;
-    int q4x_rows, qkv_q4x_kind, o_q4x_kind, gate_up_q4x_kind, down_q4x_kind;
+    // the float32 weights as stored (a GGUF file's 4-bit blocks, a bfloat16 checkpoint's halves: qx_gemm's
+    // panels, NULL: none), the same bits as them, for steps of at most qx_rows tokens; *_qx_kind: their QX_*
+    const void *qkv_qx, *o_qx, *gate_up_qx, *down_qx;
+    int qx_rows, qkv_qx_kind, o_qx_kind, gate_up_qx_kind, down_qx_kind;
 } decode_layer;
 
-// w: the float32 weight in panel_gemm's panels; q4x: the same weight's qx_gemm panels (of q4x_kind), or NULL
+// w: the float32 weight in panel_gemm's panels; qx: the same weight's qx_gemm panels (of qx_kind), or NULL
 static int linear(const decode_layer *ly, const float *x, int T, int K, const float *w, const void *q4,
-                  int q4_rows, const void *q4x, int q4x_kind, int N, float *y, int nthreads) {
+                  int q4_rows, const void *qx, int qx_kind, int N, float *y, int nthreads) {
     if (q4 != NULL && T <= q4_rows) return q4_gemm(x, T, K, q4, N, y, nthreads);
-    if (q4x != NULL && T <= ly->q4x_rows) return qx_gemm(x, T, K, q4x, N, y, NULL, q4x_kind, nthreads);
+    if (qx != NULL && T <= ly->qx_rows) return qx_gemm(x, T, K, qx, N, y, NULL, qx_kind, nthreads);
     return panel_gemm(x, T, K, w, N, y, NULL, nthreads);
 }
 
@@ -1829,7 +1857,7 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
         const decode_layer *ly = layers + l;
         // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
         rc |= rms_norm(l == 0 ? residual : y, T, H, H, l == 0 ? NULL : residual, ly->attn_norm, eps, h);
-        rc |= linear(ly, h, T, H, ly->qkv_w, ly->qkv_q4, ly->qkv_rows, ly->qkv_q4x, ly->qkv_q4x_kind, QKV, qkv, nthreads);
+        rc |= linear(ly, h, T, H, ly->qkv_w, ly->qkv_q4, ly->qkv_rows, ly->qkv_qx, ly->qkv_qx_kind, QKV, qkv, nthreads);
         if (ly->qkv_b != NULL)
             for (int t = 0; t < T; t++)
                 for (int j = 0; j < QKV; j++) qkv[(size_t)t * QKV + j] += ly->qkv_b[j];
@@ -1838,11 +1866,11 @@ int decode_layers(const decode_layer *layers, int L, const float *x, int T, cons
                        ly->value_cache, Hkv * D, kv_type);
         rc |= decode_attention(qkv, QKV, T, tokens, kv_lens, block_tables, bt_stride, ly->key_cache,
                                ly->value_cache, block_size, Hq, Hkv, D, scale, window, att, nthreads, kv_type);
-        rc |= linear(ly, att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, ly->o_q4x, ly->o_q4x_kind, H, y, nthreads);
+        rc |= linear(ly, att, T, Hq * D, ly->o_w, ly->o_q4, ly->o_rows, ly->o_qx, ly->o_qx_kind, H, y, nthreads);
         rc |= rms_norm(y, T, H, H, residual, ly->mlp_norm, eps, h);
-        rc |= linear(ly, h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, ly->gate_up_q4x, ly->gate_up_q4x_kind, 2 * I, gu, nthreads);
+        rc |= linear(ly, h, T, H, ly->gate_up_w, ly->gate_up_q4, ly->gate_up_rows, ly->gate_up_qx, ly->gate_up_qx_kind, 2 * I, gu, nthreads);
         rc |= silu_mul(gu, T, I, act);
-        rc |= linear(ly, act, T, I, ly->down_w, ly->down_q4, ly->down_rows, ly->down_q4x, ly->down_q4x_kind, H, y, nthreads);
+        rc |= linear(ly, act, T, I, ly->down_w, ly->down_q4, ly->down_rows, ly->down_qx, ly->down_qx_kind, H, y, nthreads);
     }
     for (size_t i = 0; i < (size_t)T * H; i++) out[i] = residual[i] + y[i];
     return rc;

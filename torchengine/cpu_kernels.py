@@ -17,7 +17,8 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - `f32_gemm`: the same product on [out, in] weights (8-lane chains; a weight not packed, bench_dense);
 - `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
   of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
-  `torchengine.quant.attach_q4x`): a decode step of up to `Q4X_MAX_ROWS` rows reads a sixth of the bytes;
+  `torchengine.quant.attach_qx`), or from a bfloat16-exact weight's high halves (`pack_bf16x`): a decode step
+  of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) or half (BF16) of the bytes;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 
@@ -139,15 +140,18 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
 
 
-# steps of at most this many rows multiply a weight's `pack_q4x` / `pack_q8x` panels (where it has them)
-# instead of its float32 ones: the same bits, 0.16 / 0.27 of the bytes; dequantizing for every 4 rows costs more
-# than streaming float32 from ~10 rows on (a decode step's linears, SmolLM2-135M, 2-core Zen 4: 2.9x at 1 row,
-# 2.3x at 4, 1.25x at 8, 0.8x at 12)
-Q4X_MAX_ROWS = 8
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the C file's QX_*
+# steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
+# ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
+# few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
+# SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
+# at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16)
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3}  # the C file's QX_*
+QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12}
+MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
-# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes
-QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16}
+# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s
+QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
+                  QX_KINDS["BF16"]: 32 * 16 * 2}
 
 
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
@@ -179,6 +183,30 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     _pack_f16(out, 0, scale, P)
     out[:, :, 32:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
     return torch.from_numpy(out)
+
+
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero: a bfloat16 checkpoint's
+    weight loaded in float32), so `pack_bf16x` holds it exactly."""
+    # the low halves as a strided view (little-endian, as the AVX2 kernels' machines are): no copy of w
+    return (w.dtype == torch.float32 and w.is_contiguous()
+            and not bool(w.detach().view(torch.int16)[..., 0::2].any()))
+
+
+def pack_bf16x(w: torch.Tensor) -> torch.Tensor:
+    """A bfloat16-exact float32 weight [N, K] (`bf16_exact`) -> `qx_gemm`'s QX_BF16 panels, uint8
+    [ceil(N / 16), K / 32, 1024]: per panel and group of 32 k, per k the 16 rows' high halves (zero rows pad the
+    last panel). Written once into the result (a model's worth of temporaries cost a serve start ~1 s of page
+    faults)."""
+    N, K = w.shape
+    G, P, full = K // 32, -(-N // PANEL), N // PANEL
+    hi = w.detach().contiguous().numpy().view(np.uint16)[:, 1::2]  # the high halves, a view
+    out = np.empty((P, G, 32, PANEL), np.uint16)
+    out[:full] = hi[: full * PANEL].reshape(full, PANEL, G, 32).transpose(0, 2, 3, 1)
+    if full < P:
+        out[full] = 0
+        out[full, :, :, : N - full * PANEL] = hi[full * PANEL :].reshape(N - full * PANEL, G, 32).transpose(1, 2, 0)
+    return torch.from_numpy(out.view(np.uint8).reshape(P, G, QX_GROUP_BYTES[QX_KINDS["BF16"]]))
 
 
 def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
@@ -466,13 +494,13 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
     _fields_ = ([(name, ctypes.c_void_p) for name in ("attn_norm", "qkv_w", "qkv_b", "o_w", "mlp_norm", "gate_up_w",
                                                      "down_w", "key_cache", "value_cache")]
                 + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS]
-                + [(f"{n}_q4x", ctypes.c_void_p) for n in _LINEARS] + [("q4x_rows", ctypes.c_int)]
-                + [(f"{n}_q4x_kind", ctypes.c_int) for n in _LINEARS])
+                + [(f"{n}_qx", ctypes.c_void_p) for n in _LINEARS] + [("qx_rows", ctypes.c_int)]
+                + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS])
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
     """(float32 weight panels, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can
-    run: a packed `torchengine.model.Linear` (its `q4x` panels go separately), or `torchengine.quant.Int4Linear`
+    run: a packed `torchengine.model.Linear` (its `qx` panels go separately), or `torchengine.quant.Int4Linear`
     on this library's Q4 kernel."""
     from torchengine.model import Linear
     from torchengine.quant import Int4Linear
@@ -505,7 +533,7 @@ class DecodeLayers:
         self.kv_caches = kv_caches  # the list bound (the runner allocates a new one when it resizes the cache)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.layers = (_DecodeLayer * len(model.layers))()
-        self.q4x = []  # the q4x panels the structs point to, kept alive with them
+        self.qx = []  # the qx panels the structs point to, kept alive with them
         for c, ly, (kc, vc) in zip(self.layers, model.layers, kv_caches):
             mods = dict(zip(_LINEARS, (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)))
             parts = {name: _linear_parts(m) for name, m in mods.items()}
@@ -515,14 +543,16 @@ class DecodeLayers:
                 setattr(c, f"{name}_w", ptr(w))
                 setattr(c, f"{name}_q4", ptr(q4))
                 setattr(c, f"{name}_rows", rows)
-            # each linear's q4x panels (a GGUF file's Q4 blocks of the same float32 weights), where it has them
-            c.q4x_rows = Q4X_MAX_ROWS
+            # each linear's qx panels (a GGUF file's blocks or a bfloat16 checkpoint's halves of the same float32
+            # weights), where it has them, for steps of up to the fewest rows their kinds take
+            c.qx_rows = 0
             for name, m in mods.items():
-                t = getattr(m, "q4x", None)
-                if t is not None and _qx_shape_ok(t, m.out_features, m.in_features, m.q4x_kind):
-                    setattr(c, f"{name}_q4x", ptr(t))
-                    setattr(c, f"{name}_q4x_kind", m.q4x_kind)
-                    self.q4x.append(t)
+                t = getattr(m, "qx", None)
+                if t is not None and _qx_shape_ok(t, m.out_features, m.in_features, m.qx_kind):
+                    setattr(c, f"{name}_qx", ptr(t))
+                    setattr(c, f"{name}_qx_kind", m.qx_kind)
+                    c.qx_rows = min(c.qx_rows or MAX_QX_ROWS, QX_MAX_ROWS[m.qx_kind])
+                    self.qx.append(t)
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":

@@ -112,10 +112,11 @@ class Linear(_Loaded, nn.Linear):
     """
 
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
-    # a GGUF file's Q4_1 or Q4_0 blocks of this float32 weight (`torchengine.quant.attach_q4x`; q4x_kind:
-    # cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of up to Q4X_MAX_ROWS rows (the same bits)
-    q4x: torch.Tensor | None = None
-    q4x_kind = cpu_kernels.QX_KINDS["Q4_1"]
+    # this float32 weight as a GGUF file's Q4_1 or Q4_0 blocks, or as bfloat16 where every value is one
+    # (`torchengine.quant.attach_qx`; qx_kind: cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of
+    # up to cpu_kernels.QX_MAX_ROWS[qx_kind] rows (the same bits)
+    qx: torch.Tensor | None = None
+    qx_kind = cpu_kernels.QX_KINDS["Q4_1"]
 
     def packable(self) -> bool:
         return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
@@ -139,8 +140,8 @@ class Linear(_Loaded, nn.Linear):
         if self.panels is not None:
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
-            if self.q4x is not None and x.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:
-                y = cpu_kernels.qx_gemm(cpu_kernels.lib(), x, self.q4x, self.out_features, self.q4x_kind)
+            if self.qx is not None and x.shape[0] <= cpu_kernels.QX_MAX_ROWS[self.qx_kind]:
+                y = cpu_kernels.qx_gemm(cpu_kernels.lib(), x, self.qx, self.out_features, self.qx_kind)
             else:
                 y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
@@ -234,9 +235,11 @@ class Transformer(nn.Module):
         # of up to lm_head_small_rows rows: normed hidden [N, H] -> logits [N, V] float32
         self.lm_head_small: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.lm_head_small_rows = 0
-        # the LM head as a GGUF file's Q8_0 blocks (`torchengine.quant.attach_q4x`): `cpu_kernels.qx_gemm`'s
-        # panels of the same weights, for steps of up to cpu_kernels.Q4X_MAX_ROWS rows (the same bits)
-        self.head_q8x: torch.Tensor | None = None
+        # the LM head as a GGUF file's Q8_0 blocks, or as bfloat16 where every value is one
+        # (`torchengine.quant.attach_qx`): `cpu_kernels.qx_gemm`'s panels of the same weights, of head_qx_kind,
+        # for steps of up to cpu_kernels.QX_MAX_ROWS[head_qx_kind] rows (the same bits)
+        self.head_qx: torch.Tensor | None = None
+        self.head_qx_kind = cpu_kernels.QX_KINDS["Q8_0"]
         self.embed = _Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -305,9 +308,8 @@ class Transformer(nn.Module):
         if self.head_panels is not None:  # each row's logits the same whatever the row count
             if n == 0:
                 return h.new_empty((0, self.arch.vocab_size))
-            if self.head_q8x is not None and n <= cpu_kernels.Q4X_MAX_ROWS:  # the same bits
-                return cpu_kernels.qx_gemm(cpu_kernels.lib(), h, self.head_q8x, self.arch.vocab_size,
-                                           cpu_kernels.QX_KINDS["Q8_0"])
+            if self.head_qx is not None and n <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]:  # the same bits
+                return cpu_kernels.qx_gemm(cpu_kernels.lib(), h, self.head_qx, self.arch.vocab_size, self.head_qx_kind)
             return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
@@ -327,13 +329,13 @@ class Transformer(nn.Module):
         head in panels, folding each tile into a running maximum); None where that path does not run (then
         compute the logits)."""
         # not with a small-rows LM head (--quantization gguf): the logits path takes it for chunks of few rows,
-        # so a greedy row's token would depend on whether its neighbours need logits. head_q8x is one too, but
+        # so a greedy row's token would depend on whether its neighbours need logits. head_qx is one too, but
         # gives the float32 panels' bits, so either path gives the same token
         if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
             return None
-        if self.head_q8x is not None and hidden.shape[0] <= cpu_kernels.Q4X_MAX_ROWS:  # the same tokens
-            return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_q8x,
-                                       self.arch.vocab_size, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)
+        if self.head_qx is not None and hidden.shape[0] <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]:  # the same tokens
+            return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_qx,
+                                       self.arch.vocab_size, self.head_qx_kind, greedy=True)
         return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,
                                       self.arch.vocab_size, greedy=True)
 

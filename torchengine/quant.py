@@ -128,35 +128,66 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     return len(found)
 
 
-def attach_q4x(model, source: ModelSource) -> int:
-    """Without --quantization: give every float32 `Linear` whose weight is a GGUF file's Q4_1 / Q4_0 blocks
-    dequantized its blocks as `cpu_kernels.qx_gemm`'s panels (`Linear.q4x`), and the LM head its Q8_0 blocks
-    (`head_q8x`), which steps of few rows multiply instead of the float32 panels: the same bits (each weight
-    rebuilt as the loader computed it, the same FMA chains), 0.16 / 0.27 of the bytes a decode step streams.
-    Each weight is checked against the loaded one first; one that differs (another loader's arithmetic) keeps
-    float32 only. Call before `pack_cpu_weights` (which frees the [out, in] matrices). Returns how many
-    weights got them."""
+def attach_qx(model, source: ModelSource) -> int:
+    """Without --quantization: give float32 weights that are stored in fewer bytes a copy as those bytes,
+    `cpu_kernels.qx_gemm`'s panels (`Linear.qx`, the LM head's `head_qx`), which steps of few rows multiply
+    instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
+    a fraction of the bytes a decode step streams.
+
+    - A GGUF file's Q4_1 / Q4_0 linears and Q8_0 LM head (0.16 / 0.27 of the bytes): each weight is checked
+      against the loaded one first; one that differs (another loader's arithmetic) keeps float32 only.
+    - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
+      models are, served in float32, the CPU's default dtype): its high halves (0.5 of the bytes), where they
+      fit in a quarter of the memory available.
+
+    Call before `pack_cpu_weights` (which frees the [out, in] matrices). Returns how many weights got them."""
     from torchengine.model import Linear
 
-    if (cpu_kernels.lib() is None or getattr(source, "kind", None) != "gguf"
-            or getattr(model, "tp_size", 1) != 1):
+    if cpu_kernels.lib() is None or getattr(model, "tp_size", 1) != 1:
         return 0
-    found, head = _int4_linears(model, source)
     n = 0
-    for path, (lin, g) in found.items():
-        if type(lin) is not Linear or not _cpu_float32(lin.weight):
-            continue
-        q4_0 = g.is_q4_0
-        if _same_weight(path, g.dequantize(), lin.weight):
-            lin.q4x = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
-            lin.q4x_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
-            n += 1
     w = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    if head is not None and model.head_panels is None and _cpu_float32(w):
-        if _same_weight("the LM head", head.dequantize(), w):
-            model.head_q8x = cpu_kernels.pack_q8x(head.q, head.scale)
-            n += 1
-    return n
+    if getattr(source, "kind", None) == "gguf":
+        found, head = _int4_linears(model, source)
+        for path, (lin, g) in found.items():
+            if type(lin) is not Linear or not _cpu_float32(lin.weight):
+                continue
+            q4_0 = g.is_q4_0
+            if _same_weight(path, g.dequantize(), lin.weight):
+                lin.qx = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
+                lin.qx_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
+                n += 1
+        if head is not None and model.head_panels is None and _cpu_float32(w):
+            if _same_weight("the LM head", head.dequantize(), w):
+                model.head_qx = cpu_kernels.pack_q8x(head.q, head.scale)
+                model.head_qx_kind = cpu_kernels.QX_KINDS["Q8_0"]
+                n += 1
+    return n + _attach_bf16x(model, w)
+
+
+def _attach_bf16x(model, head_w: torch.Tensor | None) -> int:
+    """attach_qx's bfloat16 part: every float32 `Linear` without qx panels, and the LM head (`head_w`, the
+    embedding when tied), whose values are all bfloat16s gets them as QX_BF16 panels."""
+    from enginecore.kv_cache import available_memory_bytes
+    from torchengine.model import Linear
+
+    def fits(w: torch.Tensor | None) -> bool:
+        return _cpu_float32(w) and w.dim() == 2 and w.shape[1] % 32 == 0 and cpu_kernels.bf16_exact(w)
+
+    lins = [m for m in model.modules() if type(m) is Linear and m.qx is None and fits(m.weight)]
+    head = model.head_qx is None and model.head_panels is None and fits(head_w)
+    need = 2 * (sum(m.weight.numel() for m in lins) + (head_w.numel() if head else 0))
+    avail = available_memory_bytes()
+    if need and avail is not None and need > avail // 4:
+        logger.info("bfloat16 weights: their %.1f GiB copy would take more than a quarter of the memory available "
+                    "(%.1f GiB); float32 only", need / 2**30, avail / 2**30)
+        return 0
+    bf16 = cpu_kernels.QX_KINDS["BF16"]
+    for m in lins:
+        m.qx, m.qx_kind = cpu_kernels.pack_bf16x(m.weight), bf16
+    if head:
+        model.head_qx, model.head_qx_kind = cpu_kernels.pack_bf16x(head_w), bf16
+    return len(lins) + head
 
 
 def _cpu_float32(w: torch.Tensor | None) -> bool:

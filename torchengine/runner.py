@@ -187,12 +187,12 @@ class TorchModelRunner:
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         elif (self.device.type == "cpu" and self.dtype == torch.float32 and self.tp_size == 1
               and os.environ.get("XLASERVE_Q4X", "on") != "off"):
-            from torchengine.quant import attach_q4x
+            from torchengine.quant import attach_qx
 
-            if n := attach_q4x(model, self.model_source):
-                logger.info("rank %d: %d weights also as the file's 4- and 8-bit blocks, the same bits, for steps of "
-                            "<= %d rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: float32 only)", self.rank, n,
-                            cpu_kernels.Q4X_MAX_ROWS)
+            if n := attach_qx(model, self.model_source):
+                logger.info("rank %d: %d weights also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), the "
+                            "same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: float32 "
+                            "only)", self.rank, n)
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
