@@ -11,9 +11,10 @@ compete and one failing engine does not hide the others. Prints ONE table:
 output tokens/s, the ratio to transformers, and the fraction of this
 machine's roofline (benchmarks.bench_roofline), plus how much CPU other
 processes took during each measurement. The roofline streams the weights in
---dtype: the torch engine's decode steps of up to 8 rows read the embedded
+--dtype: both engines' decode steps of up to 8 rows read the embedded
 GGUF's 4- and 8-bit blocks instead (the same bits, `torchengine.quant.
-attach_qx`), so at batch 1 it runs past that roofline.
+attach_qx`, `jaxengine.loader.attach_cpu_qx`), so at batch 1 they run past
+that roofline.
 
 --rounds N runs the engines N times in turn (the order rotated each round) and reports each engine's median
 tok/s, and each ratio as the median of the rounds' ratios with its range: on a shared VM whose speed drifts

@@ -9,6 +9,8 @@
 //   on the other rows nor on the split, and equals the torch backend's bit for bit.
 // - XlaserveCpuPanelArgmax: each row's argmax of PanelLinear's product, without writing it (greedy sampling;
 //   the torch backend's greedy_tokens).
+// - XlaserveCpuQxLinear, XlaserveCpuQxArgmax: the same from the weights as stored (qx_gemm's panels of a GGUF
+//   file's blocks or a bfloat16 checkpoint's halves, enginecore/qx.py), the same bits from fewer bytes.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides).
 // - XlaserveCpuRmsNorm, XlaserveCpuSiluMul, XlaserveCpuRope: RMSNorm of each row (XLA's reduction order
@@ -57,6 +59,8 @@ void head_best_init(void *b, size_t n);
 int32_t head_best_argmax(const void *b, int n, size_t stride_bytes);
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
                      int hi, int pf_hi);
+long qx_panel_bytes(int kind, int K);
+int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, void *best, int kind, int p0, int p1);
 void shares_init(uint64_t *s, int n, int nt);
 int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
@@ -346,6 +350,73 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::Success();
 }
 
+// x [T, K] times layer l of w [L, NP, K / 32, group bytes] (qx_gemm's panels of `kind`, stacked) for N output
+// columns: the operands checked; then fn(p0, p1, set) over slices of the panels on the calling thread and XLA's
+// (set: the slice), `sets` of them.
+struct QxCall {
+    int64_t T = 0, K = 0, N = 0, NP = 0, per = 1, sets = 0;
+    const float *x = nullptr;
+    const uint8_t *w = nullptr;
+};
+
+ffi::Error PlanQxCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::U8> &w,
+                      ffi::Buffer<ffi::S32> &layer, int64_t rows_out, int64_t N, int32_t kind, QxCall &c) {
+    const auto xd = x.dimensions(), wd = w.dimensions();
+    if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("x [T, K] and w [L, NP, G, B] expected");
+    const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], pb = qx_panel_bytes(kind, (int)K);
+    if (pb < 0 || wd[2] * wd[3] != pb || rows_out != T || N <= 0 || N > NP * 16 || N <= (NP - 1) * 16)
+        return ffi::Error::InvalidArgument("x, the qx panels (their kind) and the output disagree");
+    const int32_t l = layer.typed_data()[0];
+    if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
+    c.T = T, c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * pb;
+    const int64_t threads = T * K * N < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
+    c.per = std::max<int64_t>(1, (NP + 2 * threads - 1) / (2 * threads));
+    c.sets = T == 0 ? 0 : (NP + c.per - 1) / c.per;
+    return ffi::Error::Success();
+}
+
+template <typename F>
+void RunQxCall(ffi::ThreadPool &pool, const QxCall &c, F fn) {
+    parallel_for(pool, c.NP, std::min<int64_t>(c.sets, std::max<int64_t>(1, pool.num_threads())), c.per,
+                 [=](int64_t a, int64_t b) { fn((int)a, (int)b, a / c.per); });
+}
+
+// y [T, N] = x [T, K] . W_l^T from W_l's qx panels: PanelLinear's bits (qx_gemm)
+ffi::Error QxLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+    const auto yd = y->dimensions();
+    if (yd.size() != 2) return ffi::Error::InvalidArgument("y [T, N] expected");
+    QxCall c;
+    if (auto err = PlanQxCall(pool, x, w, layer, yd[0], yd[1], kind, c); !err.success()) return err;
+    if (c.sets == 0) return ffi::Error::Success();
+    float *yp = y->typed_data();
+    RunQxCall(pool, c, [=](int p0, int p1, int64_t) {
+        qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, kind, p0, p1);
+    });
+    return ffi::Error::Success();
+}
+
+// out [T]: PanelArgmax's tokens from W_l's qx panels (qx_gemm's greedy head; each slice's maxima merged)
+ffi::Error QxArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::S32> out, int32_t n, int32_t kind) {
+    const auto od = out->dimensions();
+    if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
+    QxCall c;
+    if (auto err = PlanQxCall(pool, x, w, layer, od[0], n, kind, c); !err.success()) return err;
+    if (c.sets == 0) return ffi::Error::Success();
+    const int64_t T = c.T;
+    const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
+    std::vector<char> best(stride * (size_t)c.sets + 64);
+    char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
+    for (int64_t s = 0; s < c.sets; s++) head_best_init(bp + stride * s, (size_t)T);
+    RunQxCall(pool, c, [=](int p0, int p1, int64_t set) {
+        qx_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)set, kind, p0, p1);
+    });
+    int32_t *op = out->typed_data();
+    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)c.sets, stride);
+    return ffi::Error::Success();
+}
+
 // fn(a, b) over rows [0, M) of `row_work` floats each: on XLA's threads when there is enough work
 template <typename F>
 void parallel_rows(ffi::ThreadPool &pool, int64_t M, int64_t row_work, F fn) {
@@ -542,8 +613,10 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
                   ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> table,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> distribution,
-                  ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> all_rows, ffi::ResultBuffer<ffi::F32> out,
-                  ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale, int32_t window, int32_t num_heads) {
+                  ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> all_rows, ffi::Buffer<ffi::U8> qkv_qx,
+                  ffi::Buffer<ffi::U8> o_qx, ffi::Buffer<ffi::U8> gate_up_qx, ffi::Buffer<ffi::U8> down_qx,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale,
+                  int32_t window, int32_t num_heads, int32_t qx_kind, int32_t qx_rows) {
     const auto xd = x.dimensions(), cd = cache.dimensions(), td = table.dimensions();
     const auto qd = qkv_w.dimensions(), od = o_w.dimensions(), gd = gate_up_w.dimensions(), dd = down_w.dimensions();
     if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || qd.size() != 4 || od.size() != 4 || gd.size() != 4 ||
@@ -567,6 +640,19 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         keep.element_count() != (size_t)R ||
         out->element_count() != (size_t)(T * H) || cache_out->element_count() != cache.element_count())
         return ffi::Error::InvalidArgument("layers: shapes disagree");
+    // a linear's qx panels [L, NP, K / 32, group bytes] of qx_kind (empty: none), for steps of up to qx_rows
+    const auto qx_of = [&](ffi::Buffer<ffi::U8> &b, int64_t K, const ffi::Span<const int64_t> &p) -> const uint8_t * {
+        if (b.element_count() == 0 || T > qx_rows) return nullptr;
+        const long pb = qx_panel_bytes(qx_kind, (int)K);
+        return pb > 0 && b.element_count() == (size_t)(L * p[1] * pb) ? b.typed_data() : nullptr;
+    };
+    const uint8_t *qx_w[4] = {qx_of(qkv_qx, H, qd), qx_of(o_qx, Hq * D, od), qx_of(gate_up_qx, H, gd),
+                              qx_of(down_qx, I, dd)};
+    for (int i = 0; i < 4; i++) {
+        ffi::Buffer<ffi::U8> *b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
+        if (b[i]->element_count() != 0 && T <= qx_rows && qx_w[i] == nullptr)
+            return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
+    }
     const int kv_type = KvType(cache.element_type());
     if (kv_type < 0 || cache_out->element_type() != cache.element_type())
         return ffi::Error::InvalidArgument("layers: the cache must be float32, float16 or bfloat16");
@@ -627,8 +713,16 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const bool split = M * row_work >= 4 * kParallelWork;
         team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
     };
-    // o[M, N] = in[M, K] . the panels wp
-    const auto linear = [&](const float *in, int64_t M, int64_t K, const float *wp, int64_t N, float *o) {
+    // o[M, N] = in[M, K] . the panels wp, or their qx panels qp (of qx_kind) where given
+    const auto linear = [&](const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp, int64_t N,
+                            float *o) {
+        if (qp != nullptr) {
+            const int64_t NP = (N + 15) / 16, tt = M * K * N < kParallelWork ? 1 : threads;
+            team->run(NP, std::max<int64_t>(1, (NP + 2 * tt - 1) / (2 * tt)), [=](int64_t a, int64_t b) {
+                qx_gemm_part(in, (int)M, (int)K, qp, (int)N, o, nullptr, qx_kind, (int)a, (int)b);
+            });
+            return;
+        }
         int unit = 0, nt = 1, claim = 0;
         const int64_t parts = panel_gemm_plan((int)M, (int)K, (int)N, (int)threads, &unit, &nt, &claim);
         if (claim == 0) {  // parts not to be claimed (see panel_gemm_plan): slices
@@ -662,7 +756,11 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
             rms_norm((l == 0 ? residual : y) + a * H, (int)(b - a), (int)H, H, l == 0 ? nullptr : residual + a * H,
                      an, eps, h + a * H);
         });
-        linear(h, T, H, qkv_w.typed_data() + P * qd[1] * H * 16, QKV, qkv);
+        // layer l's qx panels of a linear (K inputs, NP panels), nullptr where none
+        const auto qx_l = [&](int i, int64_t K, int64_t NP) -> const uint8_t * {
+            return qx_w[i] == nullptr ? nullptr : qx_w[i] + P * NP * qx_panel_bytes(qx_kind, (int)K);
+        };
+        linear(h, T, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
         // bias, q/k norms, RoPE and the cache write, token by token
         rows(T, QKV * 4, [=](int64_t a, int64_t b) {
             for (int64_t t = a; t < b; t++) {
@@ -712,13 +810,13 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                 }
             });
         }
-        linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, H, y);
+        linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, qx_l(1, Hq * D, od[1]), H, y);
         rows(M, H, [=](int64_t a, int64_t b) {
             rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
         });
-        linear(h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, 2 * I, gu);
+        linear(h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, qx_l(2, H, gd[1]), 2 * I, gu);
         rows(M, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
-        linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, H, y);
+        linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, qx_l(3, I, dd[1]), H, y);
     }
     float *o = out->typed_data();
     rows(gathered ? S : T, H, [=](int64_t a, int64_t b) {
@@ -877,6 +975,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelArgmax, PanelArgmax,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("n"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQxLinear, QxLinear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQxArgmax, QxArgmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n")
+                                  .Attr<int32_t>("kind"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuRmsNorm, RmsNorm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -941,11 +1058,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLayers, Layers,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // distribution
                                   .Arg<ffi::Buffer<ffi::S32>>()  // keep
                                   .Arg<ffi::Buffer<ffi::S32>>()  // all_rows
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // qkv qx panels (empty: none)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // o
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // gate_up
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // down
                                   .Ret<ffi::Buffer<ffi::F32>>()  // hidden
                                   .Ret<ffi::AnyBuffer>()         // the cache (aliased)
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window")
-                                  .Attr<int32_t>("num_heads"));
+                                  .Attr<int32_t>("num_heads")
+                                  .Attr<int32_t>("qx_kind")
+                                  .Attr<int32_t>("qx_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuZeros, Zeros, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -9,6 +9,8 @@
   is the torch backend's bit for bit.
 - `panel_argmax(x, panels, l, n)`: each row's argmax of that product without writing it: greedy sampling's LM
   head (the torch backend's `greedy_tokens`: the same tokens).
+- `qx_linear`, `qx_argmax` (and `layers`' qx): the same from the weights as stored (`enginecore.qx`: a GGUF
+  file's blocks, a bfloat16 checkpoint's halves; `model.attach_cpu_qx`), the same bits from fewer bytes.
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
@@ -51,6 +53,8 @@ logger = logging.getLogger("xlaserve.jaxengine")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 PANEL_ARGMAX = "xlaserve_cpu_panel_argmax"
+QX_LINEAR = "xlaserve_cpu_qx_linear"
+QX_ARGMAX = "xlaserve_cpu_qx_argmax"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
 RMS_NORM = "xlaserve_cpu_rms_norm"
@@ -86,6 +90,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)
         jax.ffi.register_ffi_target(PANEL_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuPanelLinear), platform="cpu")
         jax.ffi.register_ffi_target(PANEL_ARGMAX, jax.ffi.pycapsule(lib.XlaserveCpuPanelArgmax), platform="cpu")
+        jax.ffi.register_ffi_target(QX_LINEAR, jax.ffi.pycapsule(lib.XlaserveCpuQxLinear), platform="cpu")
+        jax.ffi.register_ffi_target(QX_ARGMAX, jax.ffi.pycapsule(lib.XlaserveCpuQxArgmax), platform="cpu")
         jax.ffi.register_ffi_target(DECODE_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(PREFILL_ATTENTION, jax.ffi.pycapsule(lib.XlaserveCpuPrefillAttention),
@@ -186,6 +192,19 @@ def panel_argmax(x, panels, layer, n: int):
     return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()), n=np.int32(n))
 
 
+def qx_linear(x, qx, layer, n: int, kind: int):
+    """`panel_linear` from the same weights' qx panels [L, NP, K / 32, group bytes] of `kind`
+    (`enginecore.qx`: a GGUF file's blocks or a bfloat16 checkpoint's halves): the same bits."""
+    call = jax.ffi.ffi_call(QX_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), kind=np.int32(kind))
+
+
+def qx_argmax(x, qx, layer, n: int, kind: int):
+    """`panel_argmax` from the same weights' qx panels (`qx_linear`'s): the same tokens."""
+    call = jax.ffi.ffi_call(QX_ARGMAX, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), n=np.int32(n), kind=np.int32(kind))
+
+
 def rms_norm(x, w, eps: float):
     """x [..., K] float32, w [K] -> x / sqrt(mean(x^2) + eps) * w, float32: the torch backend's rms_norm, each
     row's sum of squares one FMA chain whatever the number of rows (XLA's reduction order changes with it)."""
@@ -267,8 +286,8 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
 
 
 def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_norm, cos, sin, kv_cache, table,
-           kv_lens, cu_q_lens, distribution, keep=None, all_rows=None, *, num_heads: int, eps: float,
-           sm_scale: float, sliding_window: int | None = None):
+           kv_lens, cu_q_lens, distribution, keep=None, all_rows=None, qx=None, *, num_heads: int, eps: float,
+           sm_scale: float, sliding_window: int | None = None, qx_kind: int = -1, qx_rows: int = 0):
     """Every decoder layer of a ragged step in one call (`model.forward` on a CPU with the panels): x [T, H] the
     embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
@@ -277,7 +296,9 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`:
     distinct) and all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are
     wanted, and the last layer's o linear and MLP run on those rows alone (the same bits; the other rows hold
-    the residual stream before that layer's attention).
+    the residual stream before that layer's attention). qx: (qkv, o, gate_up, down)'s qx panels of `qx_kind`
+    (`qx_linear`'s; None or an empty array: none), which steps of up to `qx_rows` tokens multiply instead (the
+    same bits).
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""
@@ -290,13 +311,17 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
         keep, all_rows = jnp.zeros(kv_lens.shape, jnp.int32), jnp.ones((1,), jnp.int32)
     elif all_rows is None:
         all_rows = jnp.zeros((1,), jnp.int32)
+    none = jnp.zeros((0, 0, 0, 0), jnp.uint8)
+    qx = tuple(none if q is None else q for q in (qx or (None,) * 4))
     return call(f32(x), f32(attn_norm), f32(mlp_norm), qkv, o, gate_up, down, f32(qkv_bias), f32(q_norm),
                 f32(k_norm), f32(cos), f32(sin), kv_cache, i32(table), i32(kv_lens), i32(cu_q_lens),
-                i32(distribution), i32(keep), i32(all_rows).reshape(1), eps=np.float32(eps), scale=np.float32(sm_scale),
-                window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads))
+                i32(distribution), i32(keep), i32(all_rows).reshape(1), *qx, eps=np.float32(eps),
+                scale=np.float32(sm_scale), window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads),
+                qx_kind=np.int32(qx_kind), qx_rows=np.int32(qx_rows))
 
 
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_ARGMAX", "PANEL_LINEAR",
+           "QX_ARGMAX", "QX_LINEAR", "qx_argmax", "qx_linear",
            "PREFILL_ATTENTION", "RMS_NORM", "ROPE", "SILU_MUL", "SOURCE", "TOP_P_THRESHOLDS", "ZEROS", "available",
            "decode_attention", "inverse_cdf", "layers", "log_softmax", "pack_onto_huge_pages", "pack_panels",
            "panel_argmax", "panel_linear", "panel_rows", "prefill_attention", "rms_norm", "rope", "rope_tables",

@@ -174,3 +174,62 @@ def _host_array(shape: tuple, dtype) -> np.ndarray:
 
 
 __all__ = ["LayerParams", "load_params", "param_path"]
+
+
+# CpuPanels' linears and the linears a GGUF file stores them as
+_QX_GROUPS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+
+
+def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:
+    """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`enginecore.qx`), for
+    decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's Q4_0 / Q4_1
+    linears (every layer's of one type; each checked bit for bit against the loaded float32 weights, a mismatch
+    keeps float32 only) and Q8_0 LM head; else linears and an LM head whose values are all bfloat16s (a
+    bfloat16 checkpoint served in float32), where the copies fit in a quarter of the memory available. The four
+    linears share one kind (`CpuPanels.qx_kind`: the custom call takes one); a linear of another keeps float32
+    only. Returns (the params, how many of the five groups got them)."""
+    import dataclasses
+    import logging
+
+    from enginecore import qx
+    from enginecore.kv_cache import available_memory_bytes
+
+    p = params.panels
+    if p is None:
+        return params, 0
+    got: dict[str, tuple[np.ndarray, int]] = {}  # group -> (qx panels, kind)
+    host = {g: np.asarray(getattr(p, g)) for g in (*_QX_GROUPS, "head")}  # (zero-copy on a CPU)
+    if getattr(source, "kind", None) == "gguf":
+        groups, head = qx.gguf_linear_groups(source, arch)
+        for g, stored in _QX_GROUPS.items():
+            gs = [groups.get((l, stored)) for l in range(arch.num_hidden_layers)]
+            if any(x is None for x in gs) or len({x.is_q4_0 for x in gs}) != 1:
+                continue
+            if not all(_panels_hold(host[g][l], x.dequantize()) for l, x in enumerate(gs)):
+                logging.getLogger(__name__).warning("%s: the GGUF blocks do not give the loaded float32 weights bit "
+                                                    "for bit; float32 only", g)
+                continue
+            q40 = gs[0].is_q4_0
+            got[g] = (np.stack([qx.pack_q4x(x.q, x.scale, None if q40 else x.offset) for x in gs]),
+                      qx.QX_KINDS["Q4_0" if q40 else "Q4_1"])
+        if head is not None and _panels_hold(host["head"][0], head.dequantize()):
+            got["head"] = (qx.pack_q8x(head.q, head.scale)[None], qx.QX_KINDS["Q8_0"])
+    bf16 = {g: b for g in host if g not in got and (b := qx.bf16_panels(host[g])) is not None}
+    avail = available_memory_bytes()
+    if bf16 and (avail is None or sum(b.nbytes for b in bf16.values()) <= avail // 4):
+        got.update((g, (b, qx.QX_KINDS["BF16"])) for g, b in bf16.items())
+    kinds = [k for g, (_, k) in got.items() if g != "head"]
+    kind = max(set(kinds), key=kinds.count) if kinds else -1  # one kind for the linears: the most common
+    fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, k) in got.items()
+              if g == "head" or k == kind}
+    if not fields:
+        return params, 0
+    panels = dataclasses.replace(p, **fields, qx_kind=kind, head_qx_kind=got["head"][1] if "head" in got else -1)
+    return dataclasses.replace(params, panels=panels), len(fields)
+
+
+def _panels_hold(panels: np.ndarray, w: np.ndarray) -> bool:
+    """Whether float32 panels [NP, K, 16] hold the [N, K] weight `w` bit for bit."""
+    N, K = w.shape
+    rows = panels.transpose(0, 2, 1).reshape(-1, K)[:N]
+    return rows.shape == w.shape and np.array_equal(rows.view(np.uint32), np.ascontiguousarray(w, np.float32).view(np.uint32))

@@ -18,7 +18,7 @@ rows the sampler needs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
@@ -84,6 +84,25 @@ class CpuPanels:
     gate_up: jax.Array  # [L, 2 I / 16, H, 16]
     down: jax.Array  # [L, H / 16, I, 16]
     head: jax.Array  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
+    # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kind
+    # (`enginecore.qx`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
+    # steps of up to `QX_MAX_ROWS[kind]` tokens multiply them instead (the same bits, fewer bytes)
+    qkv_qx: jax.Array | None = None
+    o_qx: jax.Array | None = None
+    gate_up_qx: jax.Array | None = None
+    down_qx: jax.Array | None = None
+    head_qx: jax.Array | None = None  # [1, V / 16, H / 32, group bytes] of head_qx_kind
+    qx_kind: int = field(default=-1, metadata=dict(static=True))
+    head_qx_kind: int = field(default=-1, metadata=dict(static=True))
+
+    def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
+        """(group's qx panels, their kind) for a step of `rows` tokens, or (None, -1) where the float32 panels
+        run it."""
+        from enginecore.qx import QX_MAX_ROWS
+
+        kind = self.head_qx_kind if group == "head" else self.qx_kind
+        qx = getattr(self, f"{group}_qx")
+        return (qx, kind) if qx is not None and kind >= 0 and rows <= QX_MAX_ROWS[kind] else (None, -1)
 
 
 @jax.tree_util.register_dataclass
@@ -295,12 +314,11 @@ def forward(
 
     layers, panels_for, norm, rope_fn = params.layers, lambda l: None, rms_norm, apply_rope
     if params.panels is not None:
-        from jaxengine.cpu_kernels import panel_linear, rope_tables
         from jaxengine.cpu_kernels import rms_norm as norm
         from jaxengine.cpu_kernels import rope as rope_fn
+        from jaxengine.cpu_kernels import rope_tables
 
-        n = panel_outputs(arch)
-        panels_for = lambda l: lambda h, g: panel_linear(h, getattr(params.panels, g), l, n[g])  # noqa: E731
+        panels_for = lambda l: lambda h, g: cpu_linear(params.panels, h, g, l, arch)  # noqa: E731
         cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
         if cpu_layers:
             return _cpu_layers(params, x, cos, sin, kv_cache, md, arch, keep, all_rows)
@@ -334,21 +352,36 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
     bias = none if lp.q_bias is None else jnp.concatenate(
         [b.reshape(L, -1) for b in (lp.q_bias, lp.k_bias, lp.v_bias)], axis=1)
     R = md.kv_lens.shape[0]
+    from enginecore.qx import QX_MAX_ROWS
+
+    rows = QX_MAX_ROWS.get(p.qx_kind, 0)
     return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
                   kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
+                  (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx) if x.shape[0] <= rows else None,
                   num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
-                  sliding_window=arch.sliding_window)
+                  sliding_window=arch.sliding_window, qx_kind=p.qx_kind, qx_rows=rows)
+
+
+def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False):
+    """h [T, K] . the CPU panels' `group` of `layer` (`cpu_kernels.panel_linear`), from its qx panels where
+    the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead."""
+    from jaxengine import cpu_kernels
+
+    n = panel_outputs(arch)[group]
+    qx, kind = panels.qx_for(group, h.shape[0])
+    if qx is not None:
+        return (cpu_kernels.qx_argmax if argmax else cpu_kernels.qx_linear)(h, qx, layer, n, kind)
+    return (cpu_kernels.panel_argmax if argmax else cpu_kernels.panel_linear)(h, getattr(panels, group), layer, n)
 
 
 def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0):
     """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows)."""
     if params.panels is not None:
-        from jaxengine.cpu_kernels import panel_linear
         from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
 
         h = cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
-        return panel_linear(h, params.panels.head, 0, arch.vocab_size)
+        return cpu_linear(params.panels, h, "head", 0, arch)
     h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     w = params.embed if params.lm_head is None else params.lm_head
     return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
@@ -359,11 +392,10 @@ def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig):
     panels (`cpu_kernels.panel_argmax`); None without them (then take the logits' argmax)."""
     if params.panels is None:
         return None
-    from jaxengine.cpu_kernels import panel_argmax
     from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
 
-    return panel_argmax(cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), params.panels.head, 0,
-                        arch.vocab_size)
+    return cpu_linear(params.panels, cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), "head", 0, arch,
+                      argmax=True)
 
 
 def embed(params: ModelParams, ids):

@@ -54,6 +54,7 @@ from jaxengine.compilation import (
     use_persistent_cache,
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
+from jaxengine.loader import attach_cpu_qx
 from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
 from jaxengine.programs import (
     ModelLayout,
@@ -221,6 +222,11 @@ class JaxModelRunner:
         if self.cpu_linears:
             params, self.params = self.params, None
             self.params = pack_cpu_panels(params)
+            if os.environ.get("XLASERVE_Q4X", "on") != "off":
+                self.params, n = attach_cpu_qx(self.params, self.source, self.arch)
+                if n:
+                    logger.info("jax: %d weight groups also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), "
+                                "the same bits, for decode steps of few rows (XLASERVE_Q4X=off: float32 only)", n)
         cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
         self.rope = jax.device_put((cos, sin), self._rep)
         self.load_seconds = time.perf_counter() - t0
@@ -300,6 +306,12 @@ class JaxModelRunner:
         if self.cpu_linears:  # one device
             params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
                                   jax.eval_shape(pack_cpu_panels, params))
+            if self.params is not None and self.params.panels is not None:  # the qx panels attach_cpu_qx gave
+                p = self.params.panels
+                qx = {f.name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) if hasattr(v, "shape") else v
+                      for f in dataclasses.fields(p) if f.name.endswith(("_qx", "qx_kind"))
+                      and (v := getattr(p, f.name)) is not None}
+                params = dataclasses.replace(params, panels=dataclasses.replace(params.panels, **qx))
         kv = jax.ShapeDtypeStruct(self._kv_cache_shape(self.num_blocks), jnp_dtype(self.kv_dtype),
                                   sharding=self._kv_sharding)
         table = jax.ShapeDtypeStruct((self.config.scheduler_config.max_model_len + 1, self.arch.head_dim // 2),

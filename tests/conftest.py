@@ -125,6 +125,23 @@ def tiny_model_dir(tmp_path_factory, smollm2_hf_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16_llama_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama (untied LM head) saved as a bfloat16 checkpoint, as most Hugging Face models are."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    src = tiny_model_dir("llama")
+    d = str(tmp_path_factory.mktemp("tiny_llama_bf16"))
+    tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    for fn in os.listdir(src):
+        if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
+            shutil.copy(os.path.join(src, fn), d)
+    return d
+
+
 @pytest.fixture
 def one_call_vs_python_layers(monkeypatch):
     """Factory: generate with the torch runner's one-call decode layers (cpu_kernels.DecodeLayers), then with

@@ -595,3 +595,74 @@ def test_zeros_commits_no_memory_until_written():
     ours, xlas = (resident_bytes(a.block_until_ready().unsafe_buffer_pointer(), nbytes) for a in (z, zx))
     assert ours < nbytes // 8 and xlas > nbytes // 2, (ours, xlas)
     assert not np.asarray(z).any() and not np.asarray(zx).any()
+
+
+def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
+    """L stacked [N, K] float32 weights as a loader serves them from a GGUF file's `kind` blocks (or bfloat16
+    values) and the same as `enginecore.qx` panels [L, NP, K / 32, group bytes]."""
+    from enginecore import qx
+    from enginecore.model_loader import Int4Groups, Int8Groups
+
+    rng = np.random.default_rng(seed)
+    f16 = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float16).astype(np.float32)  # noqa: E731
+    ws, packed = [], []
+    for _ in range(L):
+        if kind == "BF16":
+            w = np.asarray(jnp.asarray(rng.standard_normal((N, K), np.float32)).astype(jnp.bfloat16), np.float32)
+            ws.append(w), packed.append(qx.pack_bf16x(w))
+        elif kind == "Q8_0":
+            g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
+            ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))
+        else:
+            d = f16(N, K // 32)
+            g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, -8 * d if kind == "Q4_0" else f16(N, K // 32))
+            ws.append(g.dequantize()), packed.append(qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset))
+    return np.stack(ws), np.stack(packed), qx.QX_KINDS[kind]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16"])
+def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
+    """The weights as stored (`qx_linear`, `qx_argmax`: a GGUF file's blocks, a bfloat16 checkpoint's halves)
+    give `panel_linear`'s and `panel_argmax`'s bits over the float32 weights, every layer, 1-13 rows (the
+    kernel's tiles and tails), a partial last panel; panels of another kind or shape are an error."""
+    L, N, K = 2, 70, 96
+    w, packed, k = qx_weights(kind, L, N, K, seed=5)
+    panels = cpu_kernels.pack_panels(jnp.asarray(w))
+    lin = jax.jit(cpu_kernels.qx_linear, static_argnames=("n", "kind"))
+    arg = jax.jit(cpu_kernels.qx_argmax, static_argnames=("n", "kind"))
+    rng = np.random.default_rng(7)
+    for T in (1, 2, 3, 5, 7, 12, 13):
+        x = rng.standard_normal((T, K), np.float32)
+        for l in range(L):
+            assert np.array_equal(np.asarray(lin(x, packed, jnp.int32(l), n=N, kind=k)),
+                                  np.asarray(cpu_kernels.panel_linear(x, panels, jnp.int32(l), N)))
+            assert np.array_equal(np.asarray(arg(x, packed, jnp.int32(l), n=N, kind=k)),
+                                  np.asarray(cpu_kernels.panel_argmax(x, panels, jnp.int32(l), N)))
+    other = 3 if kind != "BF16" else 1  # the same bytes read as another kind: refused, not overread
+    with pytest.raises(Exception, match="qx panels"):
+        cpu_kernels.qx_linear(x, packed, jnp.int32(0), N, other)
+    with pytest.raises(Exception, match="layer index out of range"):
+        cpu_kernels.qx_linear(x, packed, jnp.int32(L), N, k)
+
+
+def test_layers_with_qx_panels_give_the_bits_without_them():
+    """`cpu_kernels.layers` given bfloat16-exact weights' qx panels (one linear without: its K is not a multiple
+    of 32) computes a step of up to qx_rows tokens from them: the hidden states and the cache the same bits as
+    from the float32 panels alone; qx panels of another layer count are an error."""
+    from enginecore import qx
+
+    L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=31)
+    bf = lambda p: jnp.asarray(p).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    args = (*args[:3], *(bf(p) for p in args[3:7]), *args[7:])
+    halves = [qx.bf16_panels(np.asarray(p)) for p in args[3:7]]
+    assert halves[3] is None and all(h is not None for h in halves[:3])  # down: K = I = 40
+    want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
+    g = jax.jit(functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5,
+                                  qx_kind=qx.QX_KINDS["BF16"], qx_rows=T))
+    got = g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, tuple(halves))
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    zeroed = g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, (0 * halves[0], None, None, None))
+    assert not np.array_equal(np.asarray(zeroed[0]), np.asarray(want[0]))  # (the qx panels are what it read)
+    with pytest.raises(Exception, match="qx panels of another shape or kind"):
+        g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, (halves[0][:1], None, None, None))

@@ -109,3 +109,37 @@ def test_a_16bit_kv_cache_gives_the_same_bits_on_both_backends(smollm2_hf_dir):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert {k: v.logprob for k, v in s.items()} == {k: v.logprob for k, v in t.items()}
+
+
+@pytest.mark.skipif(not SAME_KERNELS, reason="the AVX2 kernels do not run here")
+@pytest.mark.parametrize("model", ["gguf", "bf16"])
+def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, tiny_bf16_llama_dir, monkeypatch):
+    """The jax backend's decode steps from the weights as stored (`jaxengine.loader.attach_cpu_qx`: the embedded
+    GGUF's Q4_1 linears and Q8_0 LM head; a bfloat16 checkpoint's halves) give the torch backend's float32-only
+    bits (`XLASERVE_Q4X=off`): the same tokens and logprobs, greedy (the head's argmax) and with logprobs (the
+    logits)."""
+    from enginecore import qx
+
+    path = None if model == "gguf" else tiny_bf16_llama_dir
+    prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    res = {}
+    for backend in ("jax", "torch"):
+        monkeypatch.setenv("XLASERVE_Q4X", "on" if backend == "jax" else "off")
+        llm = engine(backend, path)
+        try:
+            if backend == "jax":
+                p = llm.llm_engine.core.runner.params.panels
+                kinds = (p.qx_kind, p.head_qx_kind)
+                assert kinds == ((qx.QX_KINDS["Q4_1"], qx.QX_KINDS["Q8_0"]) if model == "gguf" else
+                                 (qx.QX_KINDS["BF16"],) * 2)
+                assert all(getattr(p, f"{g}_qx") is not None for g in ("qkv", "o", "gate_up", "down", "head"))
+            res[backend] = [llm.generate(prompts, sp, use_tqdm=False) for sp in params]
+        finally:
+            llm.llm_engine.core.shutdown()
+    for a_runs, b_runs in zip(res["jax"], res["torch"]):
+        for a, b in zip(a_runs, b_runs):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -385,24 +383,8 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
             assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
 
 
-@pytest.fixture(scope="module")
-def bf16_llama(tiny_model_dir, tmp_path_factory):
-    """The tiny llama (untied LM head) saved as a bfloat16 checkpoint, as most Hugging Face models are."""
-    import shutil
-
-    import transformers as tf
-
-    src = tiny_model_dir("llama")
-    d = str(tmp_path_factory.mktemp("tiny_llama_bf16"))
-    tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(d, safe_serialization=True)
-    for fn in os.listdir(src):
-        if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
-            shutil.copy(os.path.join(src, fn), d)
-    return d
-
-
 def test_float32_decode_multiplies_a_bfloat16_checkpoints_halves_to_the_same_bits(
-        bf16_llama, one_call_vs_python_layers):
+        tiny_bf16_llama_dir, one_call_vs_python_layers):
     """A bfloat16 checkpoint served in float32 (the CPU's default): every linear and the LM head also keep
     their weights as bfloat16 (attach_qx), which decode steps of up to QX_MAX_ROWS[BF16] rows multiply: the
     same tokens and logprobs, to the bit, as the float32 weights alone."""
@@ -410,7 +392,7 @@ def test_float32_decode_multiplies_a_bfloat16_checkpoints_halves_to_the_same_bit
 
     if cpu_kernels.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
-    llm = LLM(model=bf16_llama, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
+    llm = LLM(model=tiny_bf16_llama_dir, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
               max_num_seqs=4, enable_prefix_caching=False)
     try:
         runner = llm.llm_engine.core.runner

@@ -1773,12 +1773,35 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
         }
 }
 
+// bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
+long qx_panel_bytes(int kind, int K) {
+    return kind < QX_Q4_0 || kind > QX_BF16 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+}
+
+// qx_gemm's panels [p0, p1) on the calling thread: y, or with `best` (y NULL) the M rows' running maxima (M
+// head_best, head_best_init'ed). jaxengine's custom calls share the panels between XLA's threads with it.
+// Returns 0, -1 for bad arguments.
+int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, void *best, int kind, int p0,
+                 int p1) {
+    if (M < 1 || N <= 0 || qx_panel_bytes(kind, K) < 0 || (y == NULL) == (best == NULL) || p0 < 0 ||
+        p1 > (N + 15) / 16)
+        return -1;
+    const uint8_t *wb = (const uint8_t *)w;
+    head_best *b = (head_best *)best;
+    switch (kind) {
+        case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, b, p0, p1); break;
+        default: qx_panels(QX_BF16, x, M, K, wb, N, y, b, p0, p1); break;
+    }
+    return 0;
+}
+
 // y [M, N] = x [M, K] . W^T from pack_q4x's / pack_q8x's / pack_bf16x's panels of `kind` (QX_*); or, with
 // `argmax` (y NULL), each row's argmax as panel_gemm's greedy head gives it. Returns 0, -1 for bad arguments,
 // -2 if the maxima cannot be allocated.
 int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_t *argmax, int kind, int nthreads) {
-    if (M < 1 || K <= 0 || K % 32 || N <= 0 || kind < QX_Q4_0 || kind > QX_BF16 || (y == NULL) == (argmax == NULL))
-        return -1;
+    if (M < 1 || N <= 0 || qx_panel_bytes(kind, K) < 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
     head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
@@ -1787,14 +1810,7 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int p0 = (int)((long)NP * t / T), p1 = (int)((long)NP * (t + 1) / T);
-        head_best *own = best == NULL ? NULL : best + (size_t)M * t;
-        const uint8_t *wb = (const uint8_t *)w;
-        switch (kind) {
-            case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, own, p0, p1); break;
-            case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, own, p0, p1); break;
-            case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, own, p0, p1); break;
-            default: qx_panels(QX_BF16, x, M, K, wb, N, y, own, p0, p1); break;
-        }
+        qx_gemm_part(x, M, K, w, N, y, best == NULL ? NULL : best + (size_t)M * t, kind, p0, p1);
     }
     if (argmax != NULL) maxima_merge(best, M, nt, argmax);
     return 0;

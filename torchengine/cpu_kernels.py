@@ -42,8 +42,10 @@ import os
 import numpy as np
 import torch
 
+from enginecore import qx
 from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared, huge_page_array
 from enginecore.platform import cpu_kernels_unavailable
+from enginecore.qx import MAX_QX_ROWS, QX_GROUP_BYTES, QX_KINDS, QX_MAX_ROWS  # noqa: F401 (this module's API too)
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -140,49 +142,14 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(out.reshape(N, G * BLOCK_BYTES))
 
 
-# steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
-# ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
-# few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
-# SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
-# at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16)
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3}  # the C file's QX_*
-QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12}
-MAX_QX_ROWS = max(QX_MAX_ROWS.values())
-# bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
-# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s
-QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
-                  QX_KINDS["BF16"]: 32 * 16 * 2}
-
-
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
-    """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32], float16-exact; offset None: Q4_0, whose
-    weights are scale * (q - 8)) -> `qx_gemm`'s panels, uint8 [ceil(N / 16), K / 32, 320]: per panel and group
-    of 32 k, the 16 rows' scales and offsets (float16), then per k 8 bytes, byte j row j's q | row j + 8's << 4
-    (zero rows pad the last panel)."""
-    N, K = q.shape
-    G, P = K // 32, -(-N // PANEL)
-    qp = np.zeros((P * PANEL, K), np.uint8)
-    qp[:N] = q
-    qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
-    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q4_1"]]), np.uint8)
-    _pack_f16(out, 0, scale, P)
-    _pack_f16(out, 32, offset, P)
-    out[:, :, 64:] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
-    return torch.from_numpy(out)
+    """`enginecore.qx.pack_q4x` as a tensor: a GGUF file's Q4_1 (Q4_0: offset None) groups as qx_gemm's panels."""
+    return torch.from_numpy(qx.pack_q4x(q, scale, offset))
 
 
 def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """Int8Groups arrays (q [N, K] int8, scale [N, K/32], float16-exact; w = q * scale: Q8_0) -> `qx_gemm`'s
-    panels, uint8 [ceil(N / 16), K / 32, 544]: per panel and group of 32 k, the 16 rows' scales (float16), then
-    per k the 16 rows' q (zero rows pad the last panel)."""
-    N, K = q.shape
-    G, P = K // 32, -(-N // PANEL)
-    qp = np.zeros((P * PANEL, K), np.int8)
-    qp[:N] = q
-    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q8_0"]]), np.uint8)
-    _pack_f16(out, 0, scale, P)
-    out[:, :, 32:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
-    return torch.from_numpy(out)
+    """`enginecore.qx.pack_q8x` as a tensor: a GGUF file's Q8_0 groups as qx_gemm's panels."""
+    return torch.from_numpy(qx.pack_q8x(q, scale))
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
@@ -194,34 +161,16 @@ def bf16_exact(w: torch.Tensor) -> bool:
 
 
 def pack_bf16x(w: torch.Tensor) -> torch.Tensor:
-    """A bfloat16-exact float32 weight [N, K] (`bf16_exact`) -> `qx_gemm`'s QX_BF16 panels, uint8
-    [ceil(N / 16), K / 32, 1024]: per panel and group of 32 k, per k the 16 rows' high halves (zero rows pad the
-    last panel). Written once into the result (a model's worth of temporaries cost a serve start ~1 s of page
-    faults)."""
-    N, K = w.shape
-    G, P, full = K // 32, -(-N // PANEL), N // PANEL
-    hi = w.detach().contiguous().numpy().view(np.uint16)[:, 1::2]  # the high halves, a view
-    out = np.empty((P, G, 32, PANEL), np.uint16)
-    out[:full] = hi[: full * PANEL].reshape(full, PANEL, G, 32).transpose(0, 2, 3, 1)
-    if full < P:
-        out[full] = 0
-        out[full, :, :, : N - full * PANEL] = hi[full * PANEL :].reshape(N - full * PANEL, G, 32).transpose(1, 2, 0)
-    return torch.from_numpy(out.view(np.uint8).reshape(P, G, QX_GROUP_BYTES[QX_KINDS["BF16"]]))
-
-
-def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
-    """a [N, G] (None: zeros) as float16 into bytes [at, at + 32) of out [P, G, :], the 16 rows of a panel in order."""
-    G = out.shape[1]
-    h = np.zeros((P * PANEL, G), np.float16)
-    if a is not None:
-        h[: a.shape[0]] = a
-    out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
+    """`enginecore.qx.pack_bf16x` as a tensor: a bfloat16-exact float32 weight [N, K] (`bf16_exact`) as
+    qx_gemm's QX_BF16 panels."""
+    return torch.from_numpy(qx.pack_bf16x(w.detach().contiguous().numpy()))
 
 
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
-    """Whether `panels` are `pack_q4x` / `pack_q8x`'s of a [N, K] weight of `kind` (what qx_gemm reads)."""
+    """Whether `panels` are `pack_q4x` / `pack_q8x` / `pack_bf16x`'s of a [N, K] weight of `kind` (what qx_gemm
+    reads)."""
     return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
-            and panels.is_contiguous() and tuple(panels.shape) == (-(-N // PANEL), K // 32, QX_GROUP_BYTES[kind]))
+            and panels.is_contiguous() and tuple(panels.shape) == qx.qx_shape(N, K, kind))
 
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
@@ -262,7 +211,7 @@ def f32_gemm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor
     return y
 
 
-PANEL = 16  # vocabulary rows a panel of `pack_panels`
+PANEL = qx.PANEL  # vocabulary rows a panel of `pack_panels`
 
 
 def panels_size(w: torch.Tensor) -> int:

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.arch import fused_slices, weight_spec
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
+from enginecore.qx import gguf_linear_groups
 from torchengine import cpu_kernels
 
 logger = logging.getLogger("xlaserve.torchengine")
@@ -78,34 +78,15 @@ class Int4Linear(nn.Module):
 def _int4_linears(model, source: ModelSource) -> tuple[dict[str, tuple[nn.Module, Int4Groups]], Int8Groups | None]:
     """The decoder linears whose weight the GGUF file stores as Q4_0/Q4_1, every fused part: {module path:
     (the module, its groups with the rows in the module's order)}, and the LM head's groups if the file
-    stores it as Q8_0. One pass over the file's quantized tensors."""
-    arch = model.arch
-    head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-    head = None
-    parts: dict[str, dict] = {}  # module path -> {"q", "scale", "offset": row-assembled arrays, "rows": filled}
+    stores it as Q8_0 (`enginecore.qx.gguf_linear_groups`)."""
+    groups, head = gguf_linear_groups(source, model.arch)
     modules = dict(model.named_modules())
-    for hf_name, g in source.iter_quantized_weights():
-        if isinstance(g, Int8Groups):
-            head = g if hf_name == head_name else head
-            continue
-        found = weight_spec(hf_name)
-        if found is None or found[0] is None:
-            continue
-        layer, spec = found
-        stored = spec.fused or spec.param
-        if stored not in _MODULES:
-            continue
+    found = {}
+    for (layer, stored), g in groups.items():
         path = f"layers.{layer}.{_MODULES[stored]}"
-        N, K = modules[path].weight.shape
-        p = parts.setdefault(path, {"q": np.zeros((N, K), np.uint8), "scale": np.zeros((N, K // Int4Groups.GROUP),
-                                    np.float32), "offset": np.zeros((N, K // Int4Groups.GROUP), np.float32), "rows": 0})
-        rows = fused_slices(arch, spec.fused, 1)[spec.param] if spec.fused else slice(0, N)
-        for key in ("q", "scale", "offset"):
-            p[key][rows] = getattr(g, key)
-        p["rows"] += rows.stop - rows.start
-    # a linear with a fused part stored in another type has none
-    return {path: (modules[path], Int4Groups(p["q"], p["scale"], p["offset"])) for path, p in parts.items()
-            if p["rows"] == modules[path].weight.shape[0]}, head
+        if path in modules and tuple(modules[path].weight.shape) == g.q.shape:
+            found[path] = (modules[path], g)
+    return found, head
 
 
 def quantize_gguf_linears(model, source: ModelSource) -> int:
