@@ -323,6 +323,29 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::Success();
 }
 
+// `sets` sets of T rows' running maxima (head_best, opaque here), each set folded by one task or slice, then
+// merged into each row's argmax. Set s at bp + s * stride, each set on cache lines of its own: maxima sharing a
+// line with another thread's would move it between cores at every fold.
+class Maxima {
+  public:
+    Maxima(int64_t T, int64_t sets)
+        : T_(T), sets_(sets), bytes_((size_t)head_best_bytes()), stride_((bytes_ * (size_t)T + 63) / 64 * 64),
+          buf_(stride_ * (size_t)sets + 64) {
+        bp_ = buf_.data() + (64 - (uintptr_t)buf_.data() % 64) % 64;
+        for (int64_t s = 0; s < sets; s++) head_best_init(set(s), (size_t)T);
+    }
+    void *set(int64_t s) { return bp_ + stride_ * (size_t)s; }
+    void argmax(int32_t *out) const {
+        for (int64_t m = 0; m < T_; m++) out[m] = head_best_argmax(bp_ + bytes_ * m, (int)sets_, stride_);
+    }
+
+  private:
+    int64_t T_, sets_;
+    size_t bytes_, stride_;
+    std::vector<char> buf_;
+    char *bp_;
+};
+
 // out [T] = the first index of each row's maximum of x [T, K] . W_l^T over W's first n rows (NaN counting as
 // the largest: torch.argmax's), PanelCall's operands: greedy sampling without writing and re-reading the
 // [T, n] logits, PanelLinear's products folded into running maxima per row, one set a task or slice
@@ -335,18 +358,11 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     PanelCall c;
     if (auto err = PlanPanelCall(pool, x, w, layer, od[0], n, c); !err.success()) return err;
     if (c.parts == 0) return ffi::Error::Success();
-    const int64_t sets = Sets(c), T = c.T;
-    // set s's T maxima at bp + s * stride, each set on cache lines of its own: maxima sharing a line with
-    // another thread's would move it between cores at every fold
-    const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
-    std::vector<char> best(stride * (size_t)sets + 64);
-    char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
-    for (int64_t s = 0; s < sets; s++) head_best_init(bp + stride * s, (size_t)T);
-    RunPanelCall(pool, c, [=](int lo, int hi, int pe, int64_t set) {
-        panel_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)set, c.unit, lo, hi, pe);
+    Maxima best(c.T, Sets(c));
+    RunPanelCall(pool, c, [=, &best](int lo, int hi, int pe, int64_t set) {
+        panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, nullptr, best.set(set), c.unit, lo, hi, pe);
     });
-    int32_t *op = out->typed_data();
-    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)sets, stride);
+    best.argmax(out->typed_data());
     return ffi::Error::Success();
 }
 
@@ -404,16 +420,11 @@ ffi::Error QxArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     QxCall c;
     if (auto err = PlanQxCall(pool, x, w, layer, od[0], n, kind, c); !err.success()) return err;
     if (c.sets == 0) return ffi::Error::Success();
-    const int64_t T = c.T;
-    const size_t bytes = (size_t)head_best_bytes(), stride = (bytes * (size_t)T + 63) / 64 * 64;
-    std::vector<char> best(stride * (size_t)c.sets + 64);
-    char *bp = best.data() + (64 - (uintptr_t)best.data() % 64) % 64;
-    for (int64_t s = 0; s < c.sets; s++) head_best_init(bp + stride * s, (size_t)T);
-    RunQxCall(pool, c, [=](int p0, int p1, int64_t set) {
-        qx_gemm_part(c.x, (int)T, (int)c.K, c.w, (int)c.N, nullptr, bp + stride * (size_t)set, kind, p0, p1);
+    Maxima best(c.T, c.sets);
+    RunQxCall(pool, c, [=, &best](int p0, int p1, int64_t set) {
+        qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, nullptr, best.set(set), kind, p0, p1);
     });
-    int32_t *op = out->typed_data();
-    for (int64_t m = 0; m < T; m++) op[m] = head_best_argmax(bp + bytes * m, (int)c.sets, stride);
+    best.argmax(out->typed_data());
     return ffi::Error::Success();
 }
 
