@@ -4,11 +4,14 @@ A GGUF file's Q4_0 / Q4_1 / Q8_0 weights served in float32 are each one rounding
 blocks' values, and a bfloat16 checkpoint's weights served in float32 are bfloat16s: `qx_gemm` rebuilds each
 weight exactly from those bytes and sums it in panel_gemm's order, so a decode step of few rows, which streams
 its weights from memory, computes the float32 model's bits from a sixth (Q4) or half (BF16) of the bytes. The
-torch backend's `torchengine.quant.attach_qx` and the jax backend's `jaxengine.model.attach_cpu_qx` keep these
+torch backend's `torchengine.quant.attach_qx` and the jax backend's `jaxengine.loader.attach_cpu_qx` keep these
 panels beside the float32 ones; this module packs them (numpy) and reads a GGUF file's groups per linear.
 """
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import numpy as np
 
@@ -28,6 +31,43 @@ MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s
 QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
                   QX_KINDS["BF16"]: 32 * 16 * 2}
+
+
+logger = logging.getLogger(__name__)
+# a bfloat16's bits are a float32's high half: the second uint16 of each float32 on a little-endian machine (all
+# that run the AVX2 kernels); elsewhere nothing is bfloat16-exact here
+_LITTLE = sys.byteorder == "little"
+
+
+def bf16_exact(w: np.ndarray) -> bool:
+    """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero: a bfloat16 checkpoint's weight
+    served in float32), so its high halves hold it exactly. Reads the low halves in place (no copy)."""
+    return (_LITTLE and w.dtype == np.float32 and w.flags.c_contiguous and w.size > 0
+            and not w.view(np.uint16)[..., 0::2].any())
+
+
+def bf16_copies_fit(nbytes: int) -> bool:
+    """Whether bfloat16 copies of `nbytes` fit in a quarter of the memory available (both backends keep them
+    beside the float32 weights, so they are half of float32's bytes again); True where that cannot be read."""
+    from enginecore.kv_cache import available_memory_bytes
+
+    avail = available_memory_bytes()
+    if avail is None or nbytes <= avail // 4:
+        return True
+    logger.info("bfloat16 weights: their %.1f GiB copy would take more than a quarter of the memory available "
+                "(%.1f GiB); float32 only", nbytes / 2**30, avail / 2**30)
+    return False
+
+
+def same_bits(what: str, want: np.ndarray, have: np.ndarray) -> bool:
+    """Whether `have` holds `want`'s float32 bits (as bits: -0.0 is not 0.0), else a warning that `what` keeps
+    float32 only (a GGUF file's blocks that another loader's arithmetic dequantized otherwise)."""
+    if have.shape == want.shape and np.array_equal(np.ascontiguousarray(want, np.float32).view(np.uint32),
+                                                   np.ascontiguousarray(have, np.float32).view(np.uint32)):
+        return True
+    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
+                   what)
+    return False
 
 
 def qx_shape(N: int, K: int, kind: int) -> tuple[int, int, int]:
@@ -73,7 +113,9 @@ def pack_bf16x(w: np.ndarray) -> np.ndarray:
     page faults)."""
     N, K = w.shape
     G, P, full = K // 32, -(-N // PANEL), N // PANEL
-    hi = np.ascontiguousarray(w, np.float32).view(np.uint16)[:, 1::2]  # the high halves (little-endian), a view
+    if not _LITTLE:
+        raise ValueError("pack_bf16x: a little-endian machine's float32 layout is assumed")
+    hi = np.ascontiguousarray(w, np.float32).view(np.uint16)[:, 1::2]  # the high halves, a view
     out = np.empty((P, G, 32, PANEL), np.uint16)
     out[:full] = hi[: full * PANEL].reshape(full, PANEL, G, 32).transpose(0, 2, 3, 1)
     if full < P:
@@ -87,13 +129,10 @@ def bf16_panels(panels: np.ndarray) -> np.ndarray | None:
     (the layouts agree: per panel and k the 16 rows), or None unless every value is a bfloat16 and K a multiple
     of 32."""
     *lead, NP, K, rows = panels.shape
-    if panels.dtype != np.float32 or rows != PANEL or K % 32 or K == 0:
+    if rows != PANEL or K % 32 or not bf16_exact(panels):
         return None
-    halves = np.ascontiguousarray(panels).view(np.uint16)
-    if halves[..., 0::2].any():  # a low half not zero: not a bfloat16
-        return None
-    return np.ascontiguousarray(halves[..., 1::2]).view(np.uint8).reshape(*lead, NP, K // 32,
-                                                                          QX_GROUP_BYTES[QX_KINDS["BF16"]])
+    return np.ascontiguousarray(panels.view(np.uint16)[..., 1::2]).view(np.uint8).reshape(
+        *lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BF16"]])
 
 
 def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:

@@ -366,6 +366,13 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::Success();
 }
 
+// Panels a slice of a qx call over NP panels of T x K x N multiply-adds: all of them where one thread does it all
+// (little work), else two slices a thread (a thread that starts late leaves less to wait for; qx_panels
+// prefetches the next panel within a slice).
+static int64_t qx_slice(int64_t NP, int64_t T, int64_t K, int64_t N, int64_t threads) {
+    return T * K * N < kParallelWork || threads <= 1 ? NP : std::max<int64_t>(1, (NP + 2 * threads - 1) / (2 * threads));
+}
+
 // x [T, K] times layer l of w [L, NP, K / 32, group bytes] (qx_gemm's panels of `kind`, stacked) for N output
 // columns: the operands checked; then fn(p0, p1, set) over slices of the panels on the calling thread and XLA's
 // (set: the slice), `sets` of them.
@@ -385,8 +392,7 @@ ffi::Error PlanQxCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buff
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
     c.T = T, c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * pb;
-    const int64_t threads = T * K * N < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-    c.per = std::max<int64_t>(1, (NP + 2 * threads - 1) / (2 * threads));
+    c.per = qx_slice(NP, T, K, N, pool.num_threads());
     c.sets = T == 0 ? 0 : (NP + c.per - 1) / c.per;
     return ffi::Error::Success();
 }
@@ -652,17 +658,16 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         out->element_count() != (size_t)(T * H) || cache_out->element_count() != cache.element_count())
         return ffi::Error::InvalidArgument("layers: shapes disagree");
     // a linear's qx panels [L, NP, K / 32, group bytes] of qx_kind (empty: none), for steps of up to qx_rows
-    const auto qx_of = [&](ffi::Buffer<ffi::U8> &b, int64_t K, const ffi::Span<const int64_t> &p) -> const uint8_t * {
-        if (b.element_count() == 0 || T > qx_rows) return nullptr;
-        const long pb = qx_panel_bytes(qx_kind, (int)K);
-        return pb > 0 && b.element_count() == (size_t)(L * p[1] * pb) ? b.typed_data() : nullptr;
-    };
-    const uint8_t *qx_w[4] = {qx_of(qkv_qx, H, qd), qx_of(o_qx, Hq * D, od), qx_of(gate_up_qx, H, gd),
-                              qx_of(down_qx, I, dd)};
+    // tokens (not counting padding)
+    ffi::Buffer<ffi::U8> *qx_b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
+    const int64_t qx_k[4] = {H, Hq * D, H, I}, qx_np[4] = {qd[1], od[1], gd[1], dd[1]};
+    const uint8_t *qx_w[4] = {nullptr, nullptr, nullptr, nullptr};
     for (int i = 0; i < 4; i++) {
-        ffi::Buffer<ffi::U8> *b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
-        if (b[i]->element_count() != 0 && T <= qx_rows && qx_w[i] == nullptr)
+        if (qx_b[i]->element_count() == 0) continue;
+        const long pb = qx_panel_bytes(qx_kind, (int)qx_k[i]);
+        if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * qx_np[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
+        qx_w[i] = qx_b[i]->typed_data();
     }
     const int kv_type = KvType(cache.element_type());
     if (kv_type < 0 || cache_out->element_type() != cache.element_type())
@@ -696,15 +701,19 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
             kl.push_back(len);
         }
     }
+    // the real tokens: rows [Tr, T) are padding (the bucket's), not computed; out gets zeros there
+    const int64_t Tr = d2 > 0 ? cu[d2] : 0;
+    if (Tr < T) std::fill(out->typed_data() + Tr * H, out->typed_data() + T * H, 0.f);
+    if (Tr == 0) return ffi::Error::Success();
     const int np = (int)qs.size(), bq = prefill_attention_bq();
     const int p_tasks = prefill_attention_num_tasks(np, ql.data(), (int)Hkv, bq);
     if (p_tasks < 0) return ffi::Error::InvalidArgument("layers: too many prefill attention tasks");
     // the rows wanted from the last layer, when fewer than all (then its o linear and MLP run on them alone)
     const int32_t *kp = keep.typed_data();
-    const int64_t S = all_rows.typed_data()[0] || d2 >= T ? T : d2;
-    if (S < T)
+    const int64_t S = all_rows.typed_data()[0] || d2 >= Tr ? Tr : d2;
+    if (S < Tr)
         for (int64_t i = 0; i < S; i++)
-            if (kp[i] < 0 || kp[i] >= T) return ffi::Error::InvalidArgument("layers: a kept row outside the tokens");
+            if (kp[i] < 0 || kp[i] >= Tr) return ffi::Error::InvalidArgument("layers: a kept row outside the tokens");
 
     // the activations: residual, h, y [T, H], qkv [T, QKV], att [T, Hq D], gu [T, 2 I], act [T, I]
     std::unique_lock<std::mutex> lock(g_workspace.mu, std::try_to_lock);
@@ -714,8 +723,8 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     if (ws.size() < need) ws.resize(need);
     float *residual = ws.data(), *h = residual + T * H, *y = h + T * H, *qkv = y + T * H, *att = qkv + T * QKV;
     float *gu = att + T * Hq * D, *act = gu + T * 2 * I;
-    std::fill(att, att + T * Hq * D, 0.f);  // padding tokens' rows stay 0 (attention writes the others)
-    std::copy(x.typed_data(), x.typed_data() + T * H, residual);
+    std::fill(att, att + Tr * Hq * D, 0.f);  // (attention writes every real token's row)
+    std::copy(x.typed_data(), x.typed_data() + Tr * H, residual);
 
     auto team = Team::make(pool, std::max<int64_t>(1, pool.num_threads()));
     const int64_t threads = team->threads();
@@ -728,8 +737,8 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const auto linear = [&](const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp, int64_t N,
                             float *o) {
         if (qp != nullptr) {
-            const int64_t NP = (N + 15) / 16, tt = M * K * N < kParallelWork ? 1 : threads;
-            team->run(NP, std::max<int64_t>(1, (NP + 2 * tt - 1) / (2 * tt)), [=](int64_t a, int64_t b) {
+            const int64_t NP = (N + 15) / 16;
+            team->run(NP, qx_slice(NP, M, K, N, threads), [=](int64_t a, int64_t b) {
                 qx_gemm_part(in, (int)M, (int)K, qp, (int)N, o, nullptr, qx_kind, (int)a, (int)b);
             });
             return;
@@ -756,24 +765,24 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const bool has_bias = qkv_b.element_count() != 0, has_qk_norm = q_norm.element_count() != 0;
     std::atomic<int> rc{0};
     // after the last layer's attention, the S kept rows alone (gathered: row i is token kp[i])
-    const bool gathered = S < T;
+    const bool gathered = S < Tr;
 
     for (int64_t l = 0; l < L; l++) {
         char *kvc = c + l * layer_bytes;
         const size_t P = (size_t)l;
         const float *an = attn_norm.typed_data() + P * H, *mn = mlp_norm.typed_data() + P * H;
         // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
-        rows(T, H, [=](int64_t a, int64_t b) {
+        rows(Tr, H, [=](int64_t a, int64_t b) {
             rms_norm((l == 0 ? residual : y) + a * H, (int)(b - a), (int)H, H, l == 0 ? nullptr : residual + a * H,
                      an, eps, h + a * H);
         });
         // layer l's qx panels of a linear (K inputs, NP panels), nullptr where none
         const auto qx_l = [&](int i, int64_t K, int64_t NP) -> const uint8_t * {
-            return qx_w[i] == nullptr ? nullptr : qx_w[i] + P * NP * qx_panel_bytes(qx_kind, (int)K);
+            return qx_w[i] == nullptr || Tr > qx_rows ? nullptr : qx_w[i] + P * NP * qx_panel_bytes(qx_kind, (int)K);
         };
-        linear(h, T, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
+        linear(h, Tr, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
         // bias, q/k norms, RoPE and the cache write, token by token
-        rows(T, QKV * 4, [=](int64_t a, int64_t b) {
+        rows(Tr, QKV * 4, [=](int64_t a, int64_t b) {
             for (int64_t t = a; t < b; t++) {
                 float *row = qkv + t * QKV;
                 if (has_bias)
@@ -807,13 +816,13 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
             if (e) rc.store(1);
         });
         const bool gather = l == L - 1 && gathered;
-        const int64_t M = gather ? S : T;
+        const int64_t M = gather ? S : Tr;
         float *at = gather ? qkv : att;  // (qkv is not read after attention: S Hq D <= T QKV floats)
         if (gather) {
             // out gets every row's residual stream (the rows not kept are returned so), then residual and qkv the
             // kept rows' stream and attention, in the order of kp
             float *o = out->typed_data();
-            rows(T, H, [=](int64_t a, int64_t b) { std::copy(residual + a * H, residual + b * H, o + a * H); });
+            rows(Tr, H, [=](int64_t a, int64_t b) { std::copy(residual + a * H, residual + b * H, o + a * H); });
             rows(S, H + Hq * D, [=](int64_t a, int64_t b) {
                 for (int64_t i = a; i < b; i++) {
                     std::copy(o + kp[i] * H, o + (kp[i] + 1) * H, residual + i * H);
@@ -830,7 +839,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, qx_l(3, I, dd[1]), H, y);
     }
     float *o = out->typed_data();
-    rows(gathered ? S : T, H, [=](int64_t a, int64_t b) {
+    rows(gathered ? S : Tr, H, [=](int64_t a, int64_t b) {
         for (int64_t i = a; i < b; i++) {
             float *oi = o + (gathered ? kp[i] : i) * H;
             for (int64_t j = 0; j < H; j++) oi[j] = residual[i * H + j] + y[i * H + j];

@@ -10,7 +10,7 @@
 - `panel_argmax(x, panels, l, n)`: each row's argmax of that product without writing it: greedy sampling's LM
   head (the torch backend's `greedy_tokens`: the same tokens).
 - `qx_linear`, `qx_argmax` (and `layers`' qx): the same from the weights as stored (`enginecore.qx`: a GGUF
-  file's blocks, a bfloat16 checkpoint's halves; `model.attach_cpu_qx`), the same bits from fewer bytes.
+  file's blocks, a bfloat16 checkpoint's halves; `loader.attach_cpu_qx`), the same bits from fewer bytes.
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
   the torch backend's `decode_attention` with the cache's interleaved K/V strides.
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from enginecore import qx
 from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
 from enginecore.platform import cpu_kernels_unavailable
 
@@ -65,7 +66,7 @@ INVERSE_CDF = "xlaserve_cpu_inverse_cdf"
 TOP_P_THRESHOLDS = "xlaserve_cpu_top_p_thresholds"
 LAYERS = "xlaserve_cpu_layers"
 ZEROS = "xlaserve_cpu_zeros"
-PANEL = 16  # output rows a panel (torchengine.cpu_kernels.PANEL)
+PANEL = qx.PANEL  # output rows a panel (torchengine.cpu_kernels.PANEL)
 
 
 def available() -> str:
@@ -298,7 +299,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     wanted, and the last layer's o linear and MLP run on those rows alone (the same bits; the other rows hold
     the residual stream before that layer's attention). qx: (qkv, o, gate_up, down)'s qx panels of `qx_kind`
     (`qx_linear`'s; None or an empty array: none), which steps of up to `qx_rows` tokens multiply instead (the
-    same bits).
+    same bits). Only the real tokens (cu_q_lens[requests]) are computed; the bucket's padding rows of hidden are
+    zeros.
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew). A block or row outside the cache or the tokens is an error."""

@@ -173,7 +173,6 @@ def _host_array(shape: tuple, dtype) -> np.ndarray:
     return huge_page_array(int(np.prod(shape)), dtype).reshape(shape)
 
 
-__all__ = ["LayerParams", "load_params", "param_path"]
 
 
 # CpuPanels' linears and the linears a GGUF file stores them as
@@ -189,10 +188,8 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
     linears share one kind (`CpuPanels.qx_kind`: the custom call takes one); a linear of another keeps float32
     only. Returns (the params, how many of the five groups got them)."""
     import dataclasses
-    import logging
 
     from enginecore import qx
-    from enginecore.kv_cache import available_memory_bytes
 
     p = params.panels
     if p is None:
@@ -205,19 +202,19 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
             gs = [groups.get((l, stored)) for l in range(arch.num_hidden_layers)]
             if any(x is None for x in gs) or len({x.is_q4_0 for x in gs}) != 1:
                 continue
-            if not all(_panels_hold(host[g][l], x.dequantize()) for l, x in enumerate(gs)):
-                logging.getLogger(__name__).warning("%s: the GGUF blocks do not give the loaded float32 weights bit "
-                                                    "for bit; float32 only", g)
+            if not all(qx.same_bits(f"layer {l}'s {g}", x.dequantize(), _panel_rows(host[g][l], x.q.shape))
+                       for l, x in enumerate(gs)):
                 continue
             q40 = gs[0].is_q4_0
             got[g] = (np.stack([qx.pack_q4x(x.q, x.scale, None if q40 else x.offset) for x in gs]),
                       qx.QX_KINDS["Q4_0" if q40 else "Q4_1"])
-        if head is not None and _panels_hold(host["head"][0], head.dequantize()):
+        if head is not None and qx.same_bits("the LM head", head.dequantize(), _panel_rows(host["head"][0],
+                                                                                          head.q.shape)):
             got["head"] = (qx.pack_q8x(head.q, head.scale)[None], qx.QX_KINDS["Q8_0"])
-    bf16 = {g: b for g in host if g not in got and (b := qx.bf16_panels(host[g])) is not None}
-    avail = available_memory_bytes()
-    if bf16 and (avail is None or sum(b.nbytes for b in bf16.values()) <= avail // 4):
-        got.update((g, (b, qx.QX_KINDS["BF16"])) for g, b in bf16.items())
+    # bfloat16 halves: checked in place, and copied only if they all fit
+    bf16 = [g for g in host if g not in got and host[g].shape[-2] % 32 == 0 and qx.bf16_exact(host[g])]
+    if bf16 and qx.bf16_copies_fit(sum(host[g].nbytes // 2 for g in bf16)):
+        got.update((g, (qx.bf16_panels(host[g]), qx.QX_KINDS["BF16"])) for g in bf16)
     kinds = [k for g, (_, k) in got.items() if g != "head"]
     kind = max(set(kinds), key=kinds.count) if kinds else -1  # one kind for the linears: the most common
     fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, k) in got.items()
@@ -228,8 +225,12 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
     return dataclasses.replace(params, panels=panels), len(fields)
 
 
-def _panels_hold(panels: np.ndarray, w: np.ndarray) -> bool:
-    """Whether float32 panels [NP, K, 16] hold the [N, K] weight `w` bit for bit."""
-    N, K = w.shape
-    rows = panels.transpose(0, 2, 1).reshape(-1, K)[:N]
-    return rows.shape == w.shape and np.array_equal(rows.view(np.uint32), np.ascontiguousarray(w, np.float32).view(np.uint32))
+def _panel_rows(panels: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The [N, K] weight float32 panels [NP, K, 16] hold (an empty array if they cannot hold one of `shape`)."""
+    N, K = shape
+    if panels.ndim != 3 or panels.shape[1] != K or panels.shape[0] * 16 < N:
+        return np.zeros((0, 0), np.float32)
+    return panels.transpose(0, 2, 1).reshape(-1, K)[:N]
+
+
+__all__ = ["LayerParams", "attach_cpu_qx", "load_params", "param_path"]

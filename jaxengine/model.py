@@ -358,7 +358,7 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
     return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
                   kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
-                  (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx) if x.shape[0] <= rows else None,
+                  (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx),  # (the call takes them for steps of <= rows tokens)
                   num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
                   sliding_window=arch.sliding_window, qx_kind=p.qx_kind, qx_rows=rows)
 

@@ -295,7 +295,9 @@ class JaxModelRunner:
 
     def abstract_inputs(self) -> AbstractInputs:
         """The programs' device inputs from the config and the mesh alone: what `load_model` and
-        `init_kv_cache` create, without reading or allocating anything."""
+        `init_kv_cache` create, without reading or allocating anything; on a CPU with the panels, once the
+        model is loaded, with the qx panels `attach_cpu_qx` gave it (which depend on the weights: a program
+        compiled before the load has none, and its params' structure differs from the loaded ones')."""
         if not self.num_blocks:
             raise RuntimeError("the KV cache shape is not fixed yet: call init_kv_cache(num_blocks) first")
         rep = self._rep

@@ -647,8 +647,9 @@ def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
 
 def test_layers_with_qx_panels_give_the_bits_without_them():
     """`cpu_kernels.layers` given bfloat16-exact weights' qx panels (one linear without: its K is not a multiple
-    of 32) computes a step of up to qx_rows tokens from them: the hidden states and the cache the same bits as
-    from the float32 panels alone; qx panels of another layer count are an error."""
+    of 32) computes a step of up to qx_rows real tokens from them (the bucket's padding rows not counted, nor
+    computed: zeros): the hidden states and the cache the same bits as from the float32 panels alone; qx panels
+    of another layer count are an error."""
     from enginecore import qx
 
     L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=31)
@@ -657,8 +658,10 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
     halves = [qx.bf16_panels(np.asarray(p)) for p in args[3:7]]
     assert halves[3] is None and all(h is not None for h in halves[:3])  # down: K = I = 40
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
+    real = int(cu[-1])
+    assert real < T and not np.asarray(want[0])[real:].any()  # padding rows: zeros, not computed
     g = jax.jit(functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5,
-                                  qx_kind=qx.QX_KINDS["BF16"], qx_rows=T))
+                                  qx_kind=qx.QX_KINDS["BF16"], qx_rows=real))
     got = g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, tuple(halves))
     assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))

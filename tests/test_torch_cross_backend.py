@@ -112,22 +112,26 @@ def test_a_16bit_kv_cache_gives_the_same_bits_on_both_backends(smollm2_hf_dir):
 
 
 @pytest.mark.skipif(not SAME_KERNELS, reason="the AVX2 kernels do not run here")
-@pytest.mark.parametrize("model", ["gguf", "bf16"])
-def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, tiny_bf16_llama_dir, monkeypatch):
+@pytest.mark.parametrize("model,cpu_layers", [("gguf", True), ("gguf", False), ("bf16", True)])
+def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_layers, tiny_bf16_llama_dir,
+                                                                  monkeypatch):
     """The jax backend's decode steps from the weights as stored (`jaxengine.loader.attach_cpu_qx`: the embedded
-    GGUF's Q4_1 linears and Q8_0 LM head; a bfloat16 checkpoint's halves) give the torch backend's float32-only
-    bits (`XLASERVE_Q4X=off`): the same tokens and logprobs, greedy (the head's argmax) and with logprobs (the
-    logits)."""
+    GGUF's Q4_1 linears and Q8_0 LM head; a bfloat16 checkpoint's halves), in the one-call layers and in the scan
+    over layers (`cpu_layers` off: a custom call per linear), give the torch backend's float32-only bits
+    (`XLASERVE_Q4X=off`): the same tokens and logprobs, greedy (the head's argmax) and with logprobs (the
+    logits). Three requests, then five (a bucket of 8 rows: the Q4 panels' limit)."""
     from enginecore import qx
 
     path = None if model == "gguf" else tiny_bf16_llama_dir
-    prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(3)]
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(5)]
+    runs = [(prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)),
+            (prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
+            (prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]
     res = {}
     for backend in ("jax", "torch"):
         monkeypatch.setenv("XLASERVE_Q4X", "on" if backend == "jax" else "off")
-        llm = engine(backend, path)
+        llm = engine(backend, path, **({} if cpu_layers or backend == "torch" else
+                                       {"compilation_config": {"cpu_layers": False}}))
         try:
             if backend == "jax":
                 p = llm.llm_engine.core.runner.params.panels
@@ -135,7 +139,7 @@ def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, tiny_bf
                 assert kinds == ((qx.QX_KINDS["Q4_1"], qx.QX_KINDS["Q8_0"]) if model == "gguf" else
                                  (qx.QX_KINDS["BF16"],) * 2)
                 assert all(getattr(p, f"{g}_qx") is not None for g in ("qkv", "o", "gate_up", "down", "head"))
-            res[backend] = [llm.generate(prompts, sp, use_tqdm=False) for sp in params]
+            res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:
             llm.llm_engine.core.shutdown()
     for a_runs, b_runs in zip(res["jax"], res["torch"]):

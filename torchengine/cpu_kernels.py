@@ -153,11 +153,9 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
-    """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero: a bfloat16 checkpoint's
-    weight loaded in float32), so `pack_bf16x` holds it exactly."""
-    # the low halves as a strided view (little-endian, as the AVX2 kernels' machines are): no copy of w
-    return (w.dtype == torch.float32 and w.is_contiguous()
-            and not bool(w.detach().view(torch.int16)[..., 0::2].any()))
+    """`enginecore.qx.bf16_exact` of a CPU tensor: every value of the float32 `w` a bfloat16, so `pack_bf16x`
+    holds it exactly."""
+    return w.dtype == torch.float32 and w.is_cpu and qx.bf16_exact(w.detach().numpy())
 
 
 def pack_bf16x(w: torch.Tensor) -> torch.Tensor:
@@ -175,7 +173,7 @@ def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
             greedy: bool = False) -> torch.Tensor:
-    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` (`kind`: QX_KINDS) -> [M, N]
+    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `pack_bf16x` (`kind`: QX_KINDS) -> [M, N]
     float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape

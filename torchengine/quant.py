@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
-from enginecore.qx import gguf_linear_groups
+from enginecore.qx import bf16_copies_fit, gguf_linear_groups, same_bits
 from torchengine import cpu_kernels
 
 logger = logging.getLogger("xlaserve.torchengine")
@@ -149,7 +149,6 @@ def attach_qx(model, source: ModelSource) -> int:
 def _attach_bf16x(model, head_w: torch.Tensor | None) -> int:
     """attach_qx's bfloat16 part: every float32 `Linear` without qx panels, and the LM head (`head_w`, the
     embedding when tied), whose values are all bfloat16s gets them as QX_BF16 panels."""
-    from enginecore.kv_cache import available_memory_bytes
     from torchengine.model import Linear
 
     def fits(w: torch.Tensor | None) -> bool:
@@ -158,10 +157,7 @@ def _attach_bf16x(model, head_w: torch.Tensor | None) -> int:
     lins = [m for m in model.modules() if type(m) is Linear and m.qx is None and fits(m.weight)]
     head = model.head_qx is None and model.head_panels is None and fits(head_w)
     need = 2 * (sum(m.weight.numel() for m in lins) + (head_w.numel() if head else 0))
-    avail = available_memory_bytes()
-    if need and avail is not None and need > avail // 4:
-        logger.info("bfloat16 weights: their %.1f GiB copy would take more than a quarter of the memory available "
-                    "(%.1f GiB); float32 only", need / 2**30, avail / 2**30)
+    if not need or not bf16_copies_fit(need):
         return 0
     bf16 = cpu_kernels.QX_KINDS["BF16"]
     for m in lins:
@@ -177,12 +173,7 @@ def _cpu_float32(w: torch.Tensor | None) -> bool:
 
 def _same_weight(what: str, want: np.ndarray, have: torch.Tensor) -> bool:
     """Whether `have` holds `want`'s bits (as bits: -0.0 is not 0.0), else a warning."""
-    have = have.detach().contiguous().numpy()
-    if have.shape == want.shape and np.array_equal(want.view(np.uint32), have.view(np.uint32)):
-        return True
-    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
-                   what)
-    return False
+    return same_bits(what, want, have.detach().contiguous().numpy())
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
