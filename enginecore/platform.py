@@ -90,23 +90,52 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
 
     Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
     kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
-    4 and 16; without them (torch's own ops, or bfloat16, which torch computes slowly on a CPU) jax is the
-    faster one.
+    4 and 16; without them (torch's own ops) jax is the faster one. bfloat16 weights run neither backend's
+    kernels (they are float32): where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX: oneDNN, which
+    torch's bfloat16 matmuls use) torch, whose decode step of the embedded model took 31 ms at batch 1 and 41 ms
+    at 8 on a 2-core Zen 4 against XLA:CPU's 1.4 and 2.1 s (`cpu_dtype_note`); elsewhere jax, as measured before.
     """
+    if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
+        return "jax"
+    if resolve_dtype(dtype, "cpu") == "bfloat16" and cpu_bf16_matmuls() and DTYPE_ALIASES.get(
+            kv_cache_dtype, kv_cache_dtype) in ("auto", "float32", "float16", "bfloat16") and not _jax_features(
+            attention_backend, load_format, model, compilation_cache_dir):
+        return "torch"
     if cpu_kernels_unavailable():
         return "jax"
     if resolve_dtype(dtype, "cpu") != "float32" or DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype) not in (
             "auto", "float32", "float16", "bfloat16"):
         return "jax"
-    if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
-        return "jax"
-    if attention_backend != "torch":
-        from enginecore.model_loader import is_orbax_checkpoint
+    return "jax" if _jax_features(attention_backend, load_format, model, compilation_cache_dir) else "torch"
 
-        if load_format == "orbax" or compilation_cache_dir is not None or (
-                load_format == "auto" and bool(model) and is_orbax_checkpoint(model)):
-            return "jax"
-    return "torch"
+
+def _jax_features(attention_backend: str, load_format: str, model: str | None,
+                  compilation_cache_dir: str | None) -> bool:
+    """Whether the settings ask for jax's own features (orbax weights, an XLA compilation cache), unless
+    `--attention-backend torch` asks for torch."""
+    if attention_backend == "torch":
+        return False
+    from enginecore.model_loader import is_orbax_checkpoint
+
+    return load_format == "orbax" or compilation_cache_dir is not None or (
+        load_format == "auto" and bool(model) and is_orbax_checkpoint(model))
+
+
+def cpu_bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def cpu_dtype_note(dtype: str) -> str:
+    """A warning for serving 16-bit weights on a CPU ("" for float32): they run the framework's own ops, not the
+    float32 CPU kernels, and are much slower here than float32, which is exact and reads a bfloat16
+    checkpoint's weights as bfloat16 in decode steps anyway."""
+    if dtype == "float32":
+        return ""
+    return (f"--dtype {dtype} on a CPU runs the framework's own {dtype} ops, not the CPU kernels (float32): a "
+            "decode step is many times slower than in float32 (the embedded model at batch 1 on a 2-core Zen 4: "
+            "torch 31 ms, jax 1.4 s, against 6-7 ms in float32). float32, the default on a CPU, computes a "
+            "bfloat16 checkpoint exactly and reads its weights as bfloat16 in decode steps of few rows.")
 
 
 # CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where

@@ -39,7 +39,7 @@ from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -116,6 +116,8 @@ class JaxModelRunner:
         self.kv_repeats = kv_head_repeats(model.config, pc.tensor_parallel_size)
         self.arch = repeat_kv_heads(model.config, self.kv_repeats)
         self.dtype = resolve_dtype(mc.dtype, self.platform)
+        if self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
+            logger.warning(note)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)

@@ -248,8 +248,17 @@ def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
     orbax = tmp_path / "orbax-model"
     (orbax / "orbax").mkdir(parents=True)
     (orbax / "xlaserve_orbax.json").write_text("{}")
-    for kw in (dict(dtype="bfloat16"), dict(dtype="bfloat16", kv_cache_dtype="bfloat16"),
-               dict(attention_backend="reference"),
+    from enginecore import platform as plat
+
+    # bfloat16 weights run no kernels of ours: torch where the CPU multiplies bfloat16 natively (oneDNN), else jax
+    for native in (True, False):
+        monkeypatch.setattr(plat, "cpu_bf16_matmuls", lambda native=native: native)
+        for kw in (dict(dtype="bfloat16"), dict(dtype="bfloat16", kv_cache_dtype="bfloat16")):
+            assert backend(**kw) == ("torch" if native else "jax"), (native, kw)
+        assert backend(dtype="bfloat16", compilation_cache_dir=str(tmp_path)) == "jax"  # jax's own feature
+        assert backend(dtype="float16") == "jax"
+    assert plat.cpu_dtype_note("float32") == "" and "float32" in plat.cpu_dtype_note("bfloat16")
+    for kw in (dict(attention_backend="reference"),
                dict(data_parallel_size=2), dict(tensor_parallel_size=2), dict(backend="jax"),
                dict(load_format="orbax"), dict(model=str(orbax)), dict(compilation_cache_dir=str(tmp_path))):
         assert backend(**kw) == "jax", kw

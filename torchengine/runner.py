@@ -40,7 +40,7 @@ from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.native import describe_huge_pages, huge_page_array
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.sampling_params import SamplingParams
@@ -126,6 +126,8 @@ class TorchModelRunner:
         else:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
         self.dtype = _DTYPES[resolve_dtype(mc.dtype, dc.platform, capability)]
+        if self.device.type == "cpu" and (note := cpu_dtype_note(resolve_dtype(mc.dtype, "cpu"))):
+            logger.warning(note)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
         self.arch = model.config
         heads, kv_heads = self.arch.num_attention_heads, self.arch.num_key_value_heads
