@@ -242,8 +242,8 @@ def ragged_paged_attention_xla(
 
     `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` and the prefill and mixed
     rows as `cpu_kernels.prefill_attention` (the cache read in place, every query with the same arithmetic;
-    on a CPU, float32 queries, a float32 / float16 / bfloat16 cache, no soft cap; otherwise this path's own
-    loops)."""
+    on a CPU, a float32 / float16 / bfloat16 cache, no soft cap; 16-bit queries are read into float32 and the
+    output rounded back; otherwise this path's own loops)."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
     table = block_tables.reshape(R, -1)
@@ -262,24 +262,25 @@ def ragged_paged_attention_xla(
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    cpu = cpu_decode and soft_cap is None and q.dtype == jnp.float32
+    cpu = cpu_decode and soft_cap is None and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     if cpu:
         from jaxengine import cpu_kernels
 
         cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
-    if cpu:
-        dec = cpu_kernels.decode_attention(q[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
+    if cpu:  # (16-bit queries, a 16-bit model's: read exactly into float32, the output rounded back)
+        q32 = q.astype(jnp.float32)
+        dec = cpu_kernels.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
                                            sliding_window=sliding_window)
     else:
         dec = _decode_switch(
             q[tok], kv_cache, table, kv_lens, distribution[0],
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )
-    out = jnp.zeros((T, Hq, D), q.dtype)
-    out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(q.dtype), mode="drop")
+    out = jnp.zeros((T, Hq, D), jnp.float32 if cpu else q.dtype)
+    out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(out.dtype), mode="drop")
     if cpu:
-        out = cpu_kernels.prefill_attention(q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
-                                            sm_scale=sm_scale, sliding_window=sliding_window)
+        out = cpu_kernels.prefill_attention(q32, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+                                            sm_scale=sm_scale, sliding_window=sliding_window).astype(q.dtype)
     else:
         out = _prefill_attention(
             q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
