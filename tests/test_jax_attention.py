@@ -161,3 +161,30 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode):
     big = [line.strip() for line in hlo.splitlines()
            if f"[{L * pages}," in line and (" copy(" in line or "copy-start" in line)]
     assert not big, "\n".join(big[:4])
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode_only"])
+def test_a_16bit_models_attention_on_the_cpu_kernels(case):
+    """A bfloat16 model's attention with `cpu_decode` (jax on a CPU runs it so for 16-bit models too): its
+    queries read into float32, a bfloat16 cache, the output rounded back to bfloat16 (padding rows 0); against
+    the numpy reference on the same rounded values, within bfloat16's rounding of the output."""
+    from jaxengine import cpu_kernels
+
+    if cpu_kernels.available():
+        pytest.skip(f"the CPU custom calls do not run here: {cpu_kernels.available()}")
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    q, k, v, cache, kv_lens, table, cu, dist = make_batch(*CASES[case], Hq=6, Hkv=2, D=16, seed=5)
+    q, k, v, cache = bf(q), bf(k), bf(v), bf(cache)
+    b16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    f = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale", "sliding_window", "cpu_decode"))
+    args = (b16(q), b16(k), b16(v), b16(cache), jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu),
+            jnp.asarray(dist))
+    hlo = f.lower(*args, sm_scale=0.25, cpu_decode=True).as_text()
+    assert cpu_kernels.DECODE_ATTENTION in hlo and cpu_kernels.PREFILL_ATTENTION in hlo  # the kernels' path
+    out, new_cache = f(*args, sm_scale=0.25, cpu_decode=True)
+    assert out.dtype == jnp.bfloat16
+    want_out, want_cache = numpy_reference(q, k, v, cache, kv_lens, table, cu, dist, sm_scale=0.25)
+    T = int(cu[int(dist[2])])
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:T], want_out[:T], rtol=1e-2, atol=1e-2)
+    assert not np.asarray(out.astype(jnp.float32))[T:].any(), "padding rows must be 0"
+    np.testing.assert_array_equal(np.asarray(new_cache.astype(jnp.float32)), want_cache)
