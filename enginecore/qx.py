@@ -39,6 +39,14 @@ logger = logging.getLogger(__name__)
 _LITTLE = sys.byteorder == "little"
 
 
+def enabled() -> bool:
+    """Whether the runners keep the weights as stored beside float32 (`XLASERVE_Q4X=off`: float32 only, every
+    kind; the variable is named for the first)."""
+    import os
+
+    return os.environ.get("XLASERVE_Q4X", "on") != "off"
+
+
 def bf16_exact(w: np.ndarray) -> bool:
     """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero: a bfloat16 checkpoint's weight
     served in float32), so its high halves hold it exactly. Reads the low halves in place (no copy)."""

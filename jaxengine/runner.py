@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from enginecore import qx
 from enginecore.arch import rope_cos_sin
 from enginecore.buckets import Buckets, pick_bucket
 from enginecore.config import ConfigError, EngineConfig
@@ -39,7 +40,7 @@ from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -116,8 +117,6 @@ class JaxModelRunner:
         self.kv_repeats = kv_head_repeats(model.config, pc.tensor_parallel_size)
         self.arch = repeat_kv_heads(model.config, self.kv_repeats)
         self.dtype = resolve_dtype(mc.dtype, self.platform)
-        if self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
-            logger.warning(note)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)
@@ -226,7 +225,7 @@ class JaxModelRunner:
         if self.cpu_linears:
             params, self.params = self.params, None
             self.params = pack_cpu_panels(params)
-            if os.environ.get("XLASERVE_Q4X", "on") != "off":
+            if qx.enabled():
                 self.params, n = attach_cpu_qx(self.params, self.source, self.arch)
                 if n:
                     logger.info("jax: %d weight groups also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), "
@@ -312,12 +311,9 @@ class JaxModelRunner:
         if self.cpu_linears:  # one device
             params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
                                   jax.eval_shape(pack_cpu_panels, params))
-            if self.params is not None and self.params.panels is not None:  # the qx panels attach_cpu_qx gave
-                p = self.params.panels
-                qx = {f.name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) if hasattr(v, "shape") else v
-                      for f in dataclasses.fields(p) if f.name.endswith(("_qx", "qx_kind"))
-                      and (v := getattr(p, f.name)) is not None}
-                params = dataclasses.replace(params, panels=dataclasses.replace(params.panels, **qx))
+            if self.params is not None and self.params.panels is not None:  # loaded: its panels, qx ones included
+                params = dataclasses.replace(params, panels=jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.params.panels))
         kv = jax.ShapeDtypeStruct(self._kv_cache_shape(self.num_blocks), jnp_dtype(self.kv_dtype),
                                   sharding=self._kv_sharding)
         table = jax.ShapeDtypeStruct((self.config.scheduler_config.max_model_len + 1, self.arch.head_dim // 2),

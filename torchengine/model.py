@@ -308,7 +308,7 @@ class Transformer(nn.Module):
         if self.head_panels is not None:  # each row's logits the same whatever the row count
             if n == 0:
                 return h.new_empty((0, self.arch.vocab_size))
-            if self.head_qx is not None and n <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]:  # the same bits
+            if self._head_qx(n):  # the same bits
                 return cpu_kernels.qx_gemm(cpu_kernels.lib(), h, self.head_qx, self.arch.vocab_size, self.head_qx_kind)
             return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -324,6 +324,10 @@ class Transformer(nn.Module):
             return torch.mm(w, hh.t())[:, :n].t().contiguous().float()
         return F.linear(h, w).float()
 
+    def _head_qx(self, rows: int) -> bool:
+        """Whether `rows` rows multiply the LM head's qx panels (`head_qx`) instead of its float32 ones."""
+        return self.head_qx is not None and rows <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
         head in panels, folding each tile into a running maximum); None where that path does not run (then
@@ -333,7 +337,7 @@ class Transformer(nn.Module):
         # gives the float32 panels' bits, so either path gives the same token
         if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
             return None
-        if self.head_qx is not None and hidden.shape[0] <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]:  # the same tokens
+        if self._head_qx(hidden.shape[0]):  # the same tokens
             return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_qx,
                                        self.arch.vocab_size, self.head_qx_kind, greedy=True)
         return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,

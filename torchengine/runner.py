@@ -33,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from enginecore import qx
 from enginecore.buckets import Buckets
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
@@ -40,7 +41,7 @@ from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.native import describe_huge_pages, huge_page_array
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.sampling_params import SamplingParams
@@ -126,8 +127,6 @@ class TorchModelRunner:
         else:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
         self.dtype = _DTYPES[resolve_dtype(mc.dtype, dc.platform, capability)]
-        if self.device.type == "cpu" and (note := cpu_dtype_note(resolve_dtype(mc.dtype, "cpu"))):
-            logger.warning(note)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
         self.arch = model.config
         heads, kv_heads = self.arch.num_attention_heads, self.arch.num_key_value_heads
@@ -188,7 +187,7 @@ class TorchModelRunner:
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         elif (self.device.type == "cpu" and self.dtype == torch.float32 and self.tp_size == 1
-              and os.environ.get("XLASERVE_Q4X", "on") != "off"):
+              and qx.enabled()):
             from torchengine.quant import attach_qx
 
             if n := attach_qx(model, self.model_source):
