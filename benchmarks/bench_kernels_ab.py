@@ -352,7 +352,7 @@ def qx_step(args, threads: int) -> int:
         for k, n in SHAPES:
             if bf16:
                 w = bf16_weight(n, k)
-                ws.append((cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w)))
+                ws.append((cpu_kernels.pack_panels(w), cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w))))
                 continue
             g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), f16((n, k // 32), 0.01), f16((n, k // 32), 0.05))
             ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())),
@@ -360,7 +360,7 @@ def qx_step(args, threads: int) -> int:
         layers.append(ws)
     if bf16:
         w = bf16_weight(VOCAB, HIDDEN)
-        head = (cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w))
+        head = (cpu_kernels.pack_panels(w), cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w)))
         kinds = (cpu_kernels.QX_KINDS["BF16"],) * 2
         what = "bfloat16-exact weights as their high halves (qx_gemm, ~270 MB)"
     else:

@@ -5,7 +5,8 @@ blocks' values, and a bfloat16 checkpoint's weights served in float32 are bfloat
 weight exactly from those bytes and sums it in panel_gemm's order, so a decode step of few rows, which streams
 its weights from memory, computes the float32 model's bits from a sixth (Q4) or half (BF16) of the bytes. The
 torch backend's `torchengine.quant.attach_qx` and the jax backend's `jaxengine.loader.attach_cpu_qx` keep these
-panels beside the float32 ones; this module packs them (numpy) and reads a GGUF file's groups per linear.
+panels beside the float32 ones; this module packs them (numpy), reads a GGUF file's groups per linear and checks
+the blocks against the float32 panels with the kernels' own rebuild (`rebuilds`).
 """
 
 from __future__ import annotations
@@ -67,17 +68,6 @@ def bf16_copies_fit(nbytes: int) -> bool:
     return False
 
 
-def same_bits(what: str, want: np.ndarray, have: np.ndarray) -> bool:
-    """Whether `have` holds `want`'s float32 bits (as bits: -0.0 is not 0.0), else a warning that `what` keeps
-    float32 only (a GGUF file's blocks that another loader's arithmetic dequantized otherwise)."""
-    if have.shape == want.shape and np.array_equal(np.ascontiguousarray(want, np.float32).view(np.uint32),
-                                                   np.ascontiguousarray(have, np.float32).view(np.uint32)):
-        return True
-    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
-                   what)
-    return False
-
-
 def qx_shape(N: int, K: int, kind: int) -> tuple[int, int, int]:
     """The panels' shape of an [N, K] weight of `kind`: [ceil(N / 16), K / 32, group bytes]."""
     return -(-N // PANEL), K // 32, QX_GROUP_BYTES[kind]
@@ -114,24 +104,6 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return out
 
 
-def pack_bf16x(w: np.ndarray) -> np.ndarray:
-    """A bfloat16-exact float32 weight [N, K] (every value's low 16 bits zero) -> `qx_gemm`'s QX_BF16 panels,
-    uint8 [ceil(N / 16), K / 32, 1024]: per panel and group of 32 k, per k the 16 rows' high halves (zero rows
-    pad the last panel). Written once into the result (a model's worth of temporaries cost a serve start ~1 s of
-    page faults)."""
-    N, K = w.shape
-    G, P, full = K // 32, -(-N // PANEL), N // PANEL
-    if not _LITTLE:
-        raise ValueError("pack_bf16x: a little-endian machine's float32 layout is assumed")
-    hi = np.ascontiguousarray(w, np.float32).view(np.uint16)[:, 1::2]  # the high halves, a view
-    out = np.empty((P, G, 32, PANEL), np.uint16)
-    out[:full] = hi[: full * PANEL].reshape(full, PANEL, G, 32).transpose(0, 2, 3, 1)
-    if full < P:
-        out[full] = 0
-        out[full, :, :, : N - full * PANEL] = hi[full * PANEL :].reshape(N - full * PANEL, G, 32).transpose(1, 2, 0)
-    return out.view(np.uint8).reshape(P, G, QX_GROUP_BYTES[QX_KINDS["BF16"]])
-
-
 def bf16_panels(panels: np.ndarray) -> np.ndarray | None:
     """float32 panels [..., NP, K, 16] (panel_gemm's) -> the same weights' QX_BF16 panels [..., NP, K / 32, 1024]
     (the layouts agree: per panel and k the 16 rows), or None unless every value is a bfloat16 and K a multiple
@@ -141,6 +113,33 @@ def bf16_panels(panels: np.ndarray) -> np.ndarray | None:
         return None
     return np.ascontiguousarray(panels.view(np.uint16)[..., 1::2]).view(np.uint8).reshape(
         *lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BF16"]])
+
+
+def rebuilds(lib, what: str, packed: np.ndarray, kind: int, N: int, panels: np.ndarray) -> bool:
+    """Whether the qx panels `packed` (of `kind`) rebuild every weight of the float32 panels `panels` ([ceil(N /
+    16), K, 16], panel_gemm's) to its bits, as qx_gemm rebuilds them (the kernels' `qx_mismatches`, in place: `lib`
+    either backend's build); else a warning that `what` keeps float32 only (a GGUF file's blocks that another
+    loader's arithmetic dequantized otherwise)."""
+    K = panels.shape[1] if panels.ndim == 3 else -1
+    ok = (panels.dtype == np.float32 and panels.flags.c_contiguous and panels.shape == (-(-N // PANEL), K, PANEL)
+          and K % 32 == 0 and packed.dtype == np.uint8 and packed.flags.c_contiguous
+          and packed.shape == qx_shape(N, K, kind))
+    if ok and lib.qx_mismatches(packed.ctypes.data, kind, K, N, panels.ctypes.data) == 0:
+        return True
+    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
+                   what)
+    return False
+
+
+def gguf_panels(lib, what: str, g: Int4Groups | Int8Groups, panels: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """A GGUF file's Q4_0 / Q4_1 / Q8_0 groups of a weight -> (its qx panels, their kind) if they rebuild the
+    loaded float32 panels `panels` bit for bit (`rebuilds`), else None."""
+    if isinstance(g, Int8Groups):
+        packed, kind = pack_q8x(g.q, g.scale), QX_KINDS["Q8_0"]
+    else:
+        q40 = g.is_q4_0
+        packed, kind = pack_q4x(g.q, g.scale, None if q40 else g.offset), QX_KINDS["Q4_0" if q40 else "Q4_1"]
+    return (packed, kind) if rebuilds(lib, what, packed, kind, g.q.shape[0], panels) else None
 
 
 def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:

@@ -74,6 +74,11 @@ def available() -> str:
     return _library()[1]
 
 
+def lib() -> ctypes.CDLL | None:
+    """The library (its custom calls registered), or None where it cannot run here (`available` says why)."""
+    return _library()[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the library, its custom calls registered, "") or (None, why not)."""
@@ -106,6 +111,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
         lib.pack_panels_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
         lib.pack_panels_f32.restype = ctypes.c_int
+        lib.qx_mismatches.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.qx_mismatches.restype = ctypes.c_long
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
     return lib, ""

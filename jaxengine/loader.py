@@ -190,27 +190,29 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
     import dataclasses
 
     from enginecore import qx
+    from jaxengine import cpu_kernels
 
     p = params.panels
     if p is None:
         return params, 0
     got: dict[str, tuple[np.ndarray, int]] = {}  # group -> (qx panels, kind)
     host = {g: np.asarray(getattr(p, g)) for g in (*_QX_GROUPS, "head")}  # (zero-copy on a CPU)
-    if getattr(source, "kind", None) == "gguf":
+    lib = cpu_kernels.lib()
+    if getattr(source, "kind", None) == "gguf" and lib is not None:
         groups, head = qx.gguf_linear_groups(source, arch)
         for g, stored in _QX_GROUPS.items():
             gs = [groups.get((l, stored)) for l in range(arch.num_hidden_layers)]
             if any(x is None for x in gs) or len({x.is_q4_0 for x in gs}) != 1:
                 continue
-            if not all(qx.same_bits(f"layer {l}'s {g}", x.dequantize(), _panel_rows(host[g][l], x.q.shape))
-                       for l, x in enumerate(gs)):
-                continue
-            q40 = gs[0].is_q4_0
-            got[g] = (np.stack([qx.pack_q4x(x.q, x.scale, None if q40 else x.offset) for x in gs]),
-                      qx.QX_KINDS["Q4_0" if q40 else "Q4_1"])
-        if head is not None and qx.same_bits("the LM head", head.dequantize(), _panel_rows(host["head"][0],
-                                                                                          head.q.shape)):
-            got["head"] = (qx.pack_q8x(head.q, head.scale)[None], qx.QX_KINDS["Q8_0"])
+            packed = []
+            for l, x in enumerate(gs):
+                if not (one := qx.gguf_panels(lib, f"layer {l}'s {g}", x, host[g][l])):
+                    break
+                packed.append(one)
+            else:
+                got[g] = (np.stack([b for b, _ in packed]), packed[0][1])
+        if head is not None and (h := qx.gguf_panels(lib, "the LM head", head, host["head"][0])):
+            got["head"] = (h[0][None], h[1])
     # bfloat16 halves: checked in place, and copied only if they all fit
     bf16 = [g for g in host if g not in got and host[g].shape[-2] % 32 == 0 and qx.bf16_exact(host[g])]
     if bf16 and qx.bf16_copies_fit(sum(host[g].nbytes // 2 for g in bf16)):
@@ -223,14 +225,6 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
         return params, 0
     panels = dataclasses.replace(p, **fields, qx_kind=kind, head_qx_kind=got["head"][1] if "head" in got else -1)
     return dataclasses.replace(params, panels=panels), len(fields)
-
-
-def _panel_rows(panels: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """The [N, K] weight float32 panels [NP, K, 16] hold (an empty array if they cannot hold one of `shape`)."""
-    N, K = shape
-    if panels.ndim != 3 or panels.shape[1] != K or panels.shape[0] * 16 < N:
-        return np.zeros((0, 0), np.float32)
-    return panels.transpose(0, 2, 1).reshape(-1, K)[:N]
 
 
 __all__ = ["LayerParams", "attach_cpu_qx", "load_params", "param_path"]

@@ -609,7 +609,7 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
     for _ in range(L):
         if kind == "BF16":
             w = np.asarray(jnp.asarray(rng.standard_normal((N, K), np.float32)).astype(jnp.bfloat16), np.float32)
-            ws.append(w), packed.append(qx.pack_bf16x(w))
+            ws.append(w), packed.append(qx.bf16_panels(np.asarray(cpu_kernels.pack_panels(jnp.asarray(w)))))
         elif kind == "Q8_0":
             g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
             ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))

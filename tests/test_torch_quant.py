@@ -211,6 +211,7 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     checkpoint served in float32) gives panel_gemm's bits: every row count of the kernel's tiles (6-row tiles,
     1-5-row tails, two and three tiles), a partial last panel, one group of 32 and many, signed zeros and
     subnormals among the weights; and its greedy tokens, ties included (the lowest index)."""
+    from enginecore import qx
     from torchengine import cpu_kernels
 
     lib, why = cpu_kernels.load()
@@ -220,8 +221,9 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     w = torch.from_numpy(rng.standard_normal((N, K)).astype(np.float32) / K ** 0.5).bfloat16().float()
     w[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39]).bfloat16().float()  # zeros and subnormals, kept exactly
     w[N // 2] = w[N - 1 if N // 2 != N - 1 else 0]  # a tie: two rows of the same weights
-    assert cpu_kernels.bf16_exact(w) and not cpu_kernels.bf16_exact(w + 1e-4)
-    panels, halves = cpu_kernels.pack_panels(w), cpu_kernels.pack_bf16x(w)
+    assert qx.bf16_exact(w.numpy()) and not qx.bf16_exact((w + 1e-4).numpy())
+    panels = cpu_kernels.pack_panels(w)
+    halves = cpu_kernels.bf16_panels(panels)
     bf16 = cpu_kernels.QX_KINDS["BF16"]
     for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 18):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -262,6 +264,7 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     def linear(w):
         lin = Linear(K, N, bias=False)
         lin.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(w)), requires_grad=False)
+        assert lin.pack()  # attach_qx reads the panels pack_cpu_weights leaves
         return lin
 
     nudged = g1.dequantize()
@@ -270,8 +273,8 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     signed[signed == 0] = -signed[signed == 0]
     assert (signed == 0).any()
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
-    model = SimpleNamespace(embed=SimpleNamespace(weight=torch.from_numpy(head.dequantize())), lm_head=None,
-                            head_panels=None, head_qx=None, modules=lambda: iter((good, q40, bad, zeros)))
+    model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
+                            modules=lambda: iter((good, q40, bad, zeros)))
     monkeypatch.setattr(quant, "_int4_linears", lambda m, s: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
@@ -281,10 +284,56 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     for lin in (good, q40):
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, lin.qx, N, lin.qx_kind),
-                           cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(lin.weight.detach()), N))
+                           cpu_kernels.panel_gemm(lib, x, lin.panels, N))
     assert torch.equal(cpu_kernels.qx_gemm(lib, x, model.head_qx, N, cpu_kernels.QX_KINDS["Q8_0"]),
-                       cpu_kernels.panel_gemm(lib, x, cpu_kernels.pack_panels(model.embed.weight), N))
+                       cpu_kernels.panel_gemm(lib, x, model.head_panels, N))
     assert quant.attach_qx(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16"])
+def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
+    """The loaders' check (`qx_mismatches`, through `enginecore.qx.rebuilds`): a weight's qx panels of every kind
+    against its float32 panels, 0 for the loader's own arithmetic; each weight off by one ulp, or a zero of the
+    other sign, counted once, wherever it sits in a panel; the padding rows of a partial last panel not counted
+    (qx's Q4_0 padding rebuilds -0.0); a bad kind or K refused (-1)."""
+    from enginecore import qx
+    from enginecore.model_loader import Int8Groups
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(11)
+    N, K = 37, 96
+    f16 = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float16).astype(np.float32)  # noqa: E731
+    if kind == "BF16":
+        w = torch.randn(N, K).bfloat16().float()
+        packed = cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w)).numpy()
+    elif kind == "Q8_0":
+        g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
+        w, packed = torch.from_numpy(g.dequantize()), qx.pack_q8x(g.q, g.scale)
+    else:
+        d = f16(N, K // 32)
+        g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, -8 * d if kind == "Q4_0" else f16(N, K // 32))
+        w, packed = torch.from_numpy(g.dequantize()), qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset)
+    k = cpu_kernels.QX_KINDS[kind]
+
+    def count(w):
+        panels = cpu_kernels.pack_panels(w).numpy()
+        return lib.qx_mismatches(packed.ctypes.data, k, K, N, panels.ctypes.data)
+
+    assert count(w) == 0 and qx.rebuilds(lib, "w", packed, k, N, cpu_kernels.pack_panels(w).numpy())
+    off = w.clone()
+    for n, c in ((0, 0), (15, 95), (16, 31), (36, 64)):  # first and last row of a panel, the partial panel
+        off[n, c] = torch.nextafter(off[n, c], torch.tensor(1.0))
+    assert count(off) == 4 and not qx.rebuilds(lib, "w", packed, k, N, cpu_kernels.pack_panels(off).numpy())
+    signed = w.clone()
+    signed[signed == 0] = -signed[signed == 0]  # -0.0 where the loader wrote 0.0 (+0.0 where -0.0)
+    assert count(signed) == int((w == 0).sum())
+    panels = cpu_kernels.pack_panels(w).numpy()
+    assert lib.qx_mismatches(packed.ctypes.data, 7, K, N, panels.ctypes.data) == -1
+    assert lib.qx_mismatches(packed.ctypes.data, k, 48, N, panels.ctypes.data) == -1
+    assert not qx.rebuilds(lib, "w", packed, k, N + 16, panels)  # another shape: refused before the call
 
 
 @pytest.fixture(scope="module")
@@ -425,19 +474,20 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
             w[n - 1, k - 1] = torch.nextafter(w[n - 1, k - 1], torch.tensor(2.0))  # one ulp: not a bfloat16
         lin = Linear(k, n, bias=False)
         lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        assert lin.pack()  # attach_qx reads the panels pack_cpu_weights leaves
         return lin
 
     def model():
         lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48))
-        return lins, SimpleNamespace(embed=SimpleNamespace(weight=torch.randn(100, 64).bfloat16().float()),
-                                     lm_head=None, head_panels=None, head_qx=None, modules=lambda: iter(lins))
+        head = cpu_kernels.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
+        return lins, SimpleNamespace(head_panels=head, head_qx=None, modules=lambda: iter(lins))
 
     (good, off, narrow), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 2
     assert good.qx_kind == m.head_qx_kind == cpu_kernels.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
     x = torch.randn(3, 64)
     assert torch.equal(cpu_kernels.qx_gemm(cpu_kernels.lib(), x, m.head_qx, 100, m.head_qx_kind),
-                       cpu_kernels.panel_gemm(cpu_kernels.lib(), x, cpu_kernels.pack_panels(m.embed.weight), 100))
+                       cpu_kernels.panel_gemm(cpu_kernels.lib(), x, m.head_panels, 100))
     monkeypatch.setattr("enginecore.kv_cache.available_memory_bytes", lambda: 4 * 2 * 40 * 64)  # too little
     (good, _, _), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.head_qx is None

@@ -1681,47 +1681,66 @@ static inline int qx_group_bytes(int kind) {
     return kind == QX_BF16 ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : 64 + 32 * 8;
 }
 
+// a group's 16 rows' d (and for Q4_1 m) in two vectors each, rows 0-7 and 8-15 (none for QX_BF16)
+static inline __attribute__((always_inline)) void qx_scales(const int kind, const uint8_t *b, __m256 *d0, __m256 *d1,
+                                                           __m256 *m0, __m256 *m1) {
+    *d0 = *d1 = _mm256_setzero_ps();
+    if (kind != QX_BF16) {
+        *d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        *d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+    }
+    *m0 = *d0, *m1 = *d1;
+    if (kind == QX_Q4_1) {
+        *m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32)));
+        *m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 48)));
+    }
+}
+
+// the weights of k kk of a group (its q bytes `qs`, scales from qx_scales) of the 16 rows, as the loader computed
+// them: rows 0-7 in *w0, 8-15 in *w1
+static inline __attribute__((always_inline)) void qx_weights(const int kind, const uint8_t *qs, int kk, __m256 d0,
+                                                            __m256 d1, __m256 m0, __m256 m1, __m256 *w0, __m256 *w1) {
+    if (kind == QX_BF16) {  // a bfloat16's bits are a float32's high half
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + kk * 32));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+        return;
+    }
+    __m256i q0, q1;
+    if (kind == QX_Q8_0) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
+        q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
+    } else {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
+        q0 = _mm256_and_si256(v, _mm256_set1_epi32(15)), q1 = _mm256_srli_epi32(v, 4);
+        const __m256i eight = _mm256_set1_epi32(8);
+        if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
+    }
+    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
+    if (kind == QX_Q4_1) *w0 = _mm256_add_ps(*w0, m0), *w1 = _mm256_add_ps(*w1, m1);
+}
+
+// the q bytes of a group `b` of `kind`: past the scales
+static inline const uint8_t *qx_qs(const int kind, const uint8_t *b) {
+    return b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : 64);
+}
+
 static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
                                                         const uint8_t *panel, float *y, long ldy, int col0, int N,
                                                         head_best *best, const uint8_t *pf) {
     __m256 a[2 * QX_BF16_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
 #pragma GCC unroll 12
     for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     const int gb = qx_group_bytes(kind);
     for (int g = 0; g < K / 32; g++) {
-        const uint8_t *b = panel + (size_t)g * gb, *qs = b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : 64);
+        const uint8_t *b = panel + (size_t)g * gb, *qs = qx_qs(kind, b);
         if (pf != NULL)  // the same group of the next panel
             for (int off = 0; off < gb; off += 64) _mm_prefetch((const char *)pf + (size_t)g * gb + off, _MM_HINT_T1);
-        __m256 d0 = _mm256_setzero_ps(), d1 = d0;
-        if (kind != QX_BF16) {
-            d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-            d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
-        }
-        __m256 m0 = d0, m1 = d1;
-        if (kind == QX_Q4_1) {
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 48)));
-        }
+        __m256 d0, d1, m0, m1;
+        qx_scales(kind, b, &d0, &d1, &m0, &m1);
         for (int kk = 0; kk < 32; kk++) {
             __m256 w0, w1;
-            if (kind == QX_BF16) {  // a bfloat16's bits are a float32's high half
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + kk * 32));
-                w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
-                w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
-            } else {
-                __m256i q0, q1;
-                if (kind == QX_Q8_0) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
-                    q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
-                } else {
-                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 8)));
-                    q0 = _mm256_and_si256(v, low), q1 = _mm256_srli_epi32(v, 4);
-                    if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
-                }
-                w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
-                if (kind == QX_Q4_1) w0 = _mm256_add_ps(w0, m0), w1 = _mm256_add_ps(w1, m1);
-            }
+            qx_weights(kind, qs, kk, d0, d1, m0, m1, &w0, &w1);
             const int k = g * 32 + kk;
 #pragma GCC unroll 6
             for (int r = 0; r < R; r++) {
@@ -1779,6 +1798,36 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
     return kind < QX_Q4_0 || kind > QX_BF16 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+}
+
+// How many weights of the first N rows qx_gemm's panels `w` (of `kind`, over K) rebuild to other bits than the
+// float32 panels `f` (panel_gemm's [ceil(N / 16), K, 16]) hold, each rebuilt as qx_gemm rebuilds it: 0 when a step
+// may multiply either (the same outputs). The loaders check a GGUF file's blocks against the weights they loaded
+// with it (enginecore.qx.rebuilds). -1 for bad arguments.
+long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
+    const long pb = qx_panel_bytes(kind, K);
+    if (N <= 0 || pb < 0) return -1;
+    const int gb = qx_group_bytes(kind);
+    long bad = 0;
+    for (int p = 0; p < (N + 15) / 16; p++) {
+        const int valid = N - p * 16 >= 16 ? 0xFFFF : (1 << (N - p * 16)) - 1;  // the padding rows' are not weights
+        for (int g = 0; g < K / 32; g++) {
+            const uint8_t *b = (const uint8_t *)w + p * pb + (size_t)g * gb, *qs = qx_qs(kind, b);
+            __m256 d0, d1, m0, m1, w0, w1;
+            qx_scales(kind, b, &d0, &d1, &m0, &m1);
+            for (int kk = 0; kk < 32; kk++) {
+                qx_weights(kind, qs, kk, d0, d1, m0, m1, &w0, &w1);
+                const float *fk = f + ((size_t)p * K + g * 32 + kk) * 16;
+                const __m256i e0 = _mm256_cmpeq_epi32(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)fk)),
+                              e1 = _mm256_cmpeq_epi32(_mm256_castps_si256(w1),
+                                                      _mm256_loadu_si256((const __m256i *)(fk + 8)));
+                const int same = _mm256_movemask_ps(_mm256_castsi256_ps(e0)) |
+                                 _mm256_movemask_ps(_mm256_castsi256_ps(e1)) << 8;
+                bad += __builtin_popcount(~same & valid);
+            }
+        }
+    }
+    return bad;
 }
 
 // qx_gemm's panels [p0, p1) on the calling thread: y, or with `best` (y NULL) the M rows' running maxima (M

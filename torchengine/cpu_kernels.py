@@ -17,7 +17,7 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - `f32_gemm`: the same product on [out, in] weights (8-lane chains; a weight not packed, bench_dense);
 - `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
   of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
-  `torchengine.quant.attach_qx`), or from a bfloat16-exact weight's high halves (`pack_bf16x`): a decode step
+  `torchengine.quant.attach_qx`), or from a bfloat16-exact weight's high halves (`bf16_panels`): a decode step
   of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) or half (BF16) of the bytes;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
@@ -127,6 +127,7 @@ _SIGNATURES = {
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
     "decode_workspace": "l: i i i i i i",
     "qx_gemm": "p i i p i p p i i",
+    "qx_mismatches": "l: p i i i p",
 }
 
 
@@ -152,20 +153,17 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(qx.pack_q8x(q, scale))
 
 
-def bf16_exact(w: torch.Tensor) -> bool:
-    """`enginecore.qx.bf16_exact` of a CPU tensor: every value of the float32 `w` a bfloat16, so `pack_bf16x`
-    holds it exactly."""
-    return w.dtype == torch.float32 and w.is_cpu and qx.bf16_exact(w.detach().numpy())
-
-
-def pack_bf16x(w: torch.Tensor) -> torch.Tensor:
-    """`enginecore.qx.pack_bf16x` as a tensor: a bfloat16-exact float32 weight [N, K] (`bf16_exact`) as
-    qx_gemm's QX_BF16 panels."""
-    return torch.from_numpy(qx.pack_bf16x(w.detach().contiguous().numpy()))
+def bf16_panels(panels: torch.Tensor) -> torch.Tensor | None:
+    """`enginecore.qx.bf16_panels` of a tensor: float32 panels (`pack_panels`) whose every value is a bfloat16 as
+    qx_gemm's QX_BF16 panels of their high halves, else None."""
+    if panels.dtype != torch.float32 or not panels.is_cpu or not panels.is_contiguous():
+        return None
+    halves = qx.bf16_panels(panels.detach().numpy())
+    return None if halves is None else torch.from_numpy(halves)
 
 
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
-    """Whether `panels` are `pack_q4x` / `pack_q8x` / `pack_bf16x`'s of a [N, K] weight of `kind` (what qx_gemm
+    """Whether `panels` are `pack_q4x` / `pack_q8x` / `bf16_panels`'s of a [N, K] weight of `kind` (what qx_gemm
     reads)."""
     return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
             and panels.is_contiguous() and tuple(panels.shape) == qx.qx_shape(N, K, kind))
@@ -173,8 +171,8 @@ def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
             greedy: bool = False) -> torch.Tensor:
-    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `pack_bf16x` (`kind`: QX_KINDS) -> [M, N]
-    float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
+    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `bf16_panels` (`kind`: QX_KINDS)
+    -> [M, N] float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape
     if not (x.dtype == torch.float32 and M > 0 and _qx_shape_ok(panels, N, K, kind)):

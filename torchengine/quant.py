@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore import qx
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
-from enginecore.qx import bf16_copies_fit, gguf_linear_groups, same_bits
+from enginecore.qx import gguf_linear_groups, gguf_panels
 from torchengine import cpu_kernels
 
 logger = logging.getLogger("xlaserve.torchengine")
@@ -84,9 +85,15 @@ def _int4_linears(model, source: ModelSource) -> tuple[dict[str, tuple[nn.Module
     found = {}
     for (layer, stored), g in groups.items():
         path = f"layers.{layer}.{_MODULES[stored]}"
-        if path in modules and tuple(modules[path].weight.shape) == g.q.shape:
-            found[path] = (modules[path], g)
+        m = modules.get(path)
+        if m is not None and _shape(m) == g.q.shape:
+            found[path] = (m, g)
     return found, head
+
+
+def _shape(m: nn.Module) -> tuple[int, ...]:
+    """A linear's [out, in], its weight's shape or, packed (`Linear.pack` frees the weight), its features'."""
+    return tuple(m.weight.shape) if m.weight is not None else (m.out_features, m.in_features)
 
 
 def quantize_gguf_linears(model, source: ModelSource) -> int:
@@ -115,65 +122,54 @@ def attach_qx(model, source: ModelSource) -> int:
     instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
     a fraction of the bytes a decode step streams.
 
-    - A GGUF file's Q4_1 / Q4_0 linears and Q8_0 LM head (0.16 / 0.27 of the bytes): each weight is checked
-      against the loaded one first; one that differs (another loader's arithmetic) keeps float32 only.
+    - A GGUF file's Q4_1 / Q4_0 linears and Q8_0 LM head (0.16 / 0.27 of the bytes): each weight's blocks are
+      checked against its float32 panels first (`enginecore.qx.gguf_panels`); one that differs (another
+      loader's arithmetic) keeps float32 only.
     - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
       models are, served in float32, the CPU's default dtype): its high halves (0.5 of the bytes), where they
       fit in a quarter of the memory available.
 
-    Call before `pack_cpu_weights` (which frees the [out, in] matrices). Returns how many weights got them."""
+    Call after `pack_cpu_weights`: both read the float32 panels (as `jaxengine.loader.attach_cpu_qx` does).
+    Returns how many weights got them."""
     from torchengine.model import Linear
 
-    if cpu_kernels.lib() is None or getattr(model, "tp_size", 1) != 1:
+    lib = cpu_kernels.lib()
+    if lib is None or getattr(model, "tp_size", 1) != 1:
         return 0
     n = 0
-    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
     if getattr(source, "kind", None) == "gguf":
         found, head = _int4_linears(model, source)
         for path, (lin, g) in found.items():
-            if type(lin) is not Linear or not _cpu_float32(lin.weight):
-                continue
-            q4_0 = g.is_q4_0
-            if _same_weight(path, g.dequantize(), lin.weight):
-                lin.qx = cpu_kernels.pack_q4x(g.q, g.scale, None if q4_0 else g.offset)
-                lin.qx_kind = cpu_kernels.QX_KINDS["Q4_0" if q4_0 else "Q4_1"]
+            if type(lin) is Linear and lin.panels is not None and lin.qx is None:
+                if got := gguf_panels(lib, path, g, lin.panels.numpy()):
+                    lin.qx, lin.qx_kind = torch.from_numpy(got[0]), got[1]
+                    n += 1
+        if head is not None and model.head_panels is not None and model.head_qx is None:
+            if got := gguf_panels(lib, "the LM head", head, model.head_panels.numpy()):
+                model.head_qx, model.head_qx_kind = torch.from_numpy(got[0]), got[1]
                 n += 1
-        if head is not None and model.head_panels is None and _cpu_float32(w):
-            if _same_weight("the LM head", head.dequantize(), w):
-                model.head_qx = cpu_kernels.pack_q8x(head.q, head.scale)
-                model.head_qx_kind = cpu_kernels.QX_KINDS["Q8_0"]
-                n += 1
-    return n + _attach_bf16x(model, w)
+    return n + _attach_bf16x(model)
 
 
-def _attach_bf16x(model, head_w: torch.Tensor | None) -> int:
-    """attach_qx's bfloat16 part: every float32 `Linear` without qx panels, and the LM head (`head_w`, the
-    embedding when tied), whose values are all bfloat16s gets them as QX_BF16 panels."""
+def _attach_bf16x(model) -> int:
+    """attach_qx's bfloat16 part: every packed `Linear` without qx panels, and the LM head, whose values are all
+    bfloat16s gets them as QX_BF16 panels (`cpu_kernels.bf16_panels`)."""
     from torchengine.model import Linear
 
-    def fits(w: torch.Tensor | None) -> bool:
-        return _cpu_float32(w) and w.dim() == 2 and w.shape[1] % 32 == 0 and cpu_kernels.bf16_exact(w)
+    def exact(p: torch.Tensor | None) -> bool:
+        return p is not None and p.shape[1] % 32 == 0 and qx.bf16_exact(p.numpy())
 
-    lins = [m for m in model.modules() if type(m) is Linear and m.qx is None and fits(m.weight)]
-    head = model.head_qx is None and model.head_panels is None and fits(head_w)
-    need = 2 * (sum(m.weight.numel() for m in lins) + (head_w.numel() if head else 0))
-    if not need or not bf16_copies_fit(need):
+    lins = [m for m in model.modules() if type(m) is Linear and m.qx is None and exact(m.panels)]
+    head = model.head_qx is None and exact(model.head_panels)
+    need = sum(m.panels.nbytes for m in lins) // 2 + (model.head_panels.nbytes // 2 if head else 0)
+    if not need or not qx.bf16_copies_fit(need):
         return 0
     bf16 = cpu_kernels.QX_KINDS["BF16"]
     for m in lins:
-        m.qx, m.qx_kind = cpu_kernels.pack_bf16x(m.weight), bf16
+        m.qx, m.qx_kind = cpu_kernels.bf16_panels(m.panels), bf16
     if head:
-        model.head_qx, model.head_qx_kind = cpu_kernels.pack_bf16x(head_w), bf16
+        model.head_qx, model.head_qx_kind = cpu_kernels.bf16_panels(model.head_panels), bf16
     return len(lins) + head
-
-
-def _cpu_float32(w: torch.Tensor | None) -> bool:
-    return w is not None and w.dtype == torch.float32 and w.is_cpu and not w.is_meta
-
-
-def _same_weight(what: str, want: np.ndarray, have: torch.Tensor) -> bool:
-    """Whether `have` holds `want`'s bits (as bits: -0.0 is not 0.0), else a warning."""
-    return same_bits(what, want, have.detach().contiguous().numpy())
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:

@@ -186,17 +186,17 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
-        elif (self.device.type == "cpu" and self.dtype == torch.float32 and self.tp_size == 1
-              and qx.enabled()):
-            from torchengine.quant import attach_qx
-
-            if n := attach_qx(model, self.model_source):
-                logger.info("rank %d: %d weights also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), the "
-                            "same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: float32 "
-                            "only)", self.rank, n)
         if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
+            if (self.config.model_config.quantization != "gguf" and self.dtype == torch.float32
+                    and self.tp_size == 1 and qx.enabled()):
+                from torchengine.quant import attach_qx
+
+                if n := attach_qx(model, self.model_source):
+                    logger.info("rank %d: %d weights also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), "
+                                "the same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: "
+                                "float32 only)", self.rank, n)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
