@@ -74,9 +74,10 @@ class ModelSource:
                     _check_weight_dtype(path, name, dtype)
                     yield name, shape
 
-    def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[tuple[str, "Int4Groups | Int8Groups"]]:
-        """(hf_name, Int4Groups for Q4_0/Q4_1 | Int8Groups for Q8_0) of every 2-D GGUF tensor stored as one of
-        `types`, as stored, rows in Hugging Face order; nothing for other files."""
+    def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[
+            tuple[str, "Int4Groups | Int8Groups | WideGroups"]]:
+        """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | WideGroups for Q5_K/Q6_K) of every
+        2-D GGUF tensor stored as one of `types`, as stored, rows in Hugging Face order; nothing for other files."""
         if self.kind != "gguf":
             return
         for t in self.gguf_reader.tensors:
@@ -85,7 +86,8 @@ class ModelSource:
             name = _gguf_hf_name(self.path, t.name)
             if name is None:
                 continue
-            cls = Int8Groups if t.tensor_type.name == "Q8_0" else Int4Groups
+            ty = t.tensor_type.name
+            cls = Int8Groups if ty in ("Q8_0", "Q5_0") else WideGroups if ty in ("Q5_K", "Q6_K") else Int4Groups
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -312,6 +314,8 @@ class Int4Groups:
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int4Groups":
+        if t.tensor_type.name == "Q4_K":
+            return cls._from_q4_k(path, t)
         with_min = t.tensor_type.name == "Q4_1"
         raw, N, K = _gguf_blocks(path, t, 20 if with_min else 18)
         d = _f16_column(raw, 0)
@@ -320,6 +324,21 @@ class Int4Groups:
         m = _f16_column(raw, 2) if with_min else -8.0 * d
         groups = (N, K // cls.GROUP)
         return cls(q.reshape(N, K), d.reshape(groups), m.reshape(groups))
+
+    @classmethod
+    def _from_q4_k(cls, path: str, t) -> "Int4Groups":
+        """GGUF's Q4_K: super-blocks of 256 (d, dmin: float16; 8 six-bit scales sc and mins mn; 128 bytes of
+        nibbles), each group of 32 w = (d * sc) * q - dmin * mn as the gguf package dequantizes it (the loader's
+        path for this type): scale d * sc and offset -(dmin * mn), both exact in float32 (not float16s)."""
+        import gguf
+
+        raw, N, K = _gguf_blocks(path, t, 144, 256)
+        d, dmin = _f16_column(raw, 0)[:, None], _f16_column(raw, 2)[:, None]
+        sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+        qs = raw[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        groups = (N, K // cls.GROUP)
+        return cls((qs & 0x0F).reshape(N, K), (d * sc.astype(np.float32)).reshape(groups),
+                   -(dmin * mn.astype(np.float32)).reshape(groups))
 
     @property
     def is_q4_0(self) -> bool:
@@ -347,8 +366,22 @@ class Int8Groups:
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int8Groups":
+        if t.tensor_type.name == "Q5_0":
+            return cls._from_q5_0(path, t)
         raw, N, K = _gguf_blocks(path, t, 34)
         q = raw[:, 2:].copy().view(np.int8)
+        return cls(q.reshape(N, K), _f16_column(raw, 0).reshape(N, K // cls.GROUP))
+
+    @classmethod
+    def _from_q5_0(cls, path: str, t) -> "Int8Groups":
+        """GGUF's Q5_0 (d: float16; the 32 fifth bits; 16 bytes of nibbles, element j < 16 the low one of byte j,
+        j + 16 its high one): w = d * (q - 16), as the gguf package dequantizes it, so q - 16 in [-16, 15] is
+        this form's q, d its scale."""
+        raw, N, K = _gguf_blocks(path, t, 22)
+        hi = (raw[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        qs = raw[:, 6:]
+        lo = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+        q = (lo | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
         return cls(q.reshape(N, K), _f16_column(raw, 0).reshape(N, K // cls.GROUP))
 
     def dequantize(self) -> np.ndarray:
@@ -356,12 +389,57 @@ class Int8Groups:
         return (self.q.reshape(N, -1, self.GROUP).astype(np.float32) * self.scale[..., None]).reshape(N, K)
 
 
-def _gguf_blocks(path: str, t, block_bytes: int) -> tuple[np.ndarray, int, int]:
-    """A 2-D GGUF tensor of 32-value blocks of `block_bytes` each -> (raw [blocks, block_bytes] uint8, N, K)."""
+@dataclass
+class WideGroups:
+    """A weight [N, K] in groups of 16 along K with float32 scales and offsets: w[n, k] = (q[n, k] *
+    scale[n, k // 16]) + offset[n, k // 16], q int8 (offset -0.0 where the form has none: x + -0.0 is x). GGUF's
+    Q6_K ((d * sc) * (q - 32), groups of 16) and Q5_K ((d * sc) * q - dmin * mn, five-bit q) exactly as the gguf
+    package dequantizes them; every other form converts to it (`enginecore.qx.to_wide`)."""
+
+    q: np.ndarray  # [N, K] int8
+    scale: np.ndarray  # [N, K // 16] float32
+    offset: np.ndarray  # [N, K // 16] float32
+
+    GROUP = 16
+
+    @classmethod
+    def from_gguf(cls, path: str, t) -> "WideGroups":
+        import gguf
+
+        if t.tensor_type.name == "Q6_K":
+            raw, N, K = _gguf_blocks(path, t, 210, 256)
+            ql = (raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+            qh = (raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+            q = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+            scale = _f16_column(raw, 208)[:, None] * raw[:, 192:208].view(np.int8).astype(np.float32)
+            offset = np.full_like(scale, -0.0)
+        elif t.tensor_type.name == "Q5_K":
+            raw, N, K = _gguf_blocks(path, t, 176, 256)
+            sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+            ql = (raw[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+            qh = (raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            q = (ql.reshape(-1, 8, 32) | (qh << 4)).astype(np.int8)
+            # a group of 32's scale and offset, for both of its halves
+            scale = np.repeat(_f16_column(raw, 0)[:, None] * sc.astype(np.float32), 2, axis=1)
+            offset = np.repeat(-(_f16_column(raw, 2)[:, None] * mn.astype(np.float32)), 2, axis=1)
+        else:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {t.tensor_type.name} has no 16-wide groups here")
+        groups = (N, K // cls.GROUP)
+        return cls(q.reshape(N, K), scale.reshape(groups), offset.reshape(groups))
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.q.shape
+        q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
+        return (q * self.scale[..., None] + self.offset[..., None]).reshape(N, K)
+
+
+def _gguf_blocks(path: str, t, block_bytes: int, per_block: int = 32) -> tuple[np.ndarray, int, int]:
+    """A 2-D GGUF tensor of `per_block`-value blocks of `block_bytes` each -> (raw [blocks, block_bytes] uint8,
+    N, K)."""
     K, N = t.shape  # innermost first
-    if K % 32:
-        raise ModelLoadError(f"{path}: tensor {t.name}: rows of {K} are not whole blocks of 32")
-    nblocks = N * K // 32
+    if K % per_block:
+        raise ModelLoadError(f"{path}: tensor {t.name}: rows of {K} are not whole blocks of {per_block}")
+    nblocks = N * K // per_block
     if t.data.size != nblocks * block_bytes:
         raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
     return np.asarray(t.data).reshape(nblocks, block_bytes), N, K

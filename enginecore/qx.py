@@ -11,27 +11,34 @@ the blocks against the float32 panels with the kernels' own rebuild (`rebuilds`)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
 import numpy as np
 
 from enginecore.arch import ArchConfig, fused_slices, weight_spec
-from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
+from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource, WideGroups
 
 PANEL = 16  # output rows a panel (panel_gemm's)
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3}  # the C file's QX_*
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5}  # the C file's QX_*
+# the GGUF types whose weights the panels take (Q4_K as Q4_1's form with float32 scales: QX_Q4_K; Q5_0, d * (q -
+# 16), as Q8_0's; Q5_K and Q6_K, and a linear whose parts or layers mix forms, as QX_I8's int8 weights with float32
+# scales and offsets per 16)
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_K", "Q6_K")
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
 # SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
 # at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16)
-QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12}
+QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
+               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8}
 MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
-# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s
+# of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s; Q4_K Q4_1's with float32
+# scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s
 QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
-                  QX_KINDS["BF16"]: 32 * 16 * 2}
+                  QX_KINDS["BF16"]: 32 * 16 * 2, QX_KINDS["Q4_K"]: 128 + 32 * 8, QX_KINDS["I8"]: 256 + 32 * 16}
 
 
 logger = logging.getLogger(__name__)
@@ -73,20 +80,71 @@ def qx_shape(N: int, K: int, kind: int) -> tuple[int, int, int]:
     return -(-N // PANEL), K // 32, QX_GROUP_BYTES[kind]
 
 
-def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
-    """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32], float16-exact; offset None: Q4_0, whose
-    weights are scale * (q - 8)) -> `qx_gemm`'s panels, uint8 [ceil(N / 16), K / 32, 320]: per panel and group
-    of 32 k, the 16 rows' scales and offsets (float16), then per k 8 bytes, byte j row j's q | row j + 8's << 4
-    (zero rows pad the last panel)."""
+def q4_kind(g: Int4Groups) -> int:
+    """The qx kind that holds a 4-bit weight's groups exactly: Q4_0's form (every offset -8 scale), Q4_1's where
+    the scales and offsets are float16s (a GGUF file's Q4_0 / Q4_1), else Q4_K's float32 ones (its Q4_K)."""
+    if g.is_q4_0:
+        return QX_KINDS["Q4_0"]
+    f16 = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (g.scale, g.offset))
+    return QX_KINDS["Q4_1" if f16 else "Q4_K"]
+
+
+Groups = Int4Groups | Int8Groups | WideGroups
+
+
+def kind_of(g: Groups) -> int:
+    """The qx kind whose panels hold a GGUF weight's groups exactly (Q8_0's for the 8-bit form, I8 for the wide)."""
+    return (QX_KINDS["Q8_0"] if isinstance(g, Int8Groups) else QX_KINDS["I8"] if isinstance(g, WideGroups)
+            else q4_kind(g))
+
+
+def to_wide(g: Groups) -> WideGroups:
+    """Any form's groups as WideGroups, the same weights to the bit: a 4-bit weight of Q4_0's form (every offset
+    -8 scale) as (q - 8) * scale (its zeros keep the scale's sign), other 4-bit ones q * scale + offset, 8-bit
+    ones q * scale (offset -0.0)."""
+    if isinstance(g, WideGroups):
+        return g
+    N, K = g.q.shape
+    q = g.q.reshape(N, -1, 32).astype(np.int8)
+    if isinstance(g, Int8Groups) or g.is_q4_0:
+        offset = np.full_like(g.scale, -0.0)
+        q = q if isinstance(g, Int8Groups) else q - np.int8(8)
+    else:  # (a weight's form, not a group's: a Q4_K group of scale 0 and offset -0.0 is no Q4_0 one)
+        offset = g.offset
+    return WideGroups(q.reshape(N, K), np.repeat(g.scale, 2, axis=1), np.repeat(offset.astype(np.float32), 2, axis=1))
+
+
+def pack_i8x(g: WideGroups) -> np.ndarray:
+    """WideGroups -> `qx_gemm`'s QX_I8 panels, uint8 [ceil(N / 16), K / 32, 768]: per panel and group of 32 k, the
+    16 rows' scales and offsets (float32) of k 0-15, then of k 16-31, then per k the 16 rows' q (int8; zero rows
+    pad the last panel)."""
+    N, K = g.q.shape
+    G, P = K // 32, -(-N // PANEL)
+    qp = np.zeros((P * PANEL, K), np.int8)
+    qp[:N] = g.q
+    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["I8"]]), np.uint8)
+    for i, a in enumerate((g.scale[:, 0::2], g.offset[:, 0::2], g.scale[:, 1::2], g.offset[:, 1::2])):
+        _pack_scales(out, 64 * i, a, P, np.float32)
+    out[:, :, 256:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
+    return out
+
+
+def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, kind: int = QX_KINDS["Q4_1"]) -> np.ndarray:
+    """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32]; offset None: Q4_0, whose weights are
+    scale * (q - 8)) -> `qx_gemm`'s panels of `kind` (Q4_0 / Q4_1: float16-exact scales, Q4_K: float32), uint8
+    [ceil(N / 16), K / 32, group bytes]: per panel and group of 32 k, the 16 rows' scales and offsets (float16 or
+    float32), then per k 8 bytes, byte j row j's q | row j + 8's << 4 (zero rows pad the last panel)."""
     N, K = q.shape
     G, P = K // 32, -(-N // PANEL)
     qp = np.zeros((P * PANEL, K), np.uint8)
     qp[:N] = q
     qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
-    out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q4_1"]]), np.uint8)
-    _pack_f16(out, 0, scale, P)
-    _pack_f16(out, 32, offset, P)
-    out[:, :, 64:] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
+    out = np.empty((P, G, QX_GROUP_BYTES[kind]), np.uint8)
+    dt = np.float32 if kind == QX_KINDS["Q4_K"] else np.float16
+    sb = PANEL * np.dtype(dt).itemsize  # bytes of a group's 16 scales
+    _pack_scales(out, 0, scale, P, dt)
+    _pack_scales(out, sb, offset, P, dt)
+    out[:, :, 2 * sb :] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
     return out
 
 
@@ -99,7 +157,7 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     qp = np.zeros((P * PANEL, K), np.int8)
     qp[:N] = q
     out = np.empty((P, G, QX_GROUP_BYTES[QX_KINDS["Q8_0"]]), np.uint8)
-    _pack_f16(out, 0, scale, P)
+    _pack_scales(out, 0, scale, P, np.float16)
     out[:, :, 32:] = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1).reshape(P, G, 512).view(np.uint8)
     return out
 
@@ -131,38 +189,45 @@ def rebuilds(lib, what: str, packed: np.ndarray, kind: int, N: int, panels: np.n
     return False
 
 
-def gguf_panels(lib, what: str, g: Int4Groups | Int8Groups, panels: np.ndarray) -> tuple[np.ndarray, int] | None:
-    """A GGUF file's Q4_0 / Q4_1 / Q8_0 groups of a weight -> (its qx panels, their kind) if they rebuild the
+def gguf_panels(lib, what: str, g: Groups, panels: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """A GGUF file's groups of a weight (`gguf_linear_groups`) -> (its qx panels, their kind) if they rebuild the
     loaded float32 panels `panels` bit for bit (`rebuilds`), else None."""
+    kind = kind_of(g)
     if isinstance(g, Int8Groups):
-        packed, kind = pack_q8x(g.q, g.scale), QX_KINDS["Q8_0"]
+        packed = pack_q8x(g.q, g.scale)
+    elif isinstance(g, WideGroups):
+        packed = pack_i8x(g)
     else:
-        q40 = g.is_q4_0
-        packed, kind = pack_q4x(g.q, g.scale, None if q40 else g.offset), QX_KINDS["Q4_0" if q40 else "Q4_1"]
+        packed = pack_q4x(g.q, g.scale, None if kind == QX_KINDS["Q4_0"] else g.offset, kind)
     return (packed, kind) if rebuilds(lib, what, packed, kind, g.q.shape[0], panels) else None
 
 
-def _pack_f16(out: np.ndarray, at: int, a: np.ndarray | None, P: int) -> None:
-    """a [N, G] (None: zeros) as float16 into bytes [at, at + 32) of out [P, G, :], the 16 rows of a panel in order."""
+def _pack_scales(out: np.ndarray, at: int, a: np.ndarray | None, P: int, dt) -> None:
+    """a [N, G] (None: zeros) as `dt` (float16 or float32) into out [P, G, :] from byte `at`, the 16 rows of a
+    panel in order."""
     G = out.shape[1]
-    h = np.zeros((P * PANEL, G), np.float16)
+    h = np.zeros((P * PANEL, G), dt)
     if a is not None:
         h[: a.shape[0]] = a
-    out[:, :, at : at + 32] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
+    n = PANEL * np.dtype(dt).itemsize
+    out[:, :, at : at + n] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
 
 
-def gguf_linear_groups(source: ModelSource, arch: ArchConfig) -> tuple[dict[tuple[int, str], Int4Groups],
-                                                                       Int8Groups | None]:
-    """The decoder linears whose weight the GGUF file stores as Q4_0/Q4_1, every fused part: {(layer, the
-    stored linear: "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in the fused
-    weight's order}, and the LM head's groups if the file stores it as Q8_0. One pass over the file's quantized
-    tensors; a linear with a fused part stored in another type has none."""
+def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES) -> tuple[
+        dict[tuple[int, str], Groups], Groups | None]:
+    """The decoder linears whose weight the GGUF file stores as types of `types` (Q4_0 / Q4_1 / Q4_K:
+    Int4Groups; Q8_0 / Q5_0: Int8Groups; Q5_K / Q6_K: WideGroups), every fused part: {(layer, the stored linear:
+    "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in the fused weight's order}, and
+    the LM head's groups if the file stores it as one of them. Parts of one form assemble in it (`kind_of` finds
+    the panels that hold them all), of several forms, or 4-bit parts some of Q4_0's form and some not, as
+    WideGroups (`to_wide`). One pass over the file's quantized tensors; a linear with a part stored in a type
+    not in `types` has none."""
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = None
-    parts: dict[tuple[int, str], dict] = {}  # -> {"q", "scale", "offset": row-assembled arrays, "rows", "N"}
-    for hf_name, g in source.iter_quantized_weights():
-        if isinstance(g, Int8Groups):
-            head = g if hf_name == head_name else head
+    parts: dict[tuple[int, str], tuple[int, list]] = {}  # -> (fused rows, [(their rows, groups)])
+    for hf_name, g in source.iter_quantized_weights(types):
+        if hf_name == head_name:
+            head = g
             continue
         found = weight_spec(hf_name)
         if found is None or found[0] is None:
@@ -176,11 +241,19 @@ def gguf_linear_groups(source: ModelSource, arch: ArchConfig) -> tuple[dict[tupl
             rows, N = slices[spec.param], max(s.stop for s in slices.values())
         else:
             rows, N = slice(0, g.q.shape[0]), g.q.shape[0]
-        K = g.q.shape[1]
-        p = parts.setdefault((layer, stored), {
-            "q": np.zeros((N, K), np.uint8), "scale": np.zeros((N, K // Int4Groups.GROUP), np.float32),
-            "offset": np.zeros((N, K // Int4Groups.GROUP), np.float32), "rows": 0, "N": N})
-        for key in ("q", "scale", "offset"):
-            p[key][rows] = getattr(g, key)
-        p["rows"] += rows.stop - rows.start
-    return {key: Int4Groups(p["q"], p["scale"], p["offset"]) for key, p in parts.items() if p["rows"] == p["N"]}, head
+        parts.setdefault((layer, stored), (N, []))[1].append((rows, g))
+    out = {}
+    for key, (N, ps) in parts.items():
+        if sum(r.stop - r.start for r, _ in ps) != N:
+            continue
+        forms = {type(g) for _, g in ps}
+        if len(forms) > 1 or Int4Groups in forms and len({g.is_q4_0 for _, g in ps}) > 1:
+            ps = [(r, to_wide(g)) for r, g in ps]
+        cls, K = type(ps[0][1]), ps[0][1].q.shape[1]
+        fields = {f.name: np.zeros((N, K if f.name == "q" else K // cls.GROUP),
+                                   ps[0][1].q.dtype if f.name == "q" else np.float32) for f in dataclasses.fields(cls)}
+        for r, g in ps:
+            for f, a in fields.items():
+                a[r] = getattr(g, f)
+        out[key] = cls(**fields)
+    return out, head

@@ -633,7 +633,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::Buffer<ffi::S32> keep, ffi::Buffer<ffi::S32> all_rows, ffi::Buffer<ffi::U8> qkv_qx,
                   ffi::Buffer<ffi::U8> o_qx, ffi::Buffer<ffi::U8> gate_up_qx, ffi::Buffer<ffi::U8> down_qx,
                   ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale,
-                  int32_t window, int32_t num_heads, int32_t qx_kind, int32_t qx_rows) {
+                  int32_t window, int32_t num_heads, int32_t qx_kinds, int32_t qx_rows) {
     const auto xd = x.dimensions(), cd = cache.dimensions(), td = table.dimensions();
     const auto qd = qkv_w.dimensions(), od = o_w.dimensions(), gd = gate_up_w.dimensions(), dd = down_w.dimensions();
     if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || qd.size() != 4 || od.size() != 4 || gd.size() != 4 ||
@@ -657,14 +657,16 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         keep.element_count() != (size_t)R ||
         out->element_count() != (size_t)(T * H) || cache_out->element_count() != cache.element_count())
         return ffi::Error::InvalidArgument("layers: shapes disagree");
-    // a linear's qx panels [L, NP, K / 32, group bytes] of qx_kind (empty: none), for steps of up to qx_rows
-    // tokens (not counting padding)
+    // linear i's qx panels [L, NP, K / 32, group bytes] (empty: none) of kind byte i of qx_kinds (qkv, o, gate_up,
+    // down), for steps of up to qx_rows tokens (not counting padding)
     ffi::Buffer<ffi::U8> *qx_b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
     const int64_t qx_k[4] = {H, Hq * D, H, I}, qx_np[4] = {qd[1], od[1], gd[1], dd[1]};
     const uint8_t *qx_w[4] = {nullptr, nullptr, nullptr, nullptr};
+    int qx_kind[4];
     for (int i = 0; i < 4; i++) {
+        qx_kind[i] = (int)(((uint32_t)qx_kinds >> (8 * i)) & 0xFF);
         if (qx_b[i]->element_count() == 0) continue;
-        const long pb = qx_panel_bytes(qx_kind, (int)qx_k[i]);
+        const long pb = qx_panel_bytes(qx_kind[i], (int)qx_k[i]);
         if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * qx_np[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
         qx_w[i] = qx_b[i]->typed_data();
@@ -733,13 +735,14 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const bool split = M * row_work >= 4 * kParallelWork;
         team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
     };
-    // o[M, N] = in[M, K] . the panels wp, or their qx panels qp (of qx_kind) where given
-    const auto linear = [&](const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp, int64_t N,
-                            float *o) {
+    // o[M, N] = in[M, K] . the panels wp of linear i, or their qx panels qp where given
+    const auto linear = [&](int i, const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp,
+                            int64_t N, float *o) {
         if (qp != nullptr) {
             const int64_t NP = (N + 15) / 16;
+            const int kind = qx_kind[i];
             team->run(NP, qx_slice(NP, M, K, N, threads), [=](int64_t a, int64_t b) {
-                qx_gemm_part(in, (int)M, (int)K, qp, (int)N, o, nullptr, qx_kind, (int)a, (int)b);
+                qx_gemm_part(in, (int)M, (int)K, qp, (int)N, o, nullptr, kind, (int)a, (int)b);
             });
             return;
         }
@@ -778,9 +781,10 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         });
         // layer l's qx panels of a linear (K inputs, NP panels), nullptr where none
         const auto qx_l = [&](int i, int64_t K, int64_t NP) -> const uint8_t * {
-            return qx_w[i] == nullptr || Tr > qx_rows ? nullptr : qx_w[i] + P * NP * qx_panel_bytes(qx_kind, (int)K);
+            return qx_w[i] == nullptr || Tr > qx_rows ? nullptr
+                                                      : qx_w[i] + P * NP * qx_panel_bytes(qx_kind[i], (int)K);
         };
-        linear(h, Tr, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
+        linear(0, h, Tr, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
         // bias, q/k norms, RoPE and the cache write, token by token
         rows(Tr, QKV * 4, [=](int64_t a, int64_t b) {
             for (int64_t t = a; t < b; t++) {
@@ -830,13 +834,13 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                 }
             });
         }
-        linear(at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, qx_l(1, Hq * D, od[1]), H, y);
+        linear(1, at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, qx_l(1, Hq * D, od[1]), H, y);
         rows(M, H, [=](int64_t a, int64_t b) {
             rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
         });
-        linear(h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, qx_l(2, H, gd[1]), 2 * I, gu);
+        linear(2, h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, qx_l(2, H, gd[1]), 2 * I, gu);
         rows(M, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
-        linear(act, M, I, down_w.typed_data() + P * dd[1] * I * 16, qx_l(3, I, dd[1]), H, y);
+        linear(3, act, M, I, down_w.typed_data() + P * dd[1] * I * 16, qx_l(3, I, dd[1]), H, y);
     }
     float *o = out->typed_data();
     rows(gathered ? S : Tr, H, [=](int64_t a, int64_t b) {
@@ -1088,7 +1092,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuLayers, Layers,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window")
                                   .Attr<int32_t>("num_heads")
-                                  .Attr<int32_t>("qx_kind")
+                                  .Attr<int32_t>("qx_kinds")
                                   .Attr<int32_t>("qx_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuZeros, Zeros, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

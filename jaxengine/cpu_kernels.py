@@ -295,7 +295,7 @@ def prefill_attention(q, cache, table, kv_lens, cu_q_lens, distribution, out, *,
 
 def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_norm, cos, sin, kv_cache, table,
            kv_lens, cu_q_lens, distribution, keep=None, all_rows=None, qx=None, *, num_heads: int, eps: float,
-           sm_scale: float, sliding_window: int | None = None, qx_kind: int = -1, qx_rows: int = 0):
+           sm_scale: float, sliding_window: int | None = None, qx_kinds: tuple = (-1, -1, -1, -1), qx_rows: int = 0):
     """Every decoder layer of a ragged step in one call (`model.forward` on a CPU with the panels): x [T, H] the
     embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
@@ -304,8 +304,8 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     distribution [3]: `model.RaggedMetadata`'s. keep [R] (the rows the step samples from, `logits_indices`:
     distinct) and all_rows [1]: unless all_rows[0] (or keep is None), only hidden's rows keep[:requests] are
     wanted, and the last layer's o linear and MLP run on those rows alone (the same bits; the other rows hold
-    the residual stream before that layer's attention). qx: (qkv, o, gate_up, down)'s qx panels of `qx_kind`
-    (`qx_linear`'s; None or an empty array: none), which steps of up to `qx_rows` tokens multiply instead (the
+    the residual stream before that layer's attention). qx: (qkv, o, gate_up, down)'s qx panels of `qx_kinds`
+    (`qx_linear`'s, a kind each; None or an empty array: none), which steps of up to `qx_rows` tokens multiply instead (the
     same bits). Only the real tokens (cu_q_lens[requests]) are computed; the bucket's padding rows of hidden are
     zeros.
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
@@ -326,7 +326,13 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
                 f32(k_norm), f32(cos), f32(sin), kv_cache, i32(table), i32(kv_lens), i32(cu_q_lens),
                 i32(distribution), i32(keep), i32(all_rows).reshape(1), *qx, eps=np.float32(eps),
                 scale=np.float32(sm_scale), window=np.int32(sliding_window or 0), num_heads=np.int32(num_heads),
-                qx_kind=np.int32(qx_kind), qx_rows=np.int32(qx_rows))
+                qx_kinds=_bytes(qx_kinds), qx_rows=np.int32(qx_rows))
+
+
+def _bytes(kinds) -> np.int32:
+    """Four small ints (-1: none) as the bytes of one int32, the first the lowest (a custom call's attributes are
+    scalars)."""
+    return np.array(sum((k & 0xFF) << 8 * i for i, k in enumerate(kinds)), np.uint32).view(np.int32)[()]
 
 
 __all__ = ["DECODE_ATTENTION", "INVERSE_CDF", "LAYERS", "LOG_SOFTMAX", "PANEL", "PANEL_ARGMAX", "PANEL_LINEAR",

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
 from enginecore.model_loader import ModelSource
 from enginecore.native import huge_page_array
-from jaxengine.model import LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
+from jaxengine.model import QX_LINEARS, LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
 
 def param_path(hf_name: str) -> tuple | None:
     """HF tensor name -> ("embed",) / ("layers", i, field) from the shared weight table; None: ignored."""
@@ -181,12 +181,11 @@ _QX_GROUPS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down
 
 def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:
     """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`enginecore.qx`), for
-    decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's Q4_0 / Q4_1
-    linears (every layer's of one type; each checked bit for bit against the loaded float32 weights, a mismatch
-    keeps float32 only) and Q8_0 LM head; else linears and an LM head whose values are all bfloat16s (a
-    bfloat16 checkpoint served in float32), where the copies fit in a quarter of the memory available. The four
-    linears share one kind (`CpuPanels.qx_kind`: the custom call takes one); a linear of another keeps float32
-    only. Returns (the params, how many of the five groups got them)."""
+    decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's Q4_0 / Q4_1 / Q4_K
+    / Q5_0 / Q5_K / Q6_K / Q8_0 linears (every layer's in one kind: the wide one where the layers' types differ;
+    each checked bit for bit against the loaded float32 weights, a mismatch keeps float32 only) and LM head; else linears and an LM head whose values are all bfloat16s (a
+    bfloat16 checkpoint served in float32), where the copies fit in a quarter of the memory available, each
+    linear in its own kind (`CpuPanels.qx_kinds`). Returns (the params, how many of the five groups got them)."""
     import dataclasses
 
     from enginecore import qx
@@ -202,8 +201,10 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
         groups, head = qx.gguf_linear_groups(source, arch)
         for g, stored in _QX_GROUPS.items():
             gs = [groups.get((l, stored)) for l in range(arch.num_hidden_layers)]
-            if any(x is None for x in gs) or len({x.is_q4_0 for x in gs}) != 1:
+            if any(x is None for x in gs):
                 continue
+            if len({qx.kind_of(x) for x in gs}) != 1:  # the layers' panels are stacked: one kind, the wide one
+                gs = [qx.to_wide(x) for x in gs]
             packed = []
             for l, x in enumerate(gs):
                 if not (one := qx.gguf_panels(lib, f"layer {l}'s {g}", x, host[g][l])):
@@ -217,13 +218,11 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
     bf16 = [g for g in host if g not in got and host[g].shape[-2] % 32 == 0 and qx.bf16_exact(host[g])]
     if bf16 and qx.bf16_copies_fit(sum(host[g].nbytes // 2 for g in bf16)):
         got.update((g, (qx.bf16_panels(host[g]), qx.QX_KINDS["BF16"])) for g in bf16)
-    kinds = [k for g, (_, k) in got.items() if g != "head"]
-    kind = max(set(kinds), key=kinds.count) if kinds else -1  # one kind for the linears: the most common
-    fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, k) in got.items()
-              if g == "head" or k == kind}
+    fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, _) in got.items()}
     if not fields:
         return params, 0
-    panels = dataclasses.replace(p, **fields, qx_kind=kind, head_qx_kind=got["head"][1] if "head" in got else -1)
+    kinds = tuple(got[g][1] if g in got else -1 for g in QX_LINEARS)
+    panels = dataclasses.replace(p, **fields, qx_kinds=kinds, head_qx_kind=got["head"][1] if "head" in got else -1)
     return dataclasses.replace(params, panels=panels), len(fields)
 
 

@@ -73,6 +73,9 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [L, D]
 
 
+QX_LINEARS = ("qkv", "o", "gate_up", "down")  # CpuPanels.qx_kinds' order
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class CpuPanels:
@@ -84,7 +87,7 @@ class CpuPanels:
     gate_up: jax.Array  # [L, 2 I / 16, H, 16]
     down: jax.Array  # [L, H / 16, I, 16]
     head: jax.Array  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
-    # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kind
+    # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kinds' kind
     # (`enginecore.qx`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
     # steps of up to `QX_MAX_ROWS[kind]` tokens multiply them instead (the same bits, fewer bytes)
     qkv_qx: jax.Array | None = None
@@ -92,7 +95,7 @@ class CpuPanels:
     gate_up_qx: jax.Array | None = None
     down_qx: jax.Array | None = None
     head_qx: jax.Array | None = None  # [1, V / 16, H / 32, group bytes] of head_qx_kind
-    qx_kind: int = field(default=-1, metadata=dict(static=True))
+    qx_kinds: tuple = field(default=(-1, -1, -1, -1), metadata=dict(static=True))  # qkv's, o's, gate_up's, down's
     head_qx_kind: int = field(default=-1, metadata=dict(static=True))
 
     def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
@@ -100,7 +103,7 @@ class CpuPanels:
         run it."""
         from enginecore.qx import QX_MAX_ROWS
 
-        kind = self.head_qx_kind if group == "head" else self.qx_kind
+        kind = self.head_qx_kind if group == "head" else self.qx_kinds[QX_LINEARS.index(group)]
         qx = getattr(self, f"{group}_qx")
         return (qx, kind) if qx is not None and kind >= 0 and rows <= QX_MAX_ROWS[kind] else (None, -1)
 
@@ -354,13 +357,14 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
     R = md.kv_lens.shape[0]
     from enginecore.qx import QX_MAX_ROWS
 
-    rows = QX_MAX_ROWS.get(p.qx_kind, 0)
+    present = [k for q, k in zip((p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx), p.qx_kinds) if q is not None]
+    rows = min((QX_MAX_ROWS[k] for k in present), default=0)
     return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
                   kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
                   (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx),  # (the call takes them for steps of <= rows tokens)
                   num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
-                  sliding_window=arch.sliding_window, qx_kind=p.qx_kind, qx_rows=rows)
+                  sliding_window=arch.sliding_window, qx_kinds=p.qx_kinds, qx_rows=rows)
 
 
 def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False):

@@ -615,12 +615,20 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
             ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))
         else:
             d = f16(N, K // 32)
-            g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, -8 * d if kind == "Q4_0" else f16(N, K // 32))
-            ws.append(g.dequantize()), packed.append(qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset))
+            m = -8 * d if kind in ("Q4_0", "I8") else f16(N, K // 32)
+            if kind == "Q4_K":  # float32 scales and offsets (a Q4_K's d * sc, -(dmin * mn): 17 significant bits)
+                d, m = d * rng.integers(1, 64, d.shape), m * rng.integers(1, 64, m.shape)
+            g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d.astype(np.float32), m.astype(np.float32))
+            ws.append(g.dequantize())
+            if kind == "I8":  # the wide form (a Q4_0 weight as it: int8 q - 8, float32 scales per 16)
+                packed.append(qx.pack_i8x(qx.to_wide(g)))
+                continue
+            assert qx.q4_kind(g) == qx.QX_KINDS[kind]
+            packed.append(qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset, qx.QX_KINDS[kind]))
     return np.stack(ws), np.stack(packed), qx.QX_KINDS[kind]
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16", "Q4_K", "I8"])
 def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
     """The weights as stored (`qx_linear`, `qx_argmax`: a GGUF file's blocks, a bfloat16 checkpoint's halves)
     give `panel_linear`'s and `panel_argmax`'s bits over the float32 weights, every layer, 1-13 rows (the
@@ -645,6 +653,45 @@ def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
         cpu_kernels.qx_linear(x, packed, jnp.int32(L), N, k)
 
 
+def test_layers_take_a_kind_for_each_linear():
+    """`cpu_kernels.layers` with each linear's qx panels of its own kind (qkv bfloat16 halves, o a GGUF 8-bit
+    form as Q8_0's, gate_up the same weights' wide panels (QX_I8), down none): the bits of the float32 panels
+    alone; the kinds swapped between two linears is an error, not a misread."""
+    from enginecore import qx
+    from enginecore.model_loader import Int8Groups
+
+    L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 3], [5, 7], seed=41)
+    rng = np.random.default_rng(2)
+
+    def q8(shape):  # L layers of an 8-bit form's weights [N, K]: (float32 panels, groups)
+        gs = [Int8Groups(rng.integers(-128, 128, shape).astype(np.int8),
+                         (rng.standard_normal((shape[0], shape[1] // 32)) * 0.002).astype(np.float16).astype(np.float32))
+              for _ in range(L)]
+        return cpu_kernels.pack_panels(jnp.asarray(np.stack([g.dequantize() for g in gs]))), gs
+
+    qkv = jnp.asarray(args[3]).astype(jnp.bfloat16).astype(jnp.float32)
+    (o, og), (gu, gg) = q8((32, 32)), q8((80, 32))
+    args = (*args[:3], qkv, o, gu, *args[6:])
+    panels = (qx.bf16_panels(np.asarray(qkv)), np.stack([qx.pack_q8x(g.q, g.scale) for g in og]),
+              np.stack([qx.pack_i8x(qx.to_wide(g)) for g in gg]), None)
+    kinds = (qx.QX_KINDS["BF16"], qx.QX_KINDS["Q8_0"], qx.QX_KINDS["I8"], -1)
+    want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
+    real = int(cu[-1])
+    g = functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_rows=real)
+    got = jax.jit(functools.partial(g, qx_kinds=kinds))(*args, jnp.asarray(cache), table, lens, cu, dist, None, None,
+                                                        panels)
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    # the wide panels are what it read: zeroed, the output changes
+    zeroed = jax.jit(functools.partial(g, qx_kinds=kinds))(*args, jnp.asarray(cache), table, lens, cu, dist, None,
+                                                           None, (None, None, 0 * panels[2], None))
+    assert not np.array_equal(np.asarray(zeroed[0]), np.asarray(want[0]))
+    swapped = (kinds[0], kinds[2], kinds[1], -1)
+    with pytest.raises(Exception, match="qx panels of another shape or kind"):
+        jax.jit(functools.partial(g, qx_kinds=swapped))(*args, jnp.asarray(cache), table, lens, cu, dist, None, None,
+                                                        panels)
+
+
 def test_layers_with_qx_panels_give_the_bits_without_them():
     """`cpu_kernels.layers` given bfloat16-exact weights' qx panels (one linear without: its K is not a multiple
     of 32) computes a step of up to qx_rows real tokens from them (the bucket's padding rows not counted, nor
@@ -661,7 +708,7 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
     real = int(cu[-1])
     assert real < T and not np.asarray(want[0])[real:].any()  # padding rows: zeros, not computed
     g = jax.jit(functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5,
-                                  qx_kind=qx.QX_KINDS["BF16"], qx_rows=real))
+                                  qx_kinds=(qx.QX_KINDS["BF16"],) * 4, qx_rows=real))
     got = g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, tuple(halves))
     assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -135,9 +135,9 @@ def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_lay
         try:
             if backend == "jax":
                 p = llm.llm_engine.core.runner.params.panels
-                kinds = (p.qx_kind, p.head_qx_kind)
-                assert kinds == ((qx.QX_KINDS["Q4_1"], qx.QX_KINDS["Q8_0"]) if model == "gguf" else
-                                 (qx.QX_KINDS["BF16"],) * 2)
+                kinds = (*p.qx_kinds, p.head_qx_kind)
+                assert kinds == ((qx.QX_KINDS["Q4_1"],) * 4 + (qx.QX_KINDS["Q8_0"],) if model == "gguf" else
+                                 (qx.QX_KINDS["BF16"],) * 5)
                 assert all(getattr(p, f"{g}_qx") is not None for g in ("qkv", "o", "gate_up", "down", "head"))
             res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:

@@ -275,7 +275,7 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
                             modules=lambda: iter((good, q40, bad, zeros)))
-    monkeypatch.setattr(quant, "_int4_linears", lambda m, s: (
+    monkeypatch.setattr(quant, "_int4_linears", lambda m, s, types=None: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
     assert bad.qx is None and "b: the GGUF blocks do not give" in caplog.text
@@ -334,6 +334,228 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     assert lib.qx_mismatches(packed.ctypes.data, 7, K, N, panels.ctypes.data) == -1
     assert lib.qx_mismatches(packed.ctypes.data, k, 48, N, panels.ctypes.data) == -1
     assert not qx.rebuilds(lib, "w", packed, k, N + 16, panels)  # another shape: refused before the call
+
+
+def _q4_k_blocks(rng, N: int, K: int) -> np.ndarray:
+    """Random GGUF Q4_K super-blocks for an [N, K] weight (K a multiple of 256): float16 d and dmin, 12 bytes of
+    six-bit scales and mins, 128 bytes of nibbles each, flat uint8."""
+    nb = N * K // 256
+    dd = (rng.standard_normal((nb, 2)) * 0.01).astype(np.float16)
+    dd[:3, 1] = 0  # zero mins' scale: offsets -0.0
+    rest = rng.integers(0, 256, (nb, 140)).astype(np.uint8)
+    return np.concatenate([dd.view(np.uint8), rest], axis=1).reshape(-1)
+
+
+def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits():
+    """A GGUF file's Q4_K weight (llama.cpp's Q4_K_M files store most linears so): its groups (Int4Groups.from_gguf:
+    scale d * sc, offset -(dmin * mn), float32, not float16s) give the loader's float32 weights (the gguf
+    package's dequantization) bit for bit; the qx panels of kind Q4_K (`q4_kind`) rebuild them (qx_mismatches 0)
+    and multiply to panel_gemm's bits, logits and greedy tokens, every tile row count; and a weight's float16-exact
+    groups keep Q4_1's smaller panels."""
+    import gguf
+
+    from enginecore import qx
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(4)
+    N, K = 40, 512
+
+    class T:
+        name, shape, data = "blk.0.ffn_down.weight", (K, N), _q4_k_blocks(rng, N, K)
+
+        class tensor_type:
+            name = "Q4_K"
+
+    want = gguf.quants.dequantize(T.data, gguf.GGMLQuantizationType.Q4_K).reshape(N, K)  # the loader's values
+    g = Int4Groups.from_gguf("x.gguf", T)
+    assert g.q.max() <= 15 and g.scale.dtype == np.float32
+    np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
+    kind = qx.q4_kind(g)
+    assert kind == qx.QX_KINDS["Q4_K"] and (g.offset == 0).any()
+    w = torch.from_numpy(want)
+    panels = cpu_kernels.pack_panels(w)
+    packed, k = qx.gguf_panels(lib, "w", g, panels.numpy())
+    assert k == kind and packed.shape == qx.qx_shape(N, K, kind)
+    blocks = torch.from_numpy(packed)
+    for M in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+    off = w.clone()
+    off[N - 1, K - 1] = torch.nextafter(off[N - 1, K - 1], torch.tensor(1.0))
+    assert qx.gguf_panels(lib, "w", g, cpu_kernels.pack_panels(off).numpy()) is None
+    f16 = Int4Groups(g.q, g.scale.astype(np.float16).astype(np.float32), g.offset.astype(np.float16).astype(np.float32))
+    assert qx.q4_kind(f16) == qx.QX_KINDS["Q4_1"]
+
+
+def test_q5_0_groups_are_q8_0s_form():
+    """A GGUF file's Q5_0 weight (d * (q - 16), q five bits; llama.cpp's K-quant files store it where a row is
+    not whole super-blocks of 256, as SmolLM2's 576 are not): Int8Groups with q - 16 in [-16, 15] give the
+    loader's float32 weights (the gguf package's) bit for bit, and Q8_0's panels rebuild them."""
+    import gguf
+
+    from enginecore import qx
+    from enginecore.model_loader import Int8Groups
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(6)
+    N, K = 19, 96
+    d = (rng.standard_normal((N * K // 32, 1)) * 0.02).astype(np.float16)
+
+    class T:
+        name, shape = "blk.0.ffn_up.weight", (K, N)
+        data = np.concatenate([d.view(np.uint8), rng.integers(0, 256, (N * K // 32, 20)).astype(np.uint8)], axis=1)
+
+        class tensor_type:
+            name = "Q5_0"
+
+    want = gguf.quants.dequantize(T.data, gguf.GGMLQuantizationType.Q5_0).reshape(N, K)
+    g = Int8Groups.from_gguf("x.gguf", T)
+    assert g.q.min() >= -16 and g.q.max() <= 15 and g.q.min() < 0 < g.q.max()
+    np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
+    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
+    packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
+    assert kind == qx.QX_KINDS["Q8_0"]
+    x = torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
+    assert torch.equal(cpu_kernels.qx_gemm(lib, x, torch.from_numpy(packed), N, kind),
+                       cpu_kernels.panel_gemm(lib, x, panels, N))
+
+
+@pytest.mark.parametrize("ty", ["Q6_K", "Q5_K", "Q4_1", "Q4_0", "Q8_0"])
+def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty):
+    """The wide form (WideGroups, QX_I8 panels: int8 weights, float32 scales and offsets per 16): a GGUF file's
+    Q6_K and Q5_K read as it (the gguf package's dequantization bit for bit), and the other forms converted to it
+    (`to_wide`: Q4_0's zeros keep their scale's sign, -0.0 offsets where a form has none) rebuild the loader's
+    weights (qx_mismatches 0) and multiply to panel_gemm's bits, logits and greedy tokens."""
+    import gguf
+
+    from enginecore import qx
+    from enginecore.model_loader import Int8Groups, WideGroups
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(8)
+    N, K = 37, 512
+    nb = N * K // 256
+    f16 = (rng.standard_normal((nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if ty in ("Q6_K", "Q5_K"):
+        size = 210 if ty == "Q6_K" else 176
+        raw = rng.integers(0, 256, (nb, size)).astype(np.uint8)
+        if ty == "Q6_K":
+            raw[:, 208:] = f16[:, :2]
+        else:
+            raw[:, :4] = f16
+
+        class T:
+            name, shape, data = "blk.0.ffn_down.weight", (K, N), raw.reshape(-1)
+
+            class tensor_type:
+                name = ty
+
+        want = gguf.quants.dequantize(T.data, getattr(gguf.GGMLQuantizationType, ty)).reshape(N, K)
+        g = WideGroups.from_gguf("x.gguf", T)
+    else:
+        d = (rng.standard_normal((N, K // 32)) * 0.02).astype(np.float16).astype(np.float32)
+        if ty == "Q8_0":
+            src = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), d)
+        else:
+            m = -8 * d if ty == "Q4_0" else (rng.standard_normal(d.shape) * 0.02).astype(np.float16).astype(np.float32)
+            src = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, m)
+            src.q[:, :4] = 8  # Q4_0's zeros: -0.0 where the scale is negative
+        want = src.dequantize()
+        if ty == "Q4_0":
+            assert (np.signbit(want) & (want == 0)).any()
+        g = qx.to_wide(src)
+    assert qx.kind_of(g) == qx.QX_KINDS["I8"] and g.q.dtype == np.int8
+    np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
+    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
+    packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
+    assert kind == qx.QX_KINDS["I8"] and packed.shape == qx.qx_shape(N, K, kind)
+    blocks = torch.from_numpy(packed)
+    for M in (1, 2, 3, 4, 5, 9):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+    off = want.copy()
+    off[N - 1, 20] = np.nextafter(off[N - 1, 20], np.float32(1))  # in the first half's scale
+    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))  # and in a second half's
+    assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
+        ).ctypes.data) == 2
+
+
+def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
+    """A small llama GGUF file whose linears are Q4_K (q and k rows interleaved as llama.cpp stores them, q, k and
+    v fused, gate and up fused) and, in one layer, Q5_0 (v and o) and Q6_K (down): every linear's groups rebuild
+    the loaded float32 weights bit for bit, as packed panels, in the fused order (`gguf_linear_groups`): Q4_K's
+    and Q8_0's kinds, the wide one (I8) for Q6_K and a fused linear with parts of both forms; `--quantization
+    gguf`'s 4-bit linears take none of them (their blocks hold float16 scales)."""
+    import gguf
+
+    from enginecore import qx
+    from enginecore.arch import fused_slices
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    H, I, V, nh, nkv, L = 256, 512, 64, 4, 2, 2
+    path = str(tmp_path / "q4k.gguf")
+    wr = gguf.GGUFWriter(path, "llama")
+    wr.add_block_count(L), wr.add_embedding_length(H), wr.add_feed_forward_length(I), wr.add_head_count(nh)
+    wr.add_head_count_kv(nkv), wr.add_context_length(64), wr.add_vocab_size(V)
+    rng = np.random.default_rng(1)
+    wr.add_tensor("token_embd.weight", rng.standard_normal((V, H)).astype(np.float32))
+    wr.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    hd = H // nh
+    for i in range(L):
+        wr.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
+        wr.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
+        for n, (rows, cols) in {"attn_q": (H, H), "attn_k": (nkv * hd, H), "attn_v": (nkv * hd, H),
+                                "attn_output": (H, H), "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}.items():
+            if i == 1 and n == "ffn_down":  # Q6_K, as llama.cpp's Q4_K_M stores half the layers' down
+                blocks = np.concatenate([rng.integers(0, 256, (rows * cols // 256, 208)).astype(np.uint8),
+                                         (rng.standard_normal((rows * cols // 256, 1)) * 1e-3).astype(np.float16).view(
+                                             np.uint8)], 1)
+                wr.add_tensor(f"blk.{i}.{n}.weight", blocks.reshape(-1), raw_shape=(rows, cols * 210 // 256),
+                              raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+                continue
+            if i == 1 and n in ("attn_v", "attn_output"):  # Q5_0: q and k Q4_K, so qkv has both forms
+                d = (rng.standard_normal((rows * cols // 32, 1)) * 0.02).astype(np.float16)
+                blocks = np.concatenate([d.view(np.uint8), rng.integers(0, 256, (len(d), 20)).astype(np.uint8)], 1)
+                wr.add_tensor(f"blk.{i}.{n}.weight", blocks.reshape(-1), raw_shape=(rows, cols * 22 // 32),
+                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+                continue
+            wr.add_tensor(f"blk.{i}.{n}.weight", _q4_k_blocks(rng, rows, cols), raw_shape=(rows, cols * 144 // 256),
+                          raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+
+    src = resolve_model(path)
+    dense = dict(src.iter_weights())
+    groups, head = qx.gguf_linear_groups(src, src.config)
+    assert len(groups) == 4 * L and head is None
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for (layer, stored), g in groups.items():
+        mod = "self_attn" if stored in ("qkv_proj", "o_proj") else "mlp"
+        names = parts.get(stored, (stored,))
+        w = np.concatenate([dense[f"model.layers.{layer}.{mod}.{n}.weight"] for n in names])
+        if len(names) > 1:
+            assert [s.stop - s.start for s in fused_slices(src.config, stored, 1).values()] == [
+                dense[f"model.layers.{layer}.{mod}.{n}.weight"].shape[0] for n in names]
+        got = qx.gguf_panels(lib, stored, g, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
+        # Q5_0 in Q8_0's form; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide
+        kind = {(1, "o_proj"): "Q8_0", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8"}.get((layer, stored), "Q4_K")
+        assert got is not None and got[1] == qx.QX_KINDS[kind], (layer, stored)
+    assert not qx.gguf_linear_groups(src, src.config, ("Q4_0", "Q4_1", "Q8_0"))[0]
 
 
 @pytest.fixture(scope="module")

@@ -1668,23 +1668,39 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // (float16; zeros for Q4_0), then per k the 16 rows' q: Q4 in 8 bytes, byte j holding row j's q in its low
 // nibble and row j + 8's in its high one; Q8 in 16 bytes (torchengine.cpu_kernels.pack_q4x / pack_q8x).
 // QX_BF16: a float32 weight that is bfloat16-exact (a bfloat16 checkpoint served in float32: its low 16 bits are
-// zero) as its high halves, per k the 16 rows' in 32 bytes, no scales (pack_bf16x): rebuilt by a shift, exactly,
-// half the bytes.
+// zero) as its high halves, per k the 16 rows' in 32 bytes, no scales (enginecore.qx.bf16_panels): rebuilt by a
+// shift, exactly, half the bytes.
+// QX_Q4_K: Q4_1's form with float32 d and m, for a GGUF file's Q4_K: per group of 32 its weights are
+// (d * sc) * q - dmin * mn (the gguf package's dequantization, which the loader runs), d * sc (11 significant bits
+// times 6) and dmin * mn exact in float32, so a group's d = d * sc and m = -(dmin * mn) rebuild it as Q4_1's
+// (d * q) + m, one rounding, the same bits; they take 17 bits, more than a float16's 11. 0.75 bytes a weight.
 #define QX_Q4_0 0
 #define QX_Q4_1 1
 #define QX_Q8_0 2
 #define QX_BF16 3
+#define QX_Q4_K 4
+// QX_I8: any of them (and a GGUF file's Q5_K and Q6_K, whose groups are 16 wide) in one form, for a linear whose
+// fused parts or layers are stored in several types: per group of 32 k and row, a float32 scale and offset for
+// k 0-15 and another pair for k 16-31, then per k the 16 rows' q as int8; w = (q * d) + m, one rounding of an
+// exact product (m -0.0 for the forms without one: x + -0.0 is x, a zero's sign kept). 1.5 bytes a weight.
+#define QX_I8 5
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 #define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
 
 static inline int qx_group_bytes(int kind) {
-    return kind == QX_BF16 ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : 64 + 32 * 8;
+    return kind == QX_BF16 ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : kind == QX_Q4_K ? 128 + 32 * 8
+           : kind == QX_I8 ? 256 + 32 * 16 : 64 + 32 * 8;
 }
 
-// a group's 16 rows' d (and for Q4_1 m) in two vectors each, rows 0-7 and 8-15 (none for QX_BF16)
+// a group's 16 rows' d (and for Q4_1 / Q4_K m) in two vectors each, rows 0-7 and 8-15 (none for QX_BF16)
 static inline __attribute__((always_inline)) void qx_scales(const int kind, const uint8_t *b, __m256 *d0, __m256 *d1,
                                                            __m256 *m0, __m256 *m1) {
     *d0 = *d1 = _mm256_setzero_ps();
+    if (kind == QX_Q4_K || kind == QX_I8) {  // float32 d, then m (QX_I8: k 0-15's; k 16-31's 128 bytes on)
+        *d0 = _mm256_loadu_ps((const float *)b), *d1 = _mm256_loadu_ps((const float *)b + 8);
+        *m0 = _mm256_loadu_ps((const float *)b + 16), *m1 = _mm256_loadu_ps((const float *)b + 24);
+        return;
+    }
     if (kind != QX_BF16) {
         *d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
         *d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
@@ -1707,7 +1723,7 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
         return;
     }
     __m256i q0, q1;
-    if (kind == QX_Q8_0) {
+    if (kind == QX_Q8_0 || kind == QX_I8) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
         q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
     } else {
@@ -1717,12 +1733,12 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
         if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
     }
     *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
-    if (kind == QX_Q4_1) *w0 = _mm256_add_ps(*w0, m0), *w1 = _mm256_add_ps(*w1, m1);
+    if (kind == QX_Q4_1 || kind == QX_Q4_K || kind == QX_I8) *w0 = _mm256_add_ps(*w0, m0), *w1 = _mm256_add_ps(*w1, m1);
 }
 
 // the q bytes of a group `b` of `kind`: past the scales
 static inline const uint8_t *qx_qs(const int kind, const uint8_t *b) {
-    return b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : 64);
+    return b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : kind == QX_Q4_K ? 128 : kind == QX_I8 ? 256 : 64);
 }
 
 static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
@@ -1740,6 +1756,7 @@ static inline __attribute__((always_inline)) void qx_tile(const int R, const int
         qx_scales(kind, b, &d0, &d1, &m0, &m1);
         for (int kk = 0; kk < 32; kk++) {
             __m256 w0, w1;
+            if (kind == QX_I8 && kk == 16) qx_scales(kind, b + 128, &d0, &d1, &m0, &m1);
             qx_weights(kind, qs, kk, d0, d1, m0, m1, &w0, &w1);
             const int k = g * 32 + kk;
 #pragma GCC unroll 6
@@ -1797,7 +1814,7 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
 
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
-    return kind < QX_Q4_0 || kind > QX_BF16 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+    return kind < QX_Q4_0 || kind > QX_I8 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
 }
 
 // How many weights of the first N rows qx_gemm's panels `w` (of `kind`, over K) rebuild to other bits than the
@@ -1816,6 +1833,7 @@ long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
             __m256 d0, d1, m0, m1, w0, w1;
             qx_scales(kind, b, &d0, &d1, &m0, &m1);
             for (int kk = 0; kk < 32; kk++) {
+                if (kind == QX_I8 && kk == 16) qx_scales(kind, b + 128, &d0, &d1, &m0, &m1);
                 qx_weights(kind, qs, kk, d0, d1, m0, m1, &w0, &w1);
                 const float *fk = f + ((size_t)p * K + g * 32 + kk) * 16;
                 const __m256i e0 = _mm256_cmpeq_epi32(_mm256_castps_si256(w0), _mm256_loadu_si256((const __m256i *)fk)),
@@ -1843,6 +1861,8 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
     switch (kind) {
         case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_Q4_K: qx_panels(QX_Q4_K, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_I8: qx_panels(QX_I8, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, b, p0, p1); break;
         default: qx_panels(QX_BF16, x, M, K, wb, N, y, b, p0, p1); break;
     }

@@ -76,11 +76,12 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _int4_linears(model, source: ModelSource) -> tuple[dict[str, tuple[nn.Module, Int4Groups]], Int8Groups | None]:
-    """The decoder linears whose weight the GGUF file stores as Q4_0/Q4_1, every fused part: {module path:
-    (the module, its groups with the rows in the module's order)}, and the LM head's groups if the file
-    stores it as Q8_0 (`enginecore.qx.gguf_linear_groups`)."""
-    groups, head = gguf_linear_groups(source, model.arch)
+def _int4_linears(model, source: ModelSource, types=qx.GGUF_TYPES) -> tuple[
+        dict[str, tuple[nn.Module, Int4Groups | Int8Groups]], Int8Groups | None]:
+    """The decoder linears whose weight the GGUF file stores as a type of `types`, every fused part:
+    {module path: (the module, its groups with the rows in the module's order)}, and the LM head's groups if the
+    file stores it as one of them (`enginecore.qx.gguf_linear_groups`)."""
+    groups, head = gguf_linear_groups(source, model.arch, types)
     modules = dict(model.named_modules())
     found = {}
     for (layer, stored), g in groups.items():
@@ -104,7 +105,8 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     lib, why = cpu_kernels.load()
-    found, head = _int4_linears(model, source)
+    found, head = _int4_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"))
+    found = {p: (m, g) for p, (m, g) in found.items() if isinstance(g, Int4Groups)}  # Int4Linear's float16 blocks
     modules = dict(model.named_modules())
     for path, (lin, g) in found.items():
         parent_path, _, attr = path.rpartition(".")
@@ -112,7 +114,8 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     if found:
         logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/cpu_kernels.c)" if lib is not None
                     else f"torch's int4 kernel ({why})")
-        _quantize_lm_head(model, head if lib is not None and model.tp_size == 1 else None, lib)
+        q8 = head if isinstance(head, Int8Groups) and lib is not None and model.tp_size == 1 else None
+        _quantize_lm_head(model, q8, lib)
     return len(found)
 
 
@@ -122,9 +125,9 @@ def attach_qx(model, source: ModelSource) -> int:
     instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
     a fraction of the bytes a decode step streams.
 
-    - A GGUF file's Q4_1 / Q4_0 linears and Q8_0 LM head (0.16 / 0.27 of the bytes): each weight's blocks are
-      checked against its float32 panels first (`enginecore.qx.gguf_panels`); one that differs (another
-      loader's arithmetic) keeps float32 only.
+    - A GGUF file's Q4_1 / Q4_0 / Q4_K, Q8_0 / Q5_0 and Q5_K / Q6_K linears and LM head (0.16 / 0.19 / 0.27 /
+      0.38 of the bytes): each weight's blocks are checked against its float32 panels first (`enginecore.qx.gguf_panels`);
+      one that differs (another loader's arithmetic) keeps float32 only.
     - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
       models are, served in float32, the CPU's default dtype): its high halves (0.5 of the bytes), where they
       fit in a quarter of the memory available.
