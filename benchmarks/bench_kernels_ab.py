@@ -5,7 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|q4k]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|q4k|i8]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -30,6 +30,8 @@ between the kernels (e.g. fetching the next layer's cache during this one's MLP)
 (`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
 (`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `QX_MAX_ROWS` rows), the same bits
 (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
+`--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
+and linears of mixed types);
 `--qx-kind bf16`: bfloat16-exact weights against the same as their high halves (what a bfloat16
 checkpoint served in float32 runs).
 """
@@ -82,9 +84,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
-    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "bf16"),
-                    help="--what qx: a GGUF's Q4_1 (q4k: Q4_K) blocks and Q8_0 head, or bfloat16-exact weights as "
-                         "bfloat16")
+    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "bf16"),
+                    help="--what qx: a GGUF's Q4_1 (q4k: Q4_K; i8: the wide form) blocks and Q8_0 head, or "
+                         "bfloat16-exact weights as bfloat16")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -344,7 +346,7 @@ def qx_step(args, threads: int) -> int:
     def f16(shape, s):
         return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
 
-    bf16, q4k = args.qx_kind == "bf16", args.qx_kind == "q4k"
+    bf16, q4k, i8 = args.qx_kind == "bf16", args.qx_kind == "q4k", args.qx_kind == "i8"
 
     def bf16_weight(n, k):
         return (torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)) / k ** 0.5).bfloat16().float()
@@ -361,8 +363,8 @@ def qx_step(args, threads: int) -> int:
             if q4k:  # a Q4_K's scales d * sc and offsets -(dmin * mn): float32, 6 more bits than a float16's
                 d, m = d * rng.integers(1, 64, d.shape), m * rng.integers(1, 64, m.shape)
             g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d.astype(np.float32), m.astype(np.float32))
-            ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())),
-                       torch.from_numpy(qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g)))))
+            packed = qx.pack_i8x(qx.to_wide(g)) if i8 else qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g))
+            ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
         layers.append(ws)
     if bf16:
         w = bf16_weight(VOCAB, HIDDEN)
@@ -372,14 +374,16 @@ def qx_step(args, threads: int) -> int:
     else:
         h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
         head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
-        kinds = cpu_kernels.QX_KINDS["Q4_K" if q4k else "Q4_1"], cpu_kernels.QX_KINDS["Q8_0"]
-        what = f"{'Q4_K' if q4k else 'Q4_1'} blocks and a Q8_0 head as stored (qx_gemm, ~{110 if q4k else 100} MB)"
+        name = "Q4_K" if q4k else "I8" if i8 else "Q4_1"
+        kinds = cpu_kernels.QX_KINDS[name], cpu_kernels.QX_KINDS["Q8_0"]
+        what = f"{name} blocks and a Q8_0 head as stored (qx_gemm, ~{ {'Q4_K': 110, 'I8': 190}.get(name, 100)} MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
           f"(panel_gemm, ~540 MB) vs {what}, the same weights, best of {args.reps} interleaved")
     print(f"{'rows':>5}  {'f32 ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'speedup':>7}  {'median':>7}")
     nbytes = {"f32": 4 * (LAYERS * sum(k * n for k, n in SHAPES) + VOCAB * HIDDEN)}
     nbytes["qx"] = (nbytes["f32"] // 2 if bf16 else
-                    LAYERS * sum(k * n for k, n in SHAPES) * (24 if q4k else 20) // 32 + VOCAB * HIDDEN * 34 // 32)
+                    LAYERS * sum(k * n for k, n in SHAPES) * (24 if q4k else 48 if i8 else 20) // 32
+                    + VOCAB * HIDDEN * 34 // 32)
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k) for k in (576, 1536)}
         outs = {name: step_outputs(M) for name in ("f32", "qx")}
