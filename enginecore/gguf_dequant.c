@@ -1,4 +1,4 @@
-// GGUF's Q4_0, Q4_1 and Q8_0 blocks to float32, the arithmetic of the gguf package's numpy code (what
+// GGUF's Q4_0, Q4_1, Q5_0 and Q8_0 blocks and Q4_K, Q5_K and Q6_K super-blocks to float32, the arithmetic of the gguf package's numpy code (what
 // enginecore.model_loader used for every GGUF tensor) value for value: Q4_0 d * (q - 8), Q4_1 (d * q) + m,
 // Q8_0 q * d, each product and sum rounded to float32 in that order (built with -ffp-contract=off: no fused
 // multiply-add). Plain C, no intrinsics: it builds wherever a C compiler does. numpy's version made ~5
@@ -34,10 +34,62 @@ static float half_to_float(const uint8_t *p) {
     return f;
 }
 
-// type: GGML's type id (2 Q4_0, 3 Q4_1, 8 Q8_0); src: n blocks; out: 32 n floats. Returns 0, or -1 for a type
-// it does not read.
+// Q4_K's and Q5_K's 6-bit scale (j < 8) and min (8 + j) of sub-block j from their 12 bytes s
+static int k_scale(const uint8_t *s, int j) {
+    if (j < 4) return s[j] & 63;
+    if (j < 8) return (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    j -= 8;
+    if (j < 4) return s[j + 4] & 63;
+    return (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+}
+
+// type: GGML's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0: blocks of 32; 12 Q4_K, 13 Q5_K, 14 Q6_K: super-blocks
+// of 256); src: n blocks; out: n blocks' values. Returns 0, or -1 for a type it does not read.
+// The K-quants as the gguf package computes them: Q4_K / Q5_K a sub-block of 32 (d * sc) * q - dmin * mn, Q6_K
+// one of 16 (d * sc) * (q - 32), sc and mn integers made float32 first.
 int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
     switch (type) {
+        case 6:  // Q5_0 {f16 d, 4 bytes of fifth bits, 16 bytes}: d * (q - 16)
+            for (long b = 0; b < n; b++, src += 22, out += 32) {
+                const float d = half_to_float(src);
+                const uint32_t qh = (uint32_t)src[2] | (uint32_t)src[3] << 8 | (uint32_t)src[4] << 16 |
+                                    (uint32_t)src[5] << 24;
+                for (int j = 0; j < 16; j++) {
+                    out[j] = d * (float)((int)((src[6 + j] & 0x0f) | ((qh >> j) & 1) << 4) - 16);
+                    out[j + 16] = d * (float)((int)((src[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+                }
+            }
+            return 0;
+        case 12:  // Q4_K {f16 d, f16 dmin, 12 bytes of scales, 128 bytes}
+        case 13:  // Q5_K {f16 d, f16 dmin, 12 bytes of scales, 32 bytes of fifth bits, 128 bytes}
+            for (long b = 0; b < n; b++, out += 256) {
+                const float d = half_to_float(src), dmin = half_to_float(src + 2);
+                const uint8_t *sc = src + 4, *qh = src + 16, *qs = src + (type == 12 ? 16 : 48);
+                for (int j = 0; j < 8; j++) {  // sub-block j: nibbles of bytes 32 (j / 2) .. +32, low for even j
+                    const float dj = d * (float)k_scale(sc, j), mj = dmin * (float)k_scale(sc, 8 + j);
+                    for (int e = 0; e < 32; e++) {
+                        int q = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 0x0f;
+                        if (type == 13) q |= ((qh[e] >> j) & 1) << 4;
+                        out[32 * j + e] = dj * (float)q - mj;
+                    }
+                }
+                src += type == 12 ? 144 : 176;
+            }
+            return 0;
+        case 14:  // Q6_K {128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, f16 d}
+            for (long b = 0; b < n; b++, src += 210, out += 256) {
+                const uint8_t *ql = src, *qh = src + 128;
+                const int8_t *sc = (const int8_t *)(src + 192);
+                const float d = half_to_float(src + 208);
+                for (int h = 0; h < 2; h++)
+                    for (int r = 0; r < 128; r++) {
+                        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0f;
+                        const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+                        const int v = 128 * h + r;
+                        out[v] = d * (float)sc[v / 16] * (float)((lo | hi << 4) - 32);
+                    }
+            }
+            return 0;
         case 2:
             for (long b = 0; b < n; b++, src += 18, out += 32) {
                 const float d = half_to_float(src);

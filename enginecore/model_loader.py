@@ -451,14 +451,15 @@ def _f16_column(raw: np.ndarray, at: int) -> np.ndarray:
 
 
 def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
-    """Q4_0 / Q4_1 / Q8_0 blocks (flat uint8) -> float32, flat: `enginecore.native.gguf_dequantizer`, the gguf
-    package's values; None for other types, a partial block, or where the dequantizer cannot be built."""
-    from enginecore.native import GGUF_BLOCK_BYTES, gguf_dequantizer
+    """Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (flat uint8) -> float32, flat:
+    `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a partial block, or
+    where the dequantizer cannot be built."""
+    from enginecore.native import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, gguf_dequantizer
 
     size = GGUF_BLOCK_BYTES.get(ggml_type)
     if size is None or data.size % size or (fn := gguf_dequantizer()) is None:
         return None
-    out = np.empty(data.size // size * 32, np.float32)
+    out = np.empty(data.size // size * GGUF_BLOCK_VALUES[ggml_type], np.float32)
     return out if fn(ggml_type, np.ascontiguousarray(data, np.uint8), out) else None
 
 

@@ -27,7 +27,9 @@ CPU_KERNELS_C = os.path.join(REPO, "torchengine", "cpu_kernels.c")
 CPU_KERNELS_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11"]
 # enginecore/gguf_dequant.c: GGUF's Q4_0 / Q4_1 / Q8_0 blocks to float32 at load (portable C)
 GGUF_DEQUANT_C = os.path.join(REPO, "enginecore", "gguf_dequant.c")
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the GGML types it reads (Q4_0, Q4_1, Q8_0): bytes a block of 32
+# the GGML types it reads (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q5_K, Q6_K): bytes a block, and values a block
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
+GGUF_BLOCK_VALUES = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}
 
 
 def cxx_compiler() -> str | None:
@@ -116,10 +118,12 @@ def gguf_dequantizer():
     fn.restype = ctypes.c_int
 
     def dequantize(ggml_type: int, blocks: np.ndarray, out: np.ndarray) -> bool:
-        """blocks: uint8, whole blocks of `ggml_type`, C-contiguous; out: float32 [32 per block], C-contiguous."""
+        """blocks: uint8, whole blocks of `ggml_type`, C-contiguous; out: float32 [GGUF_BLOCK_VALUES per block],
+        C-contiguous."""
         n = blocks.size // GGUF_BLOCK_BYTES[ggml_type]
         assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and out.flags.c_contiguous
-        assert out.dtype == np.float32 and out.size == 32 * n and n * GGUF_BLOCK_BYTES[ggml_type] == blocks.size
+        assert out.dtype == np.float32 and out.size == GGUF_BLOCK_VALUES[ggml_type] * n
+        assert n * GGUF_BLOCK_BYTES[ggml_type] == blocks.size
         return fn(ggml_type, blocks.ctypes.data, n, out.ctypes.data) == 0
 
     return dequantize
