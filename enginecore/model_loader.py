@@ -330,15 +330,10 @@ class Int4Groups:
         """GGUF's Q4_K: super-blocks of 256 (d, dmin: float16; 8 six-bit scales sc and mins mn; 128 bytes of
         nibbles), each group of 32 w = (d * sc) * q - dmin * mn as the gguf package dequantizes it (the loader's
         path for this type): scale d * sc and offset -(dmin * mn), both exact in float32 (not float16s)."""
-        import gguf
-
         raw, N, K = _gguf_blocks(path, t, 144, 256)
-        d, dmin = _f16_column(raw, 0)[:, None], _f16_column(raw, 2)[:, None]
-        sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
-        qs = raw[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q, scale, offset = _k_quant_groups(raw, raw[:, 16:])
         groups = (N, K // cls.GROUP)
-        return cls((qs & 0x0F).reshape(N, K), (d * sc.astype(np.float32)).reshape(groups),
-                   -(dmin * mn.astype(np.float32)).reshape(groups))
+        return cls(q.reshape(N, K), scale.reshape(groups), offset.reshape(groups))
 
     @property
     def is_q4_0(self) -> bool:
@@ -404,8 +399,6 @@ class WideGroups:
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "WideGroups":
-        import gguf
-
         if t.tensor_type.name == "Q6_K":
             raw, N, K = _gguf_blocks(path, t, 210, 256)
             ql = (raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
@@ -415,13 +408,11 @@ class WideGroups:
             offset = np.full_like(scale, -0.0)
         elif t.tensor_type.name == "Q5_K":
             raw, N, K = _gguf_blocks(path, t, 176, 256)
-            sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
-            ql = (raw[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+            q, scale, offset = _k_quant_groups(raw, raw[:, 48:])
             qh = (raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-            q = (ql.reshape(-1, 8, 32) | (qh << 4)).astype(np.int8)
+            q = (q.reshape(-1, 8, 32) | (qh << 4)).astype(np.int8)
             # a group of 32's scale and offset, for both of its halves
-            scale = np.repeat(_f16_column(raw, 0)[:, None] * sc.astype(np.float32), 2, axis=1)
-            offset = np.repeat(-(_f16_column(raw, 2)[:, None] * mn.astype(np.float32)), 2, axis=1)
+            scale, offset = np.repeat(scale, 2, axis=1), np.repeat(offset, 2, axis=1)
         else:
             raise ModelLoadError(f"{path}: tensor {t.name}: {t.tensor_type.name} has no 16-wide groups here")
         groups = (N, K // cls.GROUP)
@@ -431,6 +422,18 @@ class WideGroups:
         N, K = self.q.shape
         q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
         return (q * self.scale[..., None] + self.offset[..., None]).reshape(N, K)
+
+
+def _k_quant_groups(raw: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's super-blocks (raw [blocks, bytes]: d and dmin float16, 12 bytes of six-bit scales and
+    mins; qs [blocks, 128] their nibbles) -> (the low four bits of q [blocks, 256] uint8, each group of 32's scale
+    d * sc and offset -(dmin * mn) [blocks, 8] float32: the gguf package's order of operations)."""
+    import gguf
+
+    sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+    q = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # sub-blocks 2c, 2c+1
+    return (q.reshape(-1, 256), _f16_column(raw, 0)[:, None] * sc.astype(np.float32),
+            -(_f16_column(raw, 2)[:, None] * mn.astype(np.float32)))
 
 
 def _gguf_blocks(path: str, t, block_bytes: int, per_block: int = 32) -> tuple[np.ndarray, int, int]:

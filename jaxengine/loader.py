@@ -175,8 +175,8 @@ def _host_array(shape: tuple, dtype) -> np.ndarray:
 
 
 
-# CpuPanels' linears and the linears a GGUF file stores them as
-_QX_GROUPS = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+# CpuPanels' linears and the (fused) linears a GGUF file's groups are assembled as
+_QX_GROUPS = {g: f"{g}_proj" for g in QX_LINEARS}
 
 
 def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:

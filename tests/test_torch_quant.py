@@ -275,7 +275,7 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
                             modules=lambda: iter((good, q40, bad, zeros)))
-    monkeypatch.setattr(quant, "_int4_linears", lambda m, s, types=None: (
+    monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
     assert bad.qx is None and "b: the GGUF blocks do not give" in caplog.text

@@ -76,7 +76,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _int4_linears(model, source: ModelSource, types=qx.GGUF_TYPES) -> tuple[
+def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES) -> tuple[
         dict[str, tuple[nn.Module, Int4Groups | Int8Groups]], Int8Groups | None]:
     """The decoder linears whose weight the GGUF file stores as a type of `types`, every fused part:
     {module path: (the module, its groups with the rows in the module's order)}, and the LM head's groups if the
@@ -105,7 +105,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     lib, why = cpu_kernels.load()
-    found, head = _int4_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"))
+    found, head = _stored_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"))
     found = {p: (m, g) for p, (m, g) in found.items() if isinstance(g, Int4Groups)}  # Int4Linear's float16 blocks
     modules = dict(model.named_modules())
     for path, (lin, g) in found.items():
@@ -141,7 +141,7 @@ def attach_qx(model, source: ModelSource) -> int:
         return 0
     n = 0
     if getattr(source, "kind", None) == "gguf":
-        found, head = _int4_linears(model, source)
+        found, head = _stored_linears(model, source)
         for path, (lin, g) in found.items():
             if type(lin) is Linear and lin.panels is not None and lin.qx is None:
                 if got := gguf_panels(lib, path, g, lin.panels.numpy()):
