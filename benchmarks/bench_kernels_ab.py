@@ -5,7 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|q4k|i8]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -32,7 +32,7 @@ between the kernels (e.g. fetching the next layer's cache during this one's MLP)
 (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
 `--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
 and linears of mixed types);
-`--qx-kind bf16`: bfloat16-exact weights against the same as their high halves (what a bfloat16
+`--qx-kind bf16` (f16): bfloat16-exact (float16-exact) weights against the same as those 16 bits (what a bfloat16
 checkpoint served in float32 runs).
 """
 
@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
-    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "bf16"),
+    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "bf16", "f16"),
                     help="--what qx: a GGUF's Q4_1 (q4k: Q4_K; i8: the wide form) blocks and Q8_0 head, or "
                          "bfloat16-exact weights as bfloat16")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
@@ -346,10 +346,15 @@ def qx_step(args, threads: int) -> int:
     def f16(shape, s):
         return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
 
-    bf16, q4k, i8 = args.qx_kind == "bf16", args.qx_kind == "q4k", args.qx_kind == "i8"
+    bf16, q4k, i8 = args.qx_kind in ("bf16", "f16"), args.qx_kind == "q4k", args.qx_kind == "i8"
+    half = torch.float16 if args.qx_kind == "f16" else torch.bfloat16
 
-    def bf16_weight(n, k):
-        return (torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)) / k ** 0.5).bfloat16().float()
+    def bf16_weight(n, k):  # (or float16s, --qx-kind f16)
+        return (torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)) / k ** 0.5).to(half).float()
+
+    def halves(w):
+        p = cpu_kernels.pack_panels(w).numpy()
+        return torch.from_numpy(qx.half_panels(p, qx.half_kind(p)))
 
     layers = []  # per layer: [(float32 panels, qx panels)] for q/k/v, o, gate/up, down
     for _ in range(LAYERS):
@@ -357,7 +362,7 @@ def qx_step(args, threads: int) -> int:
         for k, n in SHAPES:
             if bf16:
                 w = bf16_weight(n, k)
-                ws.append((cpu_kernels.pack_panels(w), cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w))))
+                ws.append((cpu_kernels.pack_panels(w), halves(w)))
                 continue
             d, m = f16((n, k // 32), 0.01), f16((n, k // 32), 0.05)
             if q4k:  # a Q4_K's scales d * sc and offsets -(dmin * mn): float32, 6 more bits than a float16's
@@ -368,9 +373,9 @@ def qx_step(args, threads: int) -> int:
         layers.append(ws)
     if bf16:
         w = bf16_weight(VOCAB, HIDDEN)
-        head = (cpu_kernels.pack_panels(w), cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w)))
-        kinds = (cpu_kernels.QX_KINDS["BF16"],) * 2
-        what = "bfloat16-exact weights as their high halves (qx_gemm, ~270 MB)"
+        head = (cpu_kernels.pack_panels(w), halves(w))
+        kinds = (cpu_kernels.QX_KINDS["BF16" if half == torch.bfloat16 else "F16"],) * 2
+        what = f"{'b' if half == torch.bfloat16 else ''}float16-exact weights as those 16 bits (qx_gemm, ~270 MB)"
     else:
         h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
         head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))

@@ -21,7 +21,7 @@ from enginecore.arch import ArchConfig, fused_slices, weight_spec
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource, WideGroups
 
 PANEL = 16  # output rows a panel (panel_gemm's)
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5}  # the C file's QX_*
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6}  # the C file's QX_*
 # the GGUF types whose weights the panels take (Q4_K as Q4_1's form with float32 scales: QX_Q4_K; Q5_0, d * (q -
 # 16), as Q8_0's; Q5_K and Q6_K, and a linear whose parts or layers mix forms, as QX_I8's int8 weights with float32
 # scales and offsets per 16)
@@ -32,13 +32,14 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_K", "Q6_K")
 # SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
 # at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
-               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8}
+               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12}
 MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
 # of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s; Q4_K Q4_1's with float32
-# scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s
+# scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s; F16 as BF16
 QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
-                  QX_KINDS["BF16"]: 32 * 16 * 2, QX_KINDS["Q4_K"]: 128 + 32 * 8, QX_KINDS["I8"]: 256 + 32 * 16}
+                  QX_KINDS["BF16"]: 32 * 16 * 2, QX_KINDS["Q4_K"]: 128 + 32 * 8, QX_KINDS["I8"]: 256 + 32 * 16,
+                  QX_KINDS["F16"]: 32 * 16 * 2}
 
 
 logger = logging.getLogger(__name__)
@@ -55,22 +56,25 @@ def enabled() -> bool:
     return os.environ.get("XLASERVE_Q4X", "on") != "off"
 
 
-def bf16_exact(w: np.ndarray) -> bool:
+def bf16_exact(w: np.ndarray, chunk: int = 1 << 20) -> bool:
     """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero: a bfloat16 checkpoint's weight
-    served in float32), so its high halves hold it exactly. Reads the low halves in place (no copy)."""
-    return (_LITTLE and w.dtype == np.float32 and w.flags.c_contiguous and w.size > 0
-            and not w.view(np.uint16)[..., 0::2].any())
+    served in float32), so its high halves hold it exactly. Reads the low halves in place (no copy), a chunk at a
+    time: a float32 model's first chunk ends it."""
+    if not (_LITTLE and w.dtype == np.float32 and w.flags.c_contiguous and w.size > 0):
+        return False
+    low = w.reshape(-1).view(np.uint16)[0::2]
+    return not any(low[i : i + chunk].any() for i in range(0, low.size, chunk))
 
 
-def bf16_copies_fit(nbytes: int) -> bool:
-    """Whether bfloat16 copies of `nbytes` fit in a quarter of the memory available (both backends keep them
+def half_copies_fit(nbytes: int) -> bool:
+    """Whether 16-bit copies of `nbytes` fit in a quarter of the memory available (both backends keep them
     beside the float32 weights, so they are half of float32's bytes again); True where that cannot be read."""
     from enginecore.kv_cache import available_memory_bytes
 
     avail = available_memory_bytes()
     if avail is None or nbytes <= avail // 4:
         return True
-    logger.info("bfloat16 weights: their %.1f GiB copy would take more than a quarter of the memory available "
+    logger.info("16-bit weights: their %.1f GiB copy would take more than a quarter of the memory available "
                 "(%.1f GiB); float32 only", nbytes / 2**30, avail / 2**30)
     return False
 
@@ -166,11 +170,43 @@ def bf16_panels(panels: np.ndarray) -> np.ndarray | None:
     """float32 panels [..., NP, K, 16] (panel_gemm's) -> the same weights' QX_BF16 panels [..., NP, K / 32, 1024]
     (the layouts agree: per panel and k the 16 rows), or None unless every value is a bfloat16 and K a multiple
     of 32."""
-    *lead, NP, K, rows = panels.shape
-    if rows != PANEL or K % 32 or not bf16_exact(panels):
-        return None
-    return np.ascontiguousarray(panels.view(np.uint16)[..., 1::2]).view(np.uint8).reshape(
-        *lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BF16"]])
+    ok = panels.shape[-1] == PANEL and panels.shape[-2] % 32 == 0 and bf16_exact(panels)
+    return half_panels(panels, QX_KINDS["BF16"]) if ok else None
+
+
+def f16_exact(w: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether every value of the float32 `w` is a float16 (a float16 checkpoint's or a GGUF file's F16 weight
+    served in float32), bit for bit (zeros' signs, and no NaN), a chunk at a time: the first one that differs
+    (a float32 model's) ends it early, and no model-sized temporary is made."""
+    if w.dtype != np.float32 or not w.flags.c_contiguous or w.size == 0:
+        return False
+    flat = w.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        a = flat[i : i + chunk]
+        with np.errstate(over="ignore"):
+            back = a.astype(np.float16).astype(np.float32)
+        if not np.array_equal(back.view(np.uint32), a.view(np.uint32)):
+            return False
+    return True
+
+
+def half_kind(panels: np.ndarray) -> int:
+    """The 16-bit qx kind that holds float32 panels [..., NP, K, 16] exactly: BF16 where every value is a
+    bfloat16, else F16 where every one is a float16, else -1 (K not a multiple of 32 too). Checked in place."""
+    if panels.shape[-1] != PANEL or panels.shape[-2] % 32:
+        return -1
+    return QX_KINDS["BF16"] if bf16_exact(panels) else QX_KINDS["F16"] if f16_exact(panels) else -1
+
+
+def half_panels(panels: np.ndarray, kind: int) -> np.ndarray:
+    """float32 panels [..., NP, K, 16] of `half_kind` `kind` -> the same weights as its qx panels [..., NP, K / 32,
+    1024] (per panel and k the 16 rows' 16-bit values: the float32 panels' layout)."""
+    *lead, NP, K, _ = panels.shape
+    if kind == QX_KINDS["BF16"]:
+        halves = np.ascontiguousarray(panels.view(np.uint16)[..., 1::2])
+    else:
+        halves = panels.astype(np.float16)
+    return halves.view(np.uint8).reshape(*lead, NP, K // 32, QX_GROUP_BYTES[kind])
 
 
 def rebuilds(lib, what: str, packed: np.ndarray, kind: int, N: int, panels: np.ndarray) -> bool:

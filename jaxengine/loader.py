@@ -214,10 +214,10 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
                 got[g] = (np.stack([b for b, _ in packed]), packed[0][1])
         if head is not None and (h := qx.gguf_panels(lib, "the LM head", head, host["head"][0])):
             got["head"] = (h[0][None], h[1])
-    # bfloat16 halves: checked in place, and copied only if they all fit
-    bf16 = [g for g in host if g not in got and host[g].shape[-2] % 32 == 0 and qx.bf16_exact(host[g])]
-    if bf16 and qx.bf16_copies_fit(sum(host[g].nbytes // 2 for g in bf16)):
-        got.update((g, (qx.bf16_panels(host[g]), qx.QX_KINDS["BF16"])) for g in bf16)
+    # 16-bit values (bfloat16s, float16s): checked in place, and copied only if they all fit
+    halves = {g: k for g in host if g not in got and (k := qx.half_kind(host[g])) >= 0}
+    if halves and qx.half_copies_fit(sum(host[g].nbytes // 2 for g in halves)):
+        got.update((g, (qx.half_panels(host[g], k), k)) for g, k in halves.items())
     fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, _) in got.items()}
     if not fields:
         return params, 0

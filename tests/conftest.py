@@ -210,21 +210,31 @@ def tiny_model_dir(tmp_path_factory, smollm2_hf_dir):
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_bf16_llama_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny llama (untied LM head) saved as a bfloat16 checkpoint, as most Hugging Face models are."""
+def _tiny_llama_as(tiny_model_dir, tmp_path_factory, dtype: str) -> str:
     import shutil
 
     import torch
     import transformers as tf
 
     src = tiny_model_dir("llama")
-    d = str(tmp_path_factory.mktemp("tiny_llama_bf16"))
-    tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    d = str(tmp_path_factory.mktemp(f"tiny_llama_{dtype}"))
+    tf.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)).save_pretrained(d, safe_serialization=True)
     for fn in os.listdir(src):
         if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
             shutil.copy(os.path.join(src, fn), d)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_llama_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama (untied LM head) saved as a bfloat16 checkpoint, as most Hugging Face models are."""
+    return _tiny_llama_as(tiny_model_dir, tmp_path_factory, "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tiny_f16_llama_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama saved as a float16 checkpoint (as some Hugging Face models are)."""
+    return _tiny_llama_as(tiny_model_dir, tmp_path_factory, "float16")
 
 
 @pytest.fixture

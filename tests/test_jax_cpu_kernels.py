@@ -607,9 +607,12 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
     f16 = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float16).astype(np.float32)  # noqa: E731
     ws, packed = [], []
     for _ in range(L):
-        if kind == "BF16":
-            w = np.asarray(jnp.asarray(rng.standard_normal((N, K), np.float32)).astype(jnp.bfloat16), np.float32)
-            ws.append(w), packed.append(qx.bf16_panels(np.asarray(cpu_kernels.pack_panels(jnp.asarray(w)))))
+        if kind in ("BF16", "F16"):
+            w = np.asarray(jnp.asarray(rng.standard_normal((N, K), np.float32)).astype(
+                jnp.bfloat16 if kind == "BF16" else jnp.float16), np.float32)
+            p = np.asarray(cpu_kernels.pack_panels(jnp.asarray(w)))
+            assert qx.half_kind(p) == qx.QX_KINDS[kind]
+            ws.append(w), packed.append(qx.half_panels(p, qx.QX_KINDS[kind]))
         elif kind == "Q8_0":
             g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
             ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))
@@ -628,7 +631,7 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
     return np.stack(ws), np.stack(packed), qx.QX_KINDS[kind]
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16", "Q4_K", "I8"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16", "Q4_K", "I8", "F16"])
 def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
     """The weights as stored (`qx_linear`, `qx_argmax`: a GGUF file's blocks, a bfloat16 checkpoint's halves)
     give `panel_linear`'s and `panel_argmax`'s bits over the float32 weights, every layer, 1-13 rows (the
@@ -646,7 +649,7 @@ def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
                                   np.asarray(cpu_kernels.panel_linear(x, panels, jnp.int32(l), N)))
             assert np.array_equal(np.asarray(arg(x, packed, jnp.int32(l), n=N, kind=k)),
                                   np.asarray(cpu_kernels.panel_argmax(x, panels, jnp.int32(l), N)))
-    other = 3 if kind != "BF16" else 1  # the same bytes read as another kind: refused, not overread
+    other = 3 if kind not in ("BF16", "F16") else 1  # the same bytes read as another kind: refused, not overread
     with pytest.raises(Exception, match="qx panels"):
         cpu_kernels.qx_linear(x, packed, jnp.int32(0), N, other)
     with pytest.raises(Exception, match="layer index out of range"):

@@ -206,6 +206,34 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
+def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+    """A float16-exact float32 weight multiplied as its float16s (qx_gemm's QX_F16 panels: a float16 checkpoint or
+    a GGUF file's F16 tensor served in float32) gives panel_gemm's bits, every tile row count, signed zeros and
+    subnormal float16s among the weights, and its greedy tokens; half_kind prefers BF16 where both hold."""
+    from enginecore import qx
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    rng = np.random.default_rng(N * K)
+    w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float16)
+    w[0, :4] = np.array([0.0, -0.0, 6e-8, -3e-5], np.float16)  # zeros and subnormal float16s, kept exactly
+    w = torch.from_numpy(w.astype(np.float32))
+    panels = cpu_kernels.pack_panels(w)
+    f16 = cpu_kernels.QX_KINDS["F16"]
+    assert qx.half_kind(panels.numpy()) == f16 and qx.half_kind((panels + 1e-3).numpy()) == -1
+    assert qx.half_kind(cpu_kernels.pack_panels(w.bfloat16().float()).numpy()) == cpu_kernels.QX_KINDS["BF16"]
+    halves = torch.from_numpy(qx.half_panels(panels.numpy(), f16))
+    assert lib.qx_mismatches(halves.numpy().ctypes.data, f16, K, N, panels.numpy().ctypes.data) == 0
+    for M in (1, 2, 5, 6, 7, 12, 13):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16, greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
 def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     """A bfloat16-exact float32 weight multiplied as its high halves (qx_gemm's QX_BF16 panels: a bfloat16
     checkpoint served in float32) gives panel_gemm's bits: every row count of the kernel's tiles (6-row tiles,
@@ -654,24 +682,26 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
             assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
 
 
-def test_float32_decode_multiplies_a_bfloat16_checkpoints_halves_to_the_same_bits(
-        tiny_bf16_llama_dir, one_call_vs_python_layers):
-    """A bfloat16 checkpoint served in float32 (the CPU's default): every linear and the LM head also keep
-    their weights as bfloat16 (attach_qx), which decode steps of up to QX_MAX_ROWS[BF16] rows multiply: the
-    same tokens and logprobs, to the bit, as the float32 weights alone."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
+        dtype, tiny_bf16_llama_dir, tiny_f16_llama_dir, one_call_vs_python_layers):
+    """A bfloat16 (or float16) checkpoint served in float32 (the CPU's default): every linear and the LM head also
+    keep their weights in those 16 bits (attach_qx), which decode steps of up to QX_MAX_ROWS[kind] rows multiply:
+    the same tokens and logprobs, to the bit, as the float32 weights alone."""
     from torchengine import cpu_kernels
 
     if cpu_kernels.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
-    llm = LLM(model=tiny_bf16_llama_dir, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
+    path = tiny_bf16_llama_dir if dtype == "bfloat16" else tiny_f16_llama_dir
+    llm = LLM(model=path, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
               max_num_seqs=4, enable_prefix_caching=False)
     try:
         runner = llm.llm_engine.core.runner
         lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
         assert len(lins) == 4 * runner.model.arch.num_hidden_layers
-        bf16 = cpu_kernels.QX_KINDS["BF16"]
-        assert all(m.qx_kind == bf16 for m in lins) and runner.model.head_qx_kind == bf16
-        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[bf16]
+        kind = cpu_kernels.QX_KINDS["BF16" if dtype == "bfloat16" else "F16"]
+        assert all(m.qx_kind == kind for m in lins) and runner.model.head_qx_kind == kind
+        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[kind]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
         _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
     finally:
@@ -708,9 +738,10 @@ def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mix
 
 
 def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monkeypatch):
-    """attach_qx's bfloat16 part: a weight every value of which is a bfloat16 gets QX_BF16 panels, and so does
-    the LM head (the embedding, tied); one value off, or an input width the panels' groups of 32 do not divide,
-    keeps float32 only; and nothing where the copies would take more than a quarter of the memory available."""
+    """attach_qx's 16-bit part: a weight every value of which is a bfloat16 gets QX_BF16 panels, and so does
+    the LM head (the embedding, tied), one of float16s QX_F16 ones; one value off, or an input width the panels'
+    groups of 32 do not divide, keeps float32 only; and nothing where the copies would take more than a quarter
+    of the memory available."""
     from types import SimpleNamespace
 
     from torchengine import cpu_kernels, quant
@@ -729,19 +760,23 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
         return lin
 
     def model():
-        lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48))
+        f16 = linear(40, 64)
+        f16.panels = cpu_kernels.pack_panels(torch.randn(40, 64).half().float())  # float16s, not bfloat16s
+        lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48), f16)
         head = cpu_kernels.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
         return lins, SimpleNamespace(head_panels=head, head_qx=None, modules=lambda: iter(lins))
 
-    (good, off, narrow), m = model()
-    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 2
+    (good, off, narrow, f16), m = model()
+    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 3
     assert good.qx_kind == m.head_qx_kind == cpu_kernels.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
+    assert f16.qx_kind == cpu_kernels.QX_KINDS["F16"]
     x = torch.randn(3, 64)
     assert torch.equal(cpu_kernels.qx_gemm(cpu_kernels.lib(), x, m.head_qx, 100, m.head_qx_kind),
                        cpu_kernels.panel_gemm(cpu_kernels.lib(), x, m.head_panels, 100))
     monkeypatch.setattr("enginecore.kv_cache.available_memory_bytes", lambda: 4 * 2 * 40 * 64)  # too little
-    (good, _, _), m = model()
+    (good, _, _, f16), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.head_qx is None
+    assert f16.qx is None
 
 
 def test_flag_refused_where_it_cannot_run(tiny_model_dir):

@@ -1684,15 +1684,19 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // k 0-15 and another pair for k 16-31, then per k the 16 rows' q as int8; w = (q * d) + m, one rounding of an
 // exact product (m -0.0 for the forms without one: x + -0.0 is x, a zero's sign kept). 1.5 bytes a weight.
 #define QX_I8 5
+// QX_F16: QX_BF16's layout for a float16-exact weight (a float16 checkpoint, or a GGUF file's F16 tensor, served in
+// float32) as float16s: rebuilt by the exact conversion.
+#define QX_F16 6
+#define QX_HALVES(kind) ((kind) == QX_BF16 || (kind) == QX_F16)  // 16-bit weights, no scales
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 #define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
 
 static inline int qx_group_bytes(int kind) {
-    return kind == QX_BF16 ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : kind == QX_Q4_K ? 128 + 32 * 8
+    return QX_HALVES(kind) ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : kind == QX_Q4_K ? 128 + 32 * 8
            : kind == QX_I8 ? 256 + 32 * 16 : 64 + 32 * 8;
 }
 
-// a group's 16 rows' d (and for Q4_1 / Q4_K m) in two vectors each, rows 0-7 and 8-15 (none for QX_BF16)
+// a group's 16 rows' d (and for Q4_1 / Q4_K m) in two vectors each, rows 0-7 and 8-15 (none for 16-bit kinds)
 static inline __attribute__((always_inline)) void qx_scales(const int kind, const uint8_t *b, __m256 *d0, __m256 *d1,
                                                            __m256 *m0, __m256 *m1) {
     *d0 = *d1 = _mm256_setzero_ps();
@@ -1701,7 +1705,7 @@ static inline __attribute__((always_inline)) void qx_scales(const int kind, cons
         *m0 = _mm256_loadu_ps((const float *)b + 16), *m1 = _mm256_loadu_ps((const float *)b + 24);
         return;
     }
-    if (kind != QX_BF16) {
+    if (!QX_HALVES(kind)) {
         *d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
         *d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
     }
@@ -1716,6 +1720,11 @@ static inline __attribute__((always_inline)) void qx_scales(const int kind, cons
 // them: rows 0-7 in *w0, 8-15 in *w1
 static inline __attribute__((always_inline)) void qx_weights(const int kind, const uint8_t *qs, int kk, __m256 d0,
                                                             __m256 d1, __m256 m0, __m256 m1, __m256 *w0, __m256 *w1) {
+    if (kind == QX_F16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + kk * 32));
+        *w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(v)), *w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+        return;
+    }
     if (kind == QX_BF16) {  // a bfloat16's bits are a float32's high half
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + kk * 32));
         *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
@@ -1738,7 +1747,7 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
 
 // the q bytes of a group `b` of `kind`: past the scales
 static inline const uint8_t *qx_qs(const int kind, const uint8_t *b) {
-    return b + (kind == QX_BF16 ? 0 : kind == QX_Q8_0 ? 32 : kind == QX_Q4_K ? 128 : kind == QX_I8 ? 256 : 64);
+    return b + (QX_HALVES(kind) ? 0 : kind == QX_Q8_0 ? 32 : kind == QX_Q4_K ? 128 : kind == QX_I8 ? 256 : 64);
 }
 
 static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
@@ -1784,13 +1793,13 @@ static inline __attribute__((always_inline)) void qx_tile(const int R, const int
     }
 }
 
-// panels [p0, p1) for all M rows, QX_ROWS (BF16: QX_BF16_ROWS) at a time (y, or the rows' running maxima
+// panels [p0, p1) for all M rows, QX_ROWS (16-bit kinds: QX_BF16_ROWS) at a time (y, or the rows' running maxima
 // `best`); the first tile of a panel prefetches the next one into L2, a group at a time (BF16 1.4-1.7x at 4-12
 // rows, Q4 1.0-1.06x)
 static void qx_panels(const int kind, const float *x, int M, int K, const uint8_t *w, int N, float *y,
                       head_best *best, int p0, int p1) {
     const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
-    const int rows = kind == QX_BF16 ? QX_BF16_ROWS : QX_ROWS;
+    const int rows = QX_HALVES(kind) ? QX_BF16_ROWS : QX_ROWS;
     for (int p = p0; p < p1; p++)
         for (int m = 0; m < M; m += rows) {
             const float *xm = x + (size_t)m * K;
@@ -1799,10 +1808,10 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
             const uint8_t *pf = M >= 2 && m == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
             switch (M - m < rows ? M - m : rows) {
                 case 6:
-                    if (kind == QX_BF16) qx_tile(6, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    if (QX_HALVES(kind)) qx_tile(6, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
                     break;
                 case 5:
-                    if (kind == QX_BF16) qx_tile(5, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    if (QX_HALVES(kind)) qx_tile(5, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
                     break;
                 case 4: qx_tile(4, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
                 case 3: qx_tile(3, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
@@ -1814,7 +1823,7 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
 
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
-    return kind < QX_Q4_0 || kind > QX_I8 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+    return kind < QX_Q4_0 || kind > QX_F16 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
 }
 
 // How many weights of the first N rows qx_gemm's panels `w` (of `kind`, over K) rebuild to other bits than the
@@ -1863,6 +1872,7 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q4_K: qx_panels(QX_Q4_K, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_I8: qx_panels(QX_I8, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_F16: qx_panels(QX_F16, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, b, p0, p1); break;
         default: qx_panels(QX_BF16, x, M, K, wb, N, y, b, p0, p1); break;
     }

@@ -17,8 +17,9 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - `f32_gemm`: the same product on [out, in] weights (8-lane chains; a weight not packed, bench_dense);
 - `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
   of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
-  `torchengine.quant.attach_qx`), or from a bfloat16-exact weight's high halves (`bf16_panels`): a decode step
-  of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) or half (BF16) of the bytes;
+  `torchengine.quant.attach_qx`; the K-quants' forms too), or from a bfloat16-exact (float16-exact) weight's 16
+  bits (`enginecore.qx.half_panels`): a decode step of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) to half
+  (BF16, F16) of the bytes;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 

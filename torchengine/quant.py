@@ -129,8 +129,8 @@ def attach_qx(model, source: ModelSource) -> int:
       0.38 of the bytes): each weight's blocks are checked against its float32 panels first (`enginecore.qx.gguf_panels`);
       one that differs (another loader's arithmetic) keeps float32 only.
     - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
-      models are, served in float32, the CPU's default dtype): its high halves (0.5 of the bytes), where they
-      fit in a quarter of the memory available.
+      models are, served in float32, the CPU's default dtype), or a float16 (a float16 checkpoint, a GGUF file's
+      F16 tensors): those 16 bits (0.5 of the bytes), where they fit in a quarter of the memory available.
 
     Call after `pack_cpu_weights`: both read the float32 panels (as `jaxengine.loader.attach_cpu_qx` does).
     Returns how many weights got them."""
@@ -151,28 +151,28 @@ def attach_qx(model, source: ModelSource) -> int:
             if got := gguf_panels(lib, "the LM head", head, model.head_panels.numpy()):
                 model.head_qx, model.head_qx_kind = torch.from_numpy(got[0]), got[1]
                 n += 1
-    return n + _attach_bf16x(model)
+    return n + _attach_halves(model)
 
 
-def _attach_bf16x(model) -> int:
-    """attach_qx's bfloat16 part: every packed `Linear` without qx panels, and the LM head, whose values are all
-    bfloat16s gets them as QX_BF16 panels (`cpu_kernels.bf16_panels`)."""
+def _attach_halves(model) -> int:
+    """attach_qx's 16-bit part: every packed `Linear` without qx panels, and the LM head, whose values are all
+    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_panels`), where
+    they fit in a quarter of the memory available."""
     from torchengine.model import Linear
 
-    def exact(p: torch.Tensor | None) -> bool:
-        return p is not None and p.shape[1] % 32 == 0 and qx.bf16_exact(p.numpy())
+    def kind(p: torch.Tensor | None) -> int:
+        return -1 if p is None else qx.half_kind(p.numpy())
 
-    lins = [m for m in model.modules() if type(m) is Linear and m.qx is None and exact(m.panels)]
-    head = model.head_qx is None and exact(model.head_panels)
-    need = sum(m.panels.nbytes for m in lins) // 2 + (model.head_panels.nbytes // 2 if head else 0)
-    if not need or not qx.bf16_copies_fit(need):
+    lins = [(m, k) for m in model.modules() if type(m) is Linear and m.qx is None and (k := kind(m.panels)) >= 0]
+    head = kind(model.head_panels) if model.head_qx is None else -1
+    need = sum(m.panels.nbytes for m, _ in lins) // 2 + (model.head_panels.nbytes // 2 if head >= 0 else 0)
+    if not need or not qx.half_copies_fit(need):
         return 0
-    bf16 = cpu_kernels.QX_KINDS["BF16"]
-    for m in lins:
-        m.qx, m.qx_kind = cpu_kernels.bf16_panels(m.panels), bf16
-    if head:
-        model.head_qx, model.head_qx_kind = cpu_kernels.bf16_panels(model.head_panels), bf16
-    return len(lins) + head
+    for m, k in lins:
+        m.qx, m.qx_kind = torch.from_numpy(qx.half_panels(m.panels.numpy(), k)), k
+    if head >= 0:
+        model.head_qx, model.head_qx_kind = torch.from_numpy(qx.half_panels(model.head_panels.numpy(), head)), head
+    return len(lins) + (head >= 0)
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
