@@ -30,7 +30,8 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_K", "Q6_K")
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
 # SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
-# at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16)
+# at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8
+# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
                QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12}
 MAX_QX_ROWS = max(QX_MAX_ROWS.values())
@@ -46,6 +47,13 @@ logger = logging.getLogger(__name__)
 # a bfloat16's bits are a float32's high half: the second uint16 of each float32 on a little-endian machine (all
 # that run the AVX2 kernels); elsewhere nothing is bfloat16-exact here
 _LITTLE = sys.byteorder == "little"
+
+
+def layout_matches(lib) -> bool:
+    """Whether the kernels' library (`lib`, either backend's build, `qx_panel_bytes` declared) reads every kind's
+    group in QX_GROUP_BYTES bytes, and no other kind: the packers here and the C reader agree."""
+    return (all(lib.qx_panel_bytes(k, 32) == b for k, b in QX_GROUP_BYTES.items())
+            and lib.qx_panel_bytes(max(QX_KINDS.values()) + 1, 32) == -1)
 
 
 def enabled() -> bool:
@@ -166,62 +174,50 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return out
 
 
-def bf16_panels(panels: np.ndarray) -> np.ndarray | None:
-    """float32 panels [..., NP, K, 16] (panel_gemm's) -> the same weights' QX_BF16 panels [..., NP, K / 32, 1024]
-    (the layouts agree: per panel and k the 16 rows), or None unless every value is a bfloat16 and K a multiple
-    of 32."""
-    ok = panels.shape[-1] == PANEL and panels.shape[-2] % 32 == 0 and bf16_exact(panels)
-    return half_panels(panels, QX_KINDS["BF16"]) if ok else None
-
-
-def f16_exact(w: np.ndarray, chunk: int = 1 << 20) -> bool:
-    """Whether every value of the float32 `w` is a float16 (a float16 checkpoint's or a GGUF file's F16 weight
-    served in float32), bit for bit (zeros' signs, and no NaN), a chunk at a time: the first one that differs
-    (a float32 model's) ends it early, and no model-sized temporary is made."""
-    if w.dtype != np.float32 or not w.flags.c_contiguous or w.size == 0:
-        return False
-    flat = w.reshape(-1)
-    for i in range(0, flat.size, chunk):
-        a = flat[i : i + chunk]
-        with np.errstate(over="ignore"):
-            back = a.astype(np.float16).astype(np.float32)
-        if not np.array_equal(back.view(np.uint32), a.view(np.uint32)):
-            return False
-    return True
-
-
-def half_kind(panels: np.ndarray) -> int:
-    """The 16-bit qx kind that holds float32 panels [..., NP, K, 16] exactly: BF16 where every value is a
-    bfloat16, else F16 where every one is a float16, else -1 (K not a multiple of 32 too). Checked in place."""
-    if panels.shape[-1] != PANEL or panels.shape[-2] % 32:
+def half_kind(panels: np.ndarray, chunk: int = 1 << 20) -> int:
+    """The 16-bit qx kind that may hold float32 panels [..., NP, K, 16] exactly: BF16 where every value is a
+    bfloat16 (the low halves read in place), else F16 where the first `chunk` values are float16s (a float16
+    checkpoint's, a GGUF file's F16 tensor: `half_panels` checks the rest), else -1 (K not a multiple of 32 too)."""
+    if panels.shape[-1] != PANEL or panels.shape[-2] % 32 or panels.dtype != np.float32:
         return -1
-    return QX_KINDS["BF16"] if bf16_exact(panels) else QX_KINDS["F16"] if f16_exact(panels) else -1
+    if bf16_exact(panels):
+        return QX_KINDS["BF16"]
+    head = panels.reshape(-1)[:chunk]
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = head.astype(np.float16).astype(np.float32)
+    return QX_KINDS["F16"] if np.array_equal(back.view(np.uint32), head.view(np.uint32)) else -1
 
 
-def half_panels(panels: np.ndarray, kind: int) -> np.ndarray:
+def half_panels(lib, what: str, panels: np.ndarray, kind: int) -> np.ndarray | None:
     """float32 panels [..., NP, K, 16] of `half_kind` `kind` -> the same weights as its qx panels [..., NP, K / 32,
-    1024] (per panel and k the 16 rows' 16-bit values: the float32 panels' layout)."""
+    1024] (per panel and k the 16 rows' 16-bit values: the float32 panels' layout), each leading index checked by
+    the kernels' own rebuild (`rebuilds`, `lib`); None (with a warning) where one differs."""
     *lead, NP, K, _ = panels.shape
     if kind == QX_KINDS["BF16"]:
         halves = np.ascontiguousarray(panels.view(np.uint16)[..., 1::2])
     else:
-        halves = panels.astype(np.float16)
-    return halves.view(np.uint8).reshape(*lead, NP, K // 32, QX_GROUP_BYTES[kind])
+        with np.errstate(over="ignore", invalid="ignore"):
+            halves = panels.astype(np.float16)
+    out = halves.view(np.uint8).reshape(*lead, NP, K // 32, QX_GROUP_BYTES[kind])
+    for i in np.ndindex(*lead):
+        if not rebuilds(lib, what, out[i], kind, NP * PANEL, panels[i]):
+            return None
+    return out
 
 
 def rebuilds(lib, what: str, packed: np.ndarray, kind: int, N: int, panels: np.ndarray) -> bool:
     """Whether the qx panels `packed` (of `kind`) rebuild every weight of the float32 panels `panels` ([ceil(N /
     16), K, 16], panel_gemm's) to its bits, as qx_gemm rebuilds them (the kernels' `qx_mismatches`, in place: `lib`
     either backend's build); else a warning that `what` keeps float32 only (a GGUF file's blocks that another
-    loader's arithmetic dequantized otherwise)."""
+    loader's arithmetic dequantized otherwise, a float16 cast that was not exact)."""
     K = panels.shape[1] if panels.ndim == 3 else -1
     ok = (panels.dtype == np.float32 and panels.flags.c_contiguous and panels.shape == (-(-N // PANEL), K, PANEL)
           and K % 32 == 0 and packed.dtype == np.uint8 and packed.flags.c_contiguous
           and packed.shape == qx_shape(N, K, kind))
     if ok and lib.qx_mismatches(packed.ctypes.data, kind, K, N, panels.ctypes.data) == 0:
         return True
-    logger.warning("%s: the GGUF blocks do not give the loaded float32 weight bit for bit; it keeps float32 only",
-                   what)
+    logger.warning("%s: its %s panels do not give the loaded float32 weight bit for bit; it keeps float32 only",
+                   what, next((n for n, k in QX_KINDS.items() if k == kind), kind))
     return False
 
 
@@ -249,18 +245,20 @@ def _pack_scales(out: np.ndarray, at: int, a: np.ndarray | None, P: int, dt) -> 
     out[:, :, at : at + n] = h.reshape(P, PANEL, G).transpose(0, 2, 1).copy().view(np.uint8)
 
 
-def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES) -> tuple[
+def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES, wide: bool = True) -> tuple[
         dict[tuple[int, str], Groups], Groups | None]:
     """The decoder linears whose weight the GGUF file stores as types of `types` (Q4_0 / Q4_1 / Q4_K:
     Int4Groups; Q8_0 / Q5_0: Int8Groups; Q5_K / Q6_K: WideGroups), every fused part: {(layer, the stored linear:
     "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in the fused weight's order}, and
     the LM head's groups if the file stores it as one of them. Parts of one form assemble in it (`kind_of` finds
-    the panels that hold them all), of several forms, or 4-bit parts some of Q4_0's form and some not, as
-    WideGroups (`to_wide`). One pass over the file's quantized tensors; a linear with a part stored in a type
-    not in `types` has none."""
+    the panels that hold them all); with `wide`, parts of several forms, or 4-bit parts some of Q4_0's form and
+    some not, as WideGroups (`to_wide`: the qx panels' case), else 4-bit parts as Int4Groups and other mixes not
+    at all (`--quantization gguf`'s 4-bit linears). One pass over the file's quantized tensors, each linear
+    assembled once its parts are read; a linear with a part stored in a type not in `types` has none."""
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = None
     parts: dict[tuple[int, str], tuple[int, list]] = {}  # -> (fused rows, [(their rows, groups)])
+    out = {}
     for hf_name, g in source.iter_quantized_weights(types):
         if hf_name == head_name:
             head = g
@@ -277,19 +275,28 @@ def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES) 
             rows, N = slices[spec.param], max(s.stop for s in slices.values())
         else:
             rows, N = slice(0, g.q.shape[0]), g.q.shape[0]
-        parts.setdefault((layer, stored), (N, []))[1].append((rows, g))
-    out = {}
-    for key, (N, ps) in parts.items():
-        if sum(r.stop - r.start for r, _ in ps) != N:
-            continue
-        forms = {type(g) for _, g in ps}
-        if len(forms) > 1 or Int4Groups in forms and len({g.is_q4_0 for _, g in ps}) > 1:
-            ps = [(r, to_wide(g)) for r, g in ps]
-        cls, K = type(ps[0][1]), ps[0][1].q.shape[1]
-        fields = {f.name: np.zeros((N, K if f.name == "q" else K // cls.GROUP),
-                                   ps[0][1].q.dtype if f.name == "q" else np.float32) for f in dataclasses.fields(cls)}
-        for r, g in ps:
-            for f, a in fields.items():
-                a[r] = getattr(g, f)
-        out[key] = cls(**fields)
+        ps = parts.setdefault((layer, stored), (N, []))[1]
+        ps.append((rows, g))
+        if sum(r.stop - r.start for r, _ in ps) == N:
+            if (one := _assemble(N, parts.pop((layer, stored))[1], wide)) is not None:
+                out[(layer, stored)] = one
     return out, head
+
+
+def _assemble(N: int, ps: list, wide: bool) -> Groups | None:
+    """A fused linear's parts [(its rows, groups)] -> the linear's groups (a lone part as it is), or None."""
+    if len(ps) == 1 and ps[0][0] == slice(0, N):
+        return ps[0][1]
+    forms = {type(g) for _, g in ps}
+    if len(forms) > 1 or Int4Groups in forms and len({g.is_q4_0 for _, g in ps}) > 1:
+        if not wide and forms != {Int4Groups}:
+            return None
+        if wide:
+            ps = [(r, to_wide(g)) for r, g in ps]
+    cls, K = type(ps[0][1]), ps[0][1].q.shape[1]
+    fields = {f.name: np.zeros((N, K if f.name == "q" else K // cls.GROUP),
+                               ps[0][1].q.dtype if f.name == "q" else np.float32) for f in dataclasses.fields(cls)}
+    for r, g in ps:
+        for f, a in fields.items():
+            a[r] = getattr(g, f)
+    return cls(**fields)

@@ -113,8 +113,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib.pack_panels_f32.restype = ctypes.c_int
         lib.qx_mismatches.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.qx_mismatches.restype = ctypes.c_long
+        lib.qx_panel_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.qx_panel_bytes.restype = ctypes.c_long
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
+    if not qx.layout_matches(lib):
+        return None, f"{path}: the qx panels' layout does not match enginecore.qx"
     return lib, ""
 
 

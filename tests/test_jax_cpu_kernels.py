@@ -612,7 +612,7 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
                 jnp.bfloat16 if kind == "BF16" else jnp.float16), np.float32)
             p = np.asarray(cpu_kernels.pack_panels(jnp.asarray(w)))
             assert qx.half_kind(p) == qx.QX_KINDS[kind]
-            ws.append(w), packed.append(qx.half_panels(p, qx.QX_KINDS[kind]))
+            ws.append(w), packed.append(qx.half_panels(cpu_kernels.lib(), "w", p, qx.QX_KINDS[kind]))
         elif kind == "Q8_0":
             g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
             ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))
@@ -675,7 +675,7 @@ def test_layers_take_a_kind_for_each_linear():
     qkv = jnp.asarray(args[3]).astype(jnp.bfloat16).astype(jnp.float32)
     (o, og), (gu, gg) = q8((32, 32)), q8((80, 32))
     args = (*args[:3], qkv, o, gu, *args[6:])
-    panels = (qx.bf16_panels(np.asarray(qkv)), np.stack([qx.pack_q8x(g.q, g.scale) for g in og]),
+    panels = (qx.half_panels(cpu_kernels.lib(), "qkv", np.asarray(qkv), qx.QX_KINDS["BF16"]), np.stack([qx.pack_q8x(g.q, g.scale) for g in og]),
               np.stack([qx.pack_i8x(qx.to_wide(g)) for g in gg]), None)
     kinds = (qx.QX_KINDS["BF16"], qx.QX_KINDS["Q8_0"], qx.QX_KINDS["I8"], -1)
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
@@ -705,7 +705,9 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
     L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=31)
     bf = lambda p: jnp.asarray(p).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     args = (*args[:3], *(bf(p) for p in args[3:7]), *args[7:])
-    halves = [qx.bf16_panels(np.asarray(p)) for p in args[3:7]]
+    bf16 = qx.QX_KINDS["BF16"]
+    halves = [qx.half_panels(cpu_kernels.lib(), "w", np.asarray(p), bf16) if qx.half_kind(np.asarray(p)) == bf16
+              else None for p in args[3:7]]
     assert halves[3] is None and all(h is not None for h in halves[:3])  # down: K = I = 40
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
     real = int(cu[-1])

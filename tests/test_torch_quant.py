@@ -224,7 +224,7 @@ def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     f16 = cpu_kernels.QX_KINDS["F16"]
     assert qx.half_kind(panels.numpy()) == f16 and qx.half_kind((panels + 1e-3).numpy()) == -1
     assert qx.half_kind(cpu_kernels.pack_panels(w.bfloat16().float()).numpy()) == cpu_kernels.QX_KINDS["BF16"]
-    halves = torch.from_numpy(qx.half_panels(panels.numpy(), f16))
+    halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), f16))
     assert lib.qx_mismatches(halves.numpy().ctypes.data, f16, K, N, panels.numpy().ctypes.data) == 0
     for M in (1, 2, 5, 6, 7, 12, 13):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -251,7 +251,7 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     w[N // 2] = w[N - 1 if N // 2 != N - 1 else 0]  # a tie: two rows of the same weights
     assert qx.bf16_exact(w.numpy()) and not qx.bf16_exact((w + 1e-4).numpy())
     panels = cpu_kernels.pack_panels(w)
-    halves = cpu_kernels.bf16_panels(panels)
+    halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), cpu_kernels.QX_KINDS["BF16"]))
     bf16 = cpu_kernels.QX_KINDS["BF16"]
     for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 18):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -303,11 +303,11 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
                             modules=lambda: iter((good, q40, bad, zeros)))
-    monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None: (
+    monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None, wide=True: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
-    assert bad.qx is None and "b: the GGUF blocks do not give" in caplog.text
-    assert zeros.qx is None and "d: the GGUF blocks do not give" in caplog.text
+    assert bad.qx is None and "b: its Q4_1 panels do not give" in caplog.text
+    assert zeros.qx is None and "d: its Q4_0 panels do not give" in caplog.text
     assert (good.qx_kind, q40.qx_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
     lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     for lin in (good, q40):
@@ -336,13 +336,16 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     f16 = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float16).astype(np.float32)  # noqa: E731
     if kind == "BF16":
         w = torch.randn(N, K).bfloat16().float()
-        packed = cpu_kernels.bf16_panels(cpu_kernels.pack_panels(w)).numpy()
+        w[3, :5], w[20, 7] = 0.0, -0.0  # zeros of both signs
+        packed = qx.half_panels(lib, "w", cpu_kernels.pack_panels(w).numpy(), qx.QX_KINDS["BF16"])
     elif kind == "Q8_0":
         g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
         w, packed = torch.from_numpy(g.dequantize()), qx.pack_q8x(g.q, g.scale)
     else:
         d = f16(N, K // 32)
         g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, -8 * d if kind == "Q4_0" else f16(N, K // 32))
+        if kind == "Q4_1":
+            g.q[0, :8], g.offset[0, 0] = 0, 0.0  # zeros
         w, packed = torch.from_numpy(g.dequantize()), qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset)
     k = cpu_kernels.QX_KINDS[kind]
 
@@ -357,7 +360,7 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     assert count(off) == 4 and not qx.rebuilds(lib, "w", packed, k, N, cpu_kernels.pack_panels(off).numpy())
     signed = w.clone()
     signed[signed == 0] = -signed[signed == 0]  # -0.0 where the loader wrote 0.0 (+0.0 where -0.0)
-    assert count(signed) == int((w == 0).sum())
+    assert (w == 0).any() and count(signed) == int((w == 0).sum())
     panels = cpu_kernels.pack_panels(w).numpy()
     assert lib.qx_mismatches(packed.ctypes.data, 7, K, N, panels.ctypes.data) == -1
     assert lib.qx_mismatches(packed.ctypes.data, k, 48, N, panels.ctypes.data) == -1
@@ -515,10 +518,35 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
                            cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
     off = want.copy()
-    off[N - 1, 20] = np.nextafter(off[N - 1, 20], np.float32(1))  # in the first half's scale
-    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))  # and in a second half's
+    off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))  # under a group's first scale (k 0-15)
+    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))  # and under a second one (k 16-31)
     assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
         ).ctypes.data) == 2
+
+
+def test_a_fused_linears_parts_of_several_forms_assemble_wide_for_the_panels_only():
+    """`gguf_linear_groups`' assembly of a fused linear (`_assemble`): a lone part as it is; Q4_0 and Q4_1 parts
+    as one Int4Groups for `--quantization gguf`'s 4-bit linears (wide=False), as WideGroups for the qx panels,
+    each part's weights to the bit (Q4_0's zeros their scale's sign); 4- and 8-bit parts wide, or not at all."""
+    from enginecore import qx
+    from enginecore.model_loader import Int8Groups, WideGroups
+
+    rng = np.random.default_rng(9)
+    d = -np.abs(rng.standard_normal((8, 2)).astype(np.float16).astype(np.float32))  # negative: -0.0 zeros
+    q40 = Int4Groups(rng.integers(0, 16, (8, 64)).astype(np.uint8), d, -8 * d)
+    q41 = Int4Groups(rng.integers(0, 16, (4, 64)).astype(np.uint8), d[:4], d[:4] * 3)
+    q8 = Int8Groups(rng.integers(-128, 128, (4, 64)).astype(np.int8), d[:4])
+    parts = [(slice(0, 8), q40), (slice(8, 12), q41)]
+    assert qx._assemble(8, [(slice(0, 8), q40)], True) is q40
+    four = qx._assemble(12, parts, wide=False)
+    assert type(four) is Int4Groups and np.array_equal(four.q[8:], q41.q)
+    wide = qx._assemble(12, parts, wide=True)
+    assert type(wide) is WideGroups
+    want = np.concatenate([q40.dequantize(), q41.dequantize()])
+    assert (np.signbit(want) & (want == 0)).any()
+    assert np.array_equal(wide.dequantize().view(np.uint32), want.view(np.uint32))
+    mixed = [(slice(0, 8), q40), (slice(8, 12), q8)]
+    assert qx._assemble(12, mixed, wide=False) is None and type(qx._assemble(12, mixed, wide=True)) is WideGroups
 
 
 def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):

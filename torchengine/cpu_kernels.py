@@ -81,8 +81,8 @@ def open_library(path: str) -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes = [_CTYPES[a] for a in args.split()]
         fn.restype = _CTYPES[ret.strip() or "i"]
     if (lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES
-            or lib.max_rows() != MAX_ROWS):
-        return None, "cpu_kernels.c's block layout or row limit does not match cpu_kernels.py"
+            or lib.max_rows() != MAX_ROWS or not qx.layout_matches(lib)):
+        return None, "cpu_kernels.c's block layout or row limit does not match cpu_kernels.py / enginecore.qx"
     return lib, ""
 
 
@@ -129,6 +129,7 @@ _SIGNATURES = {
     "decode_workspace": "l: i i i i i i",
     "qx_gemm": "p i i p i p p i i",
     "qx_mismatches": "l: p i i i p",
+    "qx_panel_bytes": "l: i i",
 }
 
 
@@ -154,17 +155,8 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(qx.pack_q8x(q, scale))
 
 
-def bf16_panels(panels: torch.Tensor) -> torch.Tensor | None:
-    """`enginecore.qx.bf16_panels` of a tensor: float32 panels (`pack_panels`) whose every value is a bfloat16 as
-    qx_gemm's QX_BF16 panels of their high halves, else None."""
-    if panels.dtype != torch.float32 or not panels.is_cpu or not panels.is_contiguous():
-        return None
-    halves = qx.bf16_panels(panels.detach().numpy())
-    return None if halves is None else torch.from_numpy(halves)
-
-
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
-    """Whether `panels` are `pack_q4x` / `pack_q8x` / `bf16_panels`'s of a [N, K] weight of `kind` (what qx_gemm
+    """Whether `panels` are `pack_q4x` / `pack_q8x` / `enginecore.qx`'s's of a [N, K] weight of `kind` (what qx_gemm
     reads)."""
     return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
             and panels.is_contiguous() and tuple(panels.shape) == qx.qx_shape(N, K, kind))
@@ -172,7 +164,7 @@ def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
             greedy: bool = False) -> torch.Tensor:
-    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `bf16_panels` (`kind`: QX_KINDS)
+    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `enginecore.qx`'s (`kind`: QX_KINDS)
     -> [M, N] float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape

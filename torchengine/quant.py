@@ -76,12 +76,12 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES) -> tuple[
-        dict[str, tuple[nn.Module, Int4Groups | Int8Groups]], Int8Groups | None]:
+def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES, wide: bool = True) -> tuple[
+        dict[str, tuple[nn.Module, qx.Groups]], qx.Groups | None]:
     """The decoder linears whose weight the GGUF file stores as a type of `types`, every fused part:
     {module path: (the module, its groups with the rows in the module's order)}, and the LM head's groups if the
-    file stores it as one of them (`enginecore.qx.gguf_linear_groups`)."""
-    groups, head = gguf_linear_groups(source, model.arch, types)
+    file stores it as one of them (`enginecore.qx.gguf_linear_groups`, `wide` as there)."""
+    groups, head = gguf_linear_groups(source, model.arch, types, wide)
     modules = dict(model.named_modules())
     found = {}
     for (layer, stored), g in groups.items():
@@ -105,7 +105,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     lib, why = cpu_kernels.load()
-    found, head = _stored_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"))
+    found, head = _stored_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"), wide=False)
     found = {p: (m, g) for p, (m, g) in found.items() if isinstance(g, Int4Groups)}  # Int4Linear's float16 blocks
     modules = dict(model.named_modules())
     for path, (lin, g) in found.items():
@@ -156,8 +156,8 @@ def attach_qx(model, source: ModelSource) -> int:
 
 def _attach_halves(model) -> int:
     """attach_qx's 16-bit part: every packed `Linear` without qx panels, and the LM head, whose values are all
-    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_panels`), where
-    they fit in a quarter of the memory available."""
+    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_kind`,
+    `half_panels`: checked by the kernels' rebuild), where they fit in a quarter of the memory available."""
     from torchengine.model import Linear
 
     def kind(p: torch.Tensor | None) -> int:
@@ -168,11 +168,13 @@ def _attach_halves(model) -> int:
     need = sum(m.panels.nbytes for m, _ in lins) // 2 + (model.head_panels.nbytes // 2 if head >= 0 else 0)
     if not need or not qx.half_copies_fit(need):
         return 0
+    lib, n = cpu_kernels.lib(), 0
     for m, k in lins:
-        m.qx, m.qx_kind = torch.from_numpy(qx.half_panels(m.panels.numpy(), k)), k
-    if head >= 0:
-        model.head_qx, model.head_qx_kind = torch.from_numpy(qx.half_panels(model.head_panels.numpy(), head)), head
-    return len(lins) + (head >= 0)
+        if (p := qx.half_panels(lib, "a linear", m.panels.numpy(), k)) is not None:
+            m.qx, m.qx_kind, n = torch.from_numpy(p), k, n + 1
+    if head >= 0 and (p := qx.half_panels(lib, "the LM head", model.head_panels.numpy(), head)) is not None:
+        model.head_qx, model.head_qx_kind, n = torch.from_numpy(p), head, n + 1
+    return n
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
