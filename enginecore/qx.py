@@ -205,6 +205,16 @@ def half_panels(lib, what: str, panels: np.ndarray, kind: int) -> np.ndarray | N
     return out
 
 
+def half_copies(lib, panels: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, int]]:
+    """{name: float32 panels} -> {name: (16-bit qx panels, kind)} for those whose every value is a bfloat16 or a
+    float16 (`half_kind`, then `half_panels`' check), if the copies of them all fit in a quarter of the memory
+    available (`half_copies_fit`, before any is made), else {}: both backends' policy for 16-bit weights."""
+    kinds = {n: k for n, p in panels.items() if (k := half_kind(p)) >= 0}
+    if not kinds or not half_copies_fit(sum(panels[n].nbytes // 2 for n in kinds)):
+        return {}
+    return {n: (b, k) for n, k in kinds.items() if (b := half_panels(lib, n, panels[n], k)) is not None}
+
+
 def rebuilds(lib, what: str, packed: np.ndarray, kind: int, N: int, panels: np.ndarray) -> bool:
     """Whether the qx panels `packed` (of `kind`) rebuild every weight of the float32 panels `panels` ([ceil(N /
     16), K, 16], panel_gemm's) to its bits, as qx_gemm rebuilds them (the kernels' `qx_mismatches`, in place: `lib`

@@ -215,11 +215,8 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
         if head is not None and (h := qx.gguf_panels(lib, "the LM head", head, host["head"][0])):
             got["head"] = (h[0][None], h[1])
     # 16-bit values (bfloat16s, float16s): checked in place, and copied only if they all fit
-    halves = {g: k for g in host if g not in got and (k := qx.half_kind(host[g])) >= 0} if lib is not None else {}
-    if halves and qx.half_copies_fit(sum(host[g].nbytes // 2 for g in halves)):
-        for g, k in halves.items():
-            if (b := qx.half_panels(lib, g, host[g], k)) is not None:
-                got[g] = (b, k)
+    if lib is not None:
+        got.update(qx.half_copies(lib, {g: a for g, a in host.items() if g not in got}))
     fields = {f"{g}_qx": jax.device_put(b, getattr(p, g).sharding) for g, (b, _) in got.items()}
     if not fields:
         return params, 0

@@ -302,7 +302,7 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     assert (signed == 0).any()
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
     model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
-                            modules=lambda: iter((good, q40, bad, zeros)))
+                            named_modules=lambda: enumerate((good, q40, bad, zeros)))
     monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None, wide=True: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
@@ -792,7 +792,7 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
         f16.panels = cpu_kernels.pack_panels(torch.randn(40, 64).half().float())  # float16s, not bfloat16s
         lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48), f16)
         head = cpu_kernels.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
-        return lins, SimpleNamespace(head_panels=head, head_qx=None, modules=lambda: iter(lins))
+        return lins, SimpleNamespace(head_panels=head, head_qx=None, named_modules=lambda: enumerate(lins))
 
     (good, off, narrow, f16), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 3

@@ -156,25 +156,20 @@ def attach_qx(model, source: ModelSource) -> int:
 
 def _attach_halves(model) -> int:
     """attach_qx's 16-bit part: every packed `Linear` without qx panels, and the LM head, whose values are all
-    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_kind`,
-    `half_panels`: checked by the kernels' rebuild), where they fit in a quarter of the memory available."""
+    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_copies`)."""
     from torchengine.model import Linear
 
-    def kind(p: torch.Tensor | None) -> int:
-        return -1 if p is None else qx.half_kind(p.numpy())
-
-    lins = [(m, k) for m in model.modules() if type(m) is Linear and m.qx is None and (k := kind(m.panels)) >= 0]
-    head = kind(model.head_panels) if model.head_qx is None else -1
-    need = sum(m.panels.nbytes for m, _ in lins) // 2 + (model.head_panels.nbytes // 2 if head >= 0 else 0)
-    if not need or not qx.half_copies_fit(need):
-        return 0
-    lib, n = cpu_kernels.lib(), 0
-    for m, k in lins:
-        if (p := qx.half_panels(lib, "a linear", m.panels.numpy(), k)) is not None:
-            m.qx, m.qx_kind, n = torch.from_numpy(p), k, n + 1
-    if head >= 0 and (p := qx.half_panels(lib, "the LM head", model.head_panels.numpy(), head)) is not None:
-        model.head_qx, model.head_qx_kind, n = torch.from_numpy(p), head, n + 1
-    return n
+    mods = {n: m for n, m in model.named_modules() if type(m) is Linear and m.qx is None and m.panels is not None}
+    panels = {n: m.panels.numpy() for n, m in mods.items()}
+    if model.head_qx is None and model.head_panels is not None:
+        panels["the LM head"] = model.head_panels.numpy()
+    got = qx.half_copies(cpu_kernels.lib(), panels)
+    for n, (b, k) in got.items():
+        if n == "the LM head":
+            model.head_qx, model.head_qx_kind = torch.from_numpy(b), k
+        else:
+            mods[n].qx, mods[n].qx_kind = torch.from_numpy(b), k
+    return len(got)
 
 
 def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
