@@ -457,12 +457,12 @@ def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
     """Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (flat uint8) -> float32, flat:
     `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a partial block, or
     where the dequantizer cannot be built."""
-    from enginecore.native import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, gguf_dequantizer
+    from enginecore.native import gguf_block, gguf_dequantizer
 
-    size = GGUF_BLOCK_BYTES.get(ggml_type)
-    if size is None or data.size % size or (fn := gguf_dequantizer()) is None:
+    block = gguf_block(ggml_type)
+    if block is None or data.size % block[1] or (fn := gguf_dequantizer()) is None:
         return None
-    out = np.empty(data.size // size * GGUF_BLOCK_VALUES[ggml_type], np.float32)
+    out = np.empty(data.size // block[1] * block[0], np.float32)
     return out if fn(ggml_type, np.ascontiguousarray(data, np.uint8), out) else None
 
 

@@ -27,9 +27,14 @@ CPU_KERNELS_C = os.path.join(REPO, "torchengine", "cpu_kernels.c")
 CPU_KERNELS_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11"]
 # enginecore/gguf_dequant.c: GGUF's Q4_0 / Q4_1 / Q8_0 blocks to float32 at load (portable C)
 GGUF_DEQUANT_C = os.path.join(REPO, "enginecore", "gguf_dequant.c")
-# the GGML types it reads (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q5_K, Q6_K): bytes a block, and values a block
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
-GGUF_BLOCK_VALUES = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}
+GGUF_DEQUANT_TYPES = (2, 3, 6, 8, 12, 13, 14)  # the GGML types it reads: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
+
+
+def gguf_block(ggml_type: int) -> tuple[int, int] | None:
+    """(values, bytes) a block of a GGML type `GGUF_DEQUANT_C` reads (the gguf package's table), else None."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] if ggml_type in GGUF_DEQUANT_TYPES else None
 
 
 def cxx_compiler() -> str | None:
@@ -118,12 +123,12 @@ def gguf_dequantizer():
     fn.restype = ctypes.c_int
 
     def dequantize(ggml_type: int, blocks: np.ndarray, out: np.ndarray) -> bool:
-        """blocks: uint8, whole blocks of `ggml_type`, C-contiguous; out: float32 [GGUF_BLOCK_VALUES per block],
-        C-contiguous."""
-        n = blocks.size // GGUF_BLOCK_BYTES[ggml_type]
+        """blocks: uint8, whole blocks of `ggml_type`, C-contiguous; out: float32 [its values a block (`gguf_block`)
+        per block], C-contiguous."""
+        values, size = gguf_block(ggml_type)
+        n = blocks.size // size
         assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and out.flags.c_contiguous
-        assert out.dtype == np.float32 and out.size == GGUF_BLOCK_VALUES[ggml_type] * n
-        assert n * GGUF_BLOCK_BYTES[ggml_type] == blocks.size
+        assert out.dtype == np.float32 and out.size == values * n and n * size == blocks.size
         return fn(ggml_type, blocks.ctypes.data, n, out.ctypes.data) == 0
 
     return dequantize
