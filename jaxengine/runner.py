@@ -228,7 +228,7 @@ class JaxModelRunner:
             if qx.enabled():
                 self.params, n = attach_cpu_qx(self.params, self.source, self.arch)
                 if n:
-                    logger.info("jax: %d weight groups also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), "
+                    logger.info("jax: %d weight groups also as stored (a GGUF file's blocks, 16-bit values), "
                                 "the same bits, for decode steps of few rows (XLASERVE_Q4X=off: float32 only)", n)
         cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
         self.rope = jax.device_put((cos, sin), self._rep)

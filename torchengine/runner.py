@@ -194,7 +194,7 @@ class TorchModelRunner:
                 from torchengine.quant import attach_qx
 
                 if n := attach_qx(model, self.model_source):
-                    logger.info("rank %d: %d weights also as stored (a GGUF file's 4- and 8-bit blocks, bfloat16), "
+                    logger.info("rank %d: %d weights also as stored (a GGUF file's blocks, 16-bit values), "
                                 "the same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: "
                                 "float32 only)", self.rank, n)
         self.model = model
