@@ -300,17 +300,27 @@ def _rope_permuted_heads(cfg: ArchConfig, hf_name: str) -> int:
 
 
 @dataclass
-class Int4Groups:
-    """A 4-bit weight [N, K] in groups of 32 along K: w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32].
+class _AffineGroups:
+    """A weight [N, K] in groups of GROUP along K: w[n, k] = (q[n, k] * scale[n, k // GROUP]) + offset[...], each
+    product exact and the sum rounded once to float32 (the gguf package's and gguf_dequant.c's order)."""
 
-    GGUF's Q4_1 stores exactly that (d and m, float16); Q4_0 is w = (q - 8) * d, i.e. offset = -8 d.
-    """
-
-    q: np.ndarray  # [N, K] uint8 in 0..15
-    scale: np.ndarray  # [N, K // 32] float32
-    offset: np.ndarray  # [N, K // 32] float32
+    q: np.ndarray  # [N, K] integers
+    scale: np.ndarray  # [N, K // GROUP] float32
+    offset: np.ndarray  # [N, K // GROUP] float32
 
     GROUP = 32
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.q.shape
+        q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
+        return (q * self.scale[..., None] + self.offset[..., None]).reshape(N, K)
+
+
+@dataclass
+class Int4Groups(_AffineGroups):
+    """A 4-bit weight [N, K] in groups of 32 along K (q uint8 in 0..15): GGUF's Q4_1 stores exactly that (d and m,
+    float16), Q4_K too (float32 scale d * sc and offset -(dmin * mn)); Q4_0 is w = (q - 8) * d, i.e. offset = -8 d.
+    """
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int4Groups":
@@ -343,10 +353,10 @@ class Int4Groups:
     def dequantize(self) -> np.ndarray:
         """The float32 weight, bit for bit as the loader computes it (enginecore/gguf_dequant.c): Q4_1
         (q * scale) + offset, Q4_0 (q - 8) * scale (its zeros then carry the scale's sign)."""
+        if not self.is_q4_0:
+            return super().dequantize()
         N, K = self.q.shape
-        q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
-        w = (q - 8) * self.scale[..., None] if self.is_q4_0 else q * self.scale[..., None] + self.offset[..., None]
-        return w.reshape(N, K)
+        return ((self.q.reshape(N, -1, self.GROUP).astype(np.float32) - 8) * self.scale[..., None]).reshape(N, K)
 
 
 @dataclass
@@ -385,15 +395,11 @@ class Int8Groups:
 
 
 @dataclass
-class WideGroups:
-    """A weight [N, K] in groups of 16 along K with float32 scales and offsets: w[n, k] = (q[n, k] *
-    scale[n, k // 16]) + offset[n, k // 16], q int8 (offset -0.0 where the form has none: x + -0.0 is x). GGUF's
-    Q6_K ((d * sc) * (q - 32), groups of 16) and Q5_K ((d * sc) * q - dmin * mn, five-bit q) exactly as the gguf
-    package dequantizes them; every other form converts to it (`enginecore.qx.to_wide`)."""
-
-    q: np.ndarray  # [N, K] int8
-    scale: np.ndarray  # [N, K // 16] float32
-    offset: np.ndarray  # [N, K // 16] float32
+class WideGroups(_AffineGroups):
+    """A weight [N, K] in groups of 16 along K, q int8, float32 scales and offsets (offset -0.0 where the form has
+    none: x + -0.0 is x). GGUF's Q6_K ((d * sc) * (q - 32), groups of 16) and Q5_K ((d * sc) * q - dmin * mn,
+    five-bit q) exactly as the gguf package dequantizes them; every other form converts to it
+    (`enginecore.qx.to_wide`)."""
 
     GROUP = 16
 
@@ -417,11 +423,6 @@ class WideGroups:
             raise ModelLoadError(f"{path}: tensor {t.name}: {t.tensor_type.name} has no 16-wide groups here")
         groups = (N, K // cls.GROUP)
         return cls(q.reshape(N, K), scale.reshape(groups), offset.reshape(groups))
-
-    def dequantize(self) -> np.ndarray:
-        N, K = self.q.shape
-        q = self.q.reshape(N, -1, self.GROUP).astype(np.float32)
-        return (q * self.scale[..., None] + self.offset[..., None]).reshape(N, K)
 
 
 def _k_quant_groups(raw: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
