@@ -13,6 +13,9 @@ and vs XLA's dots).
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,8 @@ import numpy as np
 import pytest
 
 from jaxengine import cpu_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -567,6 +572,25 @@ def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
     shared.close()
 
 
+_ZEROS_OVER_REUSED = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxengine import cpu_kernels
+cpu_kernels.lib()
+sevens = jax.jit(lambda: jnp.full((1024, 1000), 7.0)).lower().compile()
+zeros = jax.jit(lambda: cpu_kernels.zeros((1024, 1000), jnp.float32)).lower().compile()
+tries = reused = 0
+while tries < 200 and reused < 3:
+    a = sevens()
+    p = a.block_until_ready().unsafe_buffer_pointer()
+    a.delete()
+    z = zeros()
+    tries, reused = tries + 1, reused + (z.block_until_ready().unsafe_buffer_pointer() == p)
+    assert not np.asarray(z).any()
+    z.delete()
+print(tries, reused)
+"""
+
+
 def test_zeros_commits_no_memory_until_written():
     """`zeros` (the jax CPU KV cache): zeros of any dtype, also over memory that held other values, and a 64 MiB
     one holds (almost) none of its pages in memory until written, where every page of jnp.zeros' is (mincore:
@@ -576,23 +600,16 @@ def test_zeros_commits_no_memory_until_written():
     for shape, dtype in (((3,), jnp.float32), ((1000, 5), jnp.bfloat16), ((7, 4096, 3), jnp.float16)):
         z = jax.jit(lambda: cpu_kernels.zeros(shape, dtype))()
         assert z.shape == shape and z.dtype == dtype and not np.asarray(z.astype(jnp.float32)).any()
-    # over memory that held other values: a freed 4 MB buffer, which the allocator hands back within a few tries
-    # in a fresh process (19 of 20), but after a long test session's heap history it once did not in 20 (session
-    # 29's CI): up to 200, stopping once it has been tried over reused memory a few times
-    sevens = jax.jit(lambda: jnp.full((1024, 1000), 7.0)).lower().compile()
-    zeros = jax.jit(lambda: cpu_kernels.zeros((1024, 1000), jnp.float32)).lower().compile()
-    reused = 0
-    for _ in range(200):
-        if reused >= 3:
-            break
-        a = sevens()
-        p = a.block_until_ready().unsafe_buffer_pointer()
-        a.delete()
-        z = zeros()
-        reused += z.block_until_ready().unsafe_buffer_pointer() == p
-        assert not np.asarray(z).any()
-        z.delete()
-    assert reused, "the allocator never reused a freed buffer: zeros was not tried over written memory"
+    # over memory that held other values: a freed 4 MB buffer handed back by the allocator. In this process that
+    # depends on the whole session's heap history (once none of 20 tries was reused, session 29's CI), so a fresh
+    # process does it, with glibc told to serve such buffers from its heap (MALLOC_MMAP_THRESHOLD_) rather than
+    # as fresh mappings, whose pages the kernel would zero whatever `zeros` did
+    p = subprocess.run([sys.executable, "-c", _ZEROS_OVER_REUSED], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28),
+                                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    tries, reused = map(int, p.stdout.split())
+    assert reused >= 3, f"a freed buffer was reused {reused} times in {tries}: zeros not tried over written memory"
     shape, nbytes = (16, 1 << 20), 64 << 20
     z = jax.jit(lambda: cpu_kernels.zeros(shape, jnp.float32))()
     zx = jax.jit(lambda: jnp.zeros(shape, jnp.float32))()
