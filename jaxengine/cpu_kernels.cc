@@ -248,9 +248,17 @@ class Team {
     Phase finished_{0, 1, 0, 1, nullptr};
 };
 
+// The rows of x [T, ...] a call computes: the first `live` (one int32, traced: a step's request bucket pads the
+// rows its LM head samples from, which the torch backend does not compute), clamped to [0, T]; the outputs of
+// the other rows are zeros. -1: live is not one value.
+static int64_t live_rows(ffi::Buffer<ffi::S32> &live, int64_t T) {
+    return live.element_count() != 1 ? -1 : std::clamp<int64_t>(live.typed_data()[0], 0, T);
+}
+
 // x [T, K] times layer l of w [L, NP, K, 16] (panel_gemm's panels, stacked; NP = ceil(N / 16), zero rows padding
-// the last panel) for N output columns: the operands checked, and panel_gemm_part's parts split between XLA's
-// threads, as PanelLinear and PanelArgmax both run them.
+// the last panel) for N output columns, of x's first `live` rows (live_rows: T of the buffers' rows are
+// computed): the operands checked, and panel_gemm_part's parts split between XLA's threads, as PanelLinear and
+// PanelArgmax both run them.
 struct PanelCall {
     int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
     const float *x = nullptr, *w = nullptr;
@@ -265,7 +273,8 @@ static int64_t slice_parts(int64_t parts, int nt) {
 }
 
 ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::F32> &w,
-                         ffi::Buffer<ffi::S32> &layer, int64_t rows_out, int64_t N, PanelCall &c) {
+                         ffi::Buffer<ffi::S32> &layer, ffi::Buffer<ffi::S32> &live, int64_t rows_out, int64_t N,
+                         PanelCall &c) {
     const auto xd = x.dimensions(), wd = w.dimensions();
     if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("x [T, K] and w [L, NP, K, 16] expected");
     const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1];
@@ -273,9 +282,10 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
         return ffi::Error::InvalidArgument("x, w and the output disagree (K, the panels, or N)");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-    c.T = T, c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
-    if (T == 0 || N == 0) return ffi::Error::Success();
-    c.parts = panel_gemm_plan((int)T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt,
+    c.T = live_rows(live, T), c.K = K, c.N = N, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * K * 16;
+    if (c.T < 0) return ffi::Error::InvalidArgument("live: one int32 (the rows to compute) expected");
+    if (c.T == 0 || N == 0) return ffi::Error::Success();
+    c.parts = panel_gemm_plan((int)c.T, (int)K, (int)N, std::max<int64_t>(1, pool.num_threads()), &c.unit, &c.nt,
                               &c.claim);
     c.per = slice_parts(c.parts, c.nt);
     return ffi::Error::Success();
@@ -310,13 +320,14 @@ void RunPanelCall(ffi::ThreadPool &pool, const PanelCall &c, F fn) {
 // machine code and the same split into parts, which XLA's threads share). Every output is one FMA chain over k
 // in order, so a row's result depends neither on the other rows nor on the split.
 ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
     const auto yd = y->dimensions();
     if (yd.size() != 2) return ffi::Error::InvalidArgument("y [T, N] expected");
     PanelCall c;
-    if (auto err = PlanPanelCall(pool, x, w, layer, yd[0], yd[1], c); !err.success()) return err;
-    if (c.parts == 0) return ffi::Error::Success();
+    if (auto err = PlanPanelCall(pool, x, w, layer, live, yd[0], yd[1], c); !err.success()) return err;
     float *yp = y->typed_data();
+    std::memset(yp + c.T * c.N, 0, sizeof(float) * (size_t)((yd[0] - c.T) * c.N));
+    if (c.parts == 0) return ffi::Error::Success();
     RunPanelCall(pool, c, [=](int lo, int hi, int pe, int64_t) {
         panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, lo, hi, pe);
     });
@@ -352,11 +363,13 @@ class Maxima {
 // (RunPanelCall), the sets merged (folds and merge alike do not depend on the order the panels come in). The
 // torch backend's greedy_tokens, the same tokens.
 ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> out, int32_t n) {
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::S32> out,
+                       int32_t n) {
     const auto od = out->dimensions();
     if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
     PanelCall c;
-    if (auto err = PlanPanelCall(pool, x, w, layer, od[0], n, c); !err.success()) return err;
+    if (auto err = PlanPanelCall(pool, x, w, layer, live, od[0], n, c); !err.success()) return err;
+    std::fill(out->typed_data() + c.T, out->typed_data() + od[0], 0);
     if (c.parts == 0) return ffi::Error::Success();
     Maxima best(c.T, Sets(c));
     RunPanelCall(pool, c, [=, &best](int lo, int hi, int pe, int64_t set) {
@@ -383,7 +396,8 @@ struct QxCall {
 };
 
 ffi::Error PlanQxCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::U8> &w,
-                      ffi::Buffer<ffi::S32> &layer, int64_t rows_out, int64_t N, int32_t kind, QxCall &c) {
+                      ffi::Buffer<ffi::S32> &layer, ffi::Buffer<ffi::S32> &live, int64_t rows_out, int64_t N,
+                      int32_t kind, QxCall &c) {
     const auto xd = x.dimensions(), wd = w.dimensions();
     if (xd.size() != 2 || wd.size() != 4) return ffi::Error::InvalidArgument("x [T, K] and w [L, NP, G, B] expected");
     const int64_t T = xd[0], K = xd[1], L = wd[0], NP = wd[1], pb = qx_panel_bytes(kind, (int)K);
@@ -391,9 +405,10 @@ ffi::Error PlanQxCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buff
         return ffi::Error::InvalidArgument("x, the qx panels (their kind) and the output disagree");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-    c.T = T, c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * pb;
-    c.per = qx_slice(NP, T, K, N, pool.num_threads());
-    c.sets = T == 0 ? 0 : (NP + c.per - 1) / c.per;
+    c.T = live_rows(live, T), c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * pb;
+    if (c.T < 0) return ffi::Error::InvalidArgument("live: one int32 (the rows to compute) expected");
+    c.per = qx_slice(NP, c.T, K, N, pool.num_threads());
+    c.sets = c.T == 0 ? 0 : (NP + c.per - 1) / c.per;
     return ffi::Error::Success();
 }
 
@@ -405,13 +420,14 @@ void RunQxCall(ffi::ThreadPool &pool, const QxCall &c, F fn) {
 
 // y [T, N] = x [T, K] . W_l^T from W_l's qx panels: PanelLinear's bits (qx_gemm)
 ffi::Error QxLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                    ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+                    ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
     const auto yd = y->dimensions();
     if (yd.size() != 2) return ffi::Error::InvalidArgument("y [T, N] expected");
     QxCall c;
-    if (auto err = PlanQxCall(pool, x, w, layer, yd[0], yd[1], kind, c); !err.success()) return err;
-    if (c.sets == 0) return ffi::Error::Success();
+    if (auto err = PlanQxCall(pool, x, w, layer, live, yd[0], yd[1], kind, c); !err.success()) return err;
     float *yp = y->typed_data();
+    std::memset(yp + c.T * c.N, 0, sizeof(float) * (size_t)((yd[0] - c.T) * c.N));
+    if (c.sets == 0) return ffi::Error::Success();
     RunQxCall(pool, c, [=](int p0, int p1, int64_t) {
         qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, kind, p0, p1);
     });
@@ -420,11 +436,12 @@ ffi::Error QxLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 // out [T]: PanelArgmax's tokens from W_l's qx panels (qx_gemm's greedy head; each slice's maxima merged)
 ffi::Error QxArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                    ffi::ResultBuffer<ffi::S32> out, int32_t n, int32_t kind) {
+                    ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::S32> out, int32_t n, int32_t kind) {
     const auto od = out->dimensions();
     if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
     QxCall c;
-    if (auto err = PlanQxCall(pool, x, w, layer, od[0], n, kind, c); !err.success()) return err;
+    if (auto err = PlanQxCall(pool, x, w, layer, live, od[0], n, kind, c); !err.success()) return err;
+    std::fill(out->typed_data() + c.T, out->typed_data() + od[0], 0);
     if (c.sets == 0) return ffi::Error::Success();
     Maxima best(c.T, c.sets);
     RunQxCall(pool, c, [=, &best](int p0, int p1, int64_t set) {
@@ -988,6 +1005,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelLinear, PanelLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelArgmax, PanelArgmax,
@@ -995,6 +1013,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPanelArgmax, PanelArgmax,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("n"));
@@ -1005,6 +1024,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQxLinear, QxLinear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("kind"));
 
@@ -1013,6 +1033,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQxArgmax, QxArgmax,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("n")

@@ -189,32 +189,40 @@ def panel_rows(panels, ids):
     return panels[ids // PANEL, :, ids % PANEL]
 
 
-def panel_linear(x, panels, layer, n: int):
+def _live(x, live):
+    """The int32 scalar of the rows a head call computes: all of x's, or the first `live` (traced; the rest's
+    outputs are zeros)."""
+    return jnp.asarray(x.shape[0] if live is None else live, jnp.int32).reshape(())
+
+
+def panel_linear(x, panels, layer, n: int, live=None):
     """x [T, K] float32, panels [L, NP, K, 16] float32 (`pack_panels` of L stacked [n, K] weights), layer an
-    int32 scalar -> [T, n] float32 = x . W_layer^T."""
+    int32 scalar -> [T, n] float32 = x . W_layer^T. `live` (an int32 scalar, traced): only x's first `live` rows
+    are multiplied, the other rows' outputs are zeros (a sample program's padded rows)."""
     call = jax.ffi.ffi_call(PANEL_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()))
+    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()), _live(x, live))
 
 
-def panel_argmax(x, panels, layer, n: int):
+def panel_argmax(x, panels, layer, n: int, live=None):
     """`panel_linear(x, panels, layer, n)`'s argmax per row -> [T] int32 (the first index of the maximum, NaN
     counting as the largest: jnp.argmax's), without writing the [T, n] products: greedy sampling's LM head,
-    the torch backend's `greedy_tokens`."""
+    the torch backend's `greedy_tokens`. `live`: `panel_linear`'s (the other rows' tokens are 0)."""
     call = jax.ffi.ffi_call(PANEL_ARGMAX, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
-    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()), n=np.int32(n))
+    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(()), _live(x, live), n=np.int32(n))
 
 
-def qx_linear(x, qx, layer, n: int, kind: int):
+def qx_linear(x, qx, layer, n: int, kind: int, live=None):
     """`panel_linear` from the same weights' qx panels [L, NP, K / 32, group bytes] of `kind`
     (`enginecore.qx`: a GGUF file's blocks or a bfloat16 checkpoint's halves): the same bits."""
     call = jax.ffi.ffi_call(QX_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), kind=np.int32(kind))
+    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), _live(x, live), kind=np.int32(kind))
 
 
-def qx_argmax(x, qx, layer, n: int, kind: int):
+def qx_argmax(x, qx, layer, n: int, kind: int, live=None):
     """`panel_argmax` from the same weights' qx panels (`qx_linear`'s): the same tokens."""
     call = jax.ffi.ffi_call(QX_ARGMAX, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
-    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), n=np.int32(n), kind=np.int32(kind))
+    return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), _live(x, live), n=np.int32(n),
+                kind=np.int32(kind))
 
 
 def rms_norm(x, w, eps: float):

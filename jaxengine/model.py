@@ -367,39 +367,44 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
                   sliding_window=arch.sliding_window, qx_kinds=p.qx_kinds, qx_rows=rows)
 
 
-def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False):
+def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False, live=None):
     """h [T, K] . the CPU panels' `group` of `layer` (`cpu_kernels.panel_linear`), from its qx panels where
-    the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead."""
+    the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead;
+    `live`: of h's first `live` rows only (the kernels' `live`)."""
     from jaxengine import cpu_kernels
 
     n = panel_outputs(arch)[group]
     qx, kind = panels.qx_for(group, h.shape[0])
     if qx is not None:
-        return (cpu_kernels.qx_argmax if argmax else cpu_kernels.qx_linear)(h, qx, layer, n, kind)
-    return (cpu_kernels.panel_argmax if argmax else cpu_kernels.panel_linear)(h, getattr(panels, group), layer, n)
+        return (cpu_kernels.qx_argmax if argmax else cpu_kernels.qx_linear)(h, qx, layer, n, kind, live)
+    return (cpu_kernels.panel_argmax if argmax else cpu_kernels.panel_linear)(h, getattr(panels, group), layer, n,
+                                                                               live)
 
 
-def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0):
-    """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows)."""
+def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0, live=None):
+    """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows).
+    `live` (an int32 scalar, traced): the rows past the first `live` are padding, which the CPU panels do not
+    multiply (their logits are zeros); elsewhere every row is."""
     if params.panels is not None:
         from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
 
         h = cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
-        return cpu_linear(params.panels, h, "head", 0, arch)
+        return cpu_linear(params.panels, h, "head", 0, arch, live=live)
     h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
     w = params.embed if params.lm_head is None else params.lm_head
     return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
 
 
-def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig):
+def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig, live=None):
     """hidden [N, H] -> [N] int32, `compute_logits(...).argmax(-1)` without writing the logits, on the CPU
-    panels (`cpu_kernels.panel_argmax`); None without them (then take the logits' argmax)."""
+    panels (`cpu_kernels.panel_argmax`; `live`: compute_logits', the padding's tokens 0); None without them
+    (then take the logits' argmax)."""
     if params.panels is None:
         return None
     from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
 
     return cpu_linear(params.panels, cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), "head", 0, arch,
-                      argmax=True)
+                      argmax=True, live=live)
 
 
 def embed(params: ModelParams, ids):

@@ -200,18 +200,21 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
     """
     R = layout.reqs
     temperature, top_k, top_p, min_p, uniform, sample_rows, flags = layout.unpack(packed)
+    # the rows up to the last that samples: the request bucket's padding past them is not multiplied by the LM
+    # head on a CPU (the torch backend computes no padding)
+    live = jnp.max(jnp.where(sample_rows >= 0, jnp.arange(1, R + 1, dtype=jnp.int32), 0))
 
-    def head(hidden, per_row, extra):
-        if mode == "greedy" and (tokens := greedy_tokens(params, hidden, arch)) is not None:
+    def head(hidden, per_row, extra, live):
+        if mode == "greedy" and (tokens := greedy_tokens(params, hidden, arch, live)) is not None:
             return tokens, no_logprobs(hidden.shape[0], num_logprobs)  # the LM head's argmax, no logits
-        logits = compute_logits(params, hidden, arch, weights_first_rows)
+        logits = compute_logits(params, hidden, arch, weights_first_rows, live)
         processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
         return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,
                       mode=mode, num_logprobs=num_logprobs, method=method, cpu_kernels=params.panels is not None)
 
     per_row = (temperature, top_k, top_p, min_p, uniform)
     if chunk_rows is None or R <= chunk_rows:
-        sampled, (ids, lps, tok_lp, rank) = head(rows[:R], per_row, extra)
+        sampled, (ids, lps, tok_lp, rank) = head(rows[:R], per_row, extra, live)
     else:
         n = -(-R // chunk_rows)
         pad = n * chunk_rows - R
@@ -220,8 +223,9 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
             a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
             return a.reshape(n, chunk_rows, *a.shape[1:])
 
-        res = lax.map(lambda xs: head(xs[0], xs[1], xs[2]),
-                      (split(rows[:R]), tuple(map(split, per_row)), tuple(map(split, extra))))
+        lives = live - jnp.arange(n, dtype=jnp.int32) * chunk_rows  # each chunk's (clamped by the kernels)
+        res = lax.map(lambda xs: head(*xs), (split(rows[:R]), tuple(map(split, per_row)), tuple(map(split, extra)),
+                                             lives))
         sampled, (ids, lps, tok_lp, rank) = jax.tree.map(lambda a: a.reshape(n * chunk_rows, *a.shape[2:])[:R], res)
     S = last_tokens.shape[0]
     last_tokens = last_tokens.at[jnp.where(sample_rows >= 0, sample_rows, S)].set(sampled, mode="drop")

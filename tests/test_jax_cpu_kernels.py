@@ -677,6 +677,36 @@ def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
         cpu_kernels.qx_linear(x, packed, jnp.int32(L), N, k)
 
 
+@pytest.mark.parametrize("kind", ["F32", "Q4_1"])
+def test_head_calls_multiply_only_the_live_rows(kind):
+    """`live` (a sample program's rows up to its last sampling one): the four head calls give a whole call's
+    outputs for the first `live` rows and zeros (tokens 0) for the rest, `live` traced and clamped to [0, T]
+    (40 rows: live counts on both sides of panel_gemm's compute-bound split at 19); one that is not a scalar is
+    refused."""
+    L, N, K = 1, 70, 96
+    w, packed, k = qx_weights("Q4_1", L, N, K, seed=9)
+    panels = cpu_kernels.pack_panels(jnp.asarray(w))
+    if kind == "F32":
+        lin = jax.jit(lambda x, live: cpu_kernels.panel_linear(x, panels, jnp.int32(0), N, live))
+        arg = jax.jit(lambda x, live: cpu_kernels.panel_argmax(x, panels, jnp.int32(0), N, live))
+    else:
+        lin = jax.jit(lambda x, live: cpu_kernels.qx_linear(x, packed, jnp.int32(0), N, k, live))
+        arg = jax.jit(lambda x, live: cpu_kernels.qx_argmax(x, packed, jnp.int32(0), N, k, live))
+    rng = np.random.default_rng(3)
+    for T in (1, 8, 40):
+        x = rng.standard_normal((T, K), np.float32)
+        y, tokens = np.asarray(lin(x, T)), np.asarray(arg(x, T))
+        assert np.array_equal(tokens, y.argmax(-1)) and len(set(tokens.tolist())) > min(T, 3) - 1
+        for live in sorted({0, 1, T // 2, 19, T - 1, T, T + 5, -3}):
+            n = min(max(live, 0), T)
+            got_y, got_t = np.asarray(lin(x, jnp.int32(live))), np.asarray(arg(x, jnp.int32(live)))
+            assert np.array_equal(got_y[:n], y[:n]) and not got_y[n:].any(), (T, live)
+            assert np.array_equal(got_t[:n], tokens[:n]) and not got_t[n:].any(), (T, live)
+    call = jax.ffi.ffi_call(cpu_kernels.PANEL_ARGMAX, jax.ShapeDtypeStruct((T,), jnp.int32))
+    with pytest.raises(Exception, match="live: one int32"):  # the custom call itself (the wrapper reshapes)
+        call(x, panels, jnp.int32(0), jnp.zeros((2,), jnp.int32), n=np.int32(N))
+
+
 def test_layers_take_a_kind_for_each_linear():
     """`cpu_kernels.layers` with each linear's qx panels of its own kind (qkv bfloat16 halves, o a GGUF 8-bit
     form as Q8_0's, gate_up the same weights' wide panels (QX_I8), down none): the bits of the float32 panels

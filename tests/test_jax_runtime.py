@@ -254,3 +254,27 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
         assert resident < runner.kv_cache.nbytes // 2, resident  # (a few 4 KiB pages; 2 MiB ones under THP "always")
         assert not np.asarray(runner.kv_cache).any()
     assert generate(llm) == reference_tokens
+
+
+def test_the_lm_heads_padded_rows_change_no_token(tiny):
+    """Five requests in a bucket of 8: the sample program's LM head multiplies the rows up to the last sampling
+    one (`live`), whole or in chunks of 2 (`logits_chunk_rows`: chunks wholly, partly and not at all live), greedy
+    and seeded: the tokens of one request at a time."""
+    prompts = [{"prompt_token_ids": [1, 450 + 7 * i, 4996 - 3 * i, 17354, 975][: 3 + i % 3]} for i in range(5)]
+    params = {"greedy": GREEDY,
+              "seeded": [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=6, ignore_eos=True)
+                         for i in range(5)]}
+    llm = small(tiny)
+    try:
+        alone = {kind: [llm.generate([q], p if kind == "greedy" else [p[i]], use_tqdm=False)[0].outputs[0].token_ids
+                        for i, q in enumerate(prompts)] for kind, p in params.items()}
+    finally:
+        llm.llm_engine.core.shutdown()
+    for cc in (None, {"logits_chunk_rows": 2}):
+        llm = small(tiny, compilation_config=cc)
+        try:
+            for kind, p in params.items():
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+                assert got == alone[kind], (kind, cc)
+        finally:
+            llm.llm_engine.core.shutdown()
