@@ -6,7 +6,8 @@
 //   through a dynamic-slice, and a dynamic-slice is a copy: every decode step copied all the weights before
 //   reading them (about 40% of a batch-1 step of the embedded model). This reads W_l where it lies, with the
 //   torch backend's panel_gemm: every output one FMA chain over k in order, so a row's result depends neither
-//   on the other rows nor on the split, and equals the torch backend's bit for bit.
+//   on the other rows nor on the split, and equals the torch backend's bit for bit. Only x's first `live` rows
+//   (a device scalar) are multiplied, the others' outputs zeros: the LM head skips a request bucket's padding.
 // - XlaserveCpuPanelArgmax: each row's argmax of PanelLinear's product, without writing it (greedy sampling;
 //   the torch backend's greedy_tokens).
 // - XlaserveCpuQxLinear, XlaserveCpuQxArgmax: the same from the weights as stored (qx_gemm's panels of a GGUF
@@ -250,14 +251,20 @@ class Team {
 
 // The rows of x [T, ...] a call computes: the first `live` (one int32, traced: a step's request bucket pads the
 // rows its LM head samples from, which the torch backend does not compute), clamped to [0, T]; the outputs of
-// the other rows are zeros. -1: live is not one value.
+// the other rows are zeros (zero_past). -1: live is not one value.
 static int64_t live_rows(ffi::Buffer<ffi::S32> &live, int64_t T) {
     return live.element_count() != 1 ? -1 : std::clamp<int64_t>(live.typed_data()[0], 0, T);
 }
 
+// out [T, width]'s rows from `live` on: zeros
+template <typename E>
+static void zero_past(E *out, int64_t live, int64_t T, int64_t width) {
+    std::fill(out + live * width, out + T * width, E(0));
+}
+
 // x [T, K] times layer l of w [L, NP, K, 16] (panel_gemm's panels, stacked; NP = ceil(N / 16), zero rows padding
-// the last panel) for N output columns, of x's first `live` rows (live_rows: T of the buffers' rows are
-// computed): the operands checked, and panel_gemm_part's parts split between XLA's threads, as PanelLinear and
+// the last panel) for N output columns, of x's first T rows (live_rows: the buffers may have more): the
+// operands checked, and panel_gemm_part's parts split between XLA's threads, as PanelLinear and
 // PanelArgmax both run them.
 struct PanelCall {
     int64_t T = 0, K = 0, N = 0, parts = 0, per = 1;
@@ -329,7 +336,7 @@ ffi::Error PanelLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     PanelCall c;
     if (auto err = PlanPanelCall(pool, x, w, layer, live, yd[0], yd[1], c); !err.success()) return err;
     float *yp = y->typed_data();
-    std::memset(yp + c.T * c.N, 0, sizeof(float) * (size_t)((yd[0] - c.T) * c.N));
+    zero_past(yp, c.T, yd[0], c.N);
     if (c.parts == 0) return ffi::Error::Success();
     RunPanelCall(pool, c, [=](int lo, int hi, int pe, int64_t) {
         panel_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, c.unit, lo, hi, pe);
@@ -372,7 +379,7 @@ ffi::Error PanelArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
     PanelCall c;
     if (auto err = PlanPanelCall(pool, x, w, layer, live, od[0], n, c); !err.success()) return err;
-    std::fill(out->typed_data() + c.T, out->typed_data() + od[0], 0);
+    zero_past(out->typed_data(), c.T, od[0], 1);
     if (c.parts == 0) return ffi::Error::Success();
     Maxima best(c.T, Sets(c));
     RunPanelCall(pool, c, [=, &best](int lo, int hi, int pe, int64_t set) {
@@ -429,7 +436,7 @@ ffi::Error QxLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     QxCall c;
     if (auto err = PlanQxCall(pool, x, w, layer, live, yd[0], yd[1], kind, c); !err.success()) return err;
     float *yp = y->typed_data();
-    std::memset(yp + c.T * c.N, 0, sizeof(float) * (size_t)((yd[0] - c.T) * c.N));
+    zero_past(yp, c.T, yd[0], c.N);
     if (c.sets == 0) return ffi::Error::Success();
     RunQxCall(pool, c, [=](int p0, int p1, int64_t) {
         qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, kind, p0, p1);
@@ -444,7 +451,7 @@ ffi::Error QxArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     if (od.size() != 1 || n <= 0) return ffi::Error::InvalidArgument("out [T] and n > 0 expected");
     QxCall c;
     if (auto err = PlanQxCall(pool, x, w, layer, live, od[0], n, kind, c); !err.success()) return err;
-    std::fill(out->typed_data() + c.T, out->typed_data() + od[0], 0);
+    zero_past(out->typed_data(), c.T, od[0], 1);
     if (c.sets == 0) return ffi::Error::Success();
     Maxima best(c.T, c.sets);
     RunQxCall(pool, c, [=, &best](int p0, int p1, int64_t set) {
