@@ -76,7 +76,7 @@ class ModelSource:
 
     def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[
             tuple[str, "Int4Groups | Int8Groups | WideGroups"]]:
-        """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | WideGroups for Q5_K/Q6_K) of every
+        """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | WideGroups for the others) of every
         2-D GGUF tensor stored as one of `types`, as stored, rows in Hugging Face order; nothing for other files."""
         if self.kind != "gguf":
             return
@@ -87,7 +87,7 @@ class ModelSource:
             if name is None:
                 continue
             ty = t.tensor_type.name
-            cls = Int8Groups if ty in ("Q8_0", "Q5_0") else WideGroups if ty in ("Q5_K", "Q6_K") else Int4Groups
+            cls = Int8Groups if ty in ("Q8_0", "Q5_0") else Int4Groups if ty in Int4Groups.TYPES else WideGroups
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -322,6 +322,8 @@ class Int4Groups(_AffineGroups):
     float16), Q4_K too (float32 scale d * sc and offset -(dmin * mn)); Q4_0 is w = (q - 8) * d, i.e. offset = -8 d.
     """
 
+    TYPES = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as this form
+
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int4Groups":
         if t.tensor_type.name == "Q4_K":
@@ -383,10 +385,7 @@ class Int8Groups:
         j + 16 its high one): w = d * (q - 16), as the gguf package dequantizes it, so q - 16 in [-16, 15] is
         this form's q, d its scale."""
         raw, N, K = _gguf_blocks(path, t, 22)
-        hi = (raw[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-        qs = raw[:, 6:]
-        lo = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-        q = (lo | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        q = _five_bit_q(raw, 2).astype(np.int8) - np.int8(16)
         return cls(q.reshape(N, K), _f16_column(raw, 0).reshape(N, K // cls.GROUP))
 
     def dequantize(self) -> np.ndarray:
@@ -397,9 +396,11 @@ class Int8Groups:
 @dataclass
 class WideGroups(_AffineGroups):
     """A weight [N, K] in groups of 16 along K, q int8, float32 scales and offsets (offset -0.0 where the form has
-    none: x + -0.0 is x). GGUF's Q6_K ((d * sc) * (q - 32), groups of 16) and Q5_K ((d * sc) * q - dmin * mn,
-    five-bit q) exactly as the gguf package dequantizes them; every other form converts to it
-    (`enginecore.qx.to_wide`)."""
+    none: x + -0.0 is x). GGUF's Q6_K ((d * sc) * (q - 32), groups of 16), Q5_K ((d * sc) * q - dmin * mn,
+    five-bit q), Q3_K ((d * (sc - 32)) * q, q in [-4, 3], groups of 16), Q2_K ((d * sc) * q - dmin * mn, two-bit
+    q, groups of 16) and Q5_1 (d * q + m, five-bit q, blocks of 32) exactly as the gguf package dequantizes them:
+    each a product exact in float32 (at most 11 + 6 + 3 significant bits) plus an exact offset, rounded once,
+    as q * scale + offset is; every other form converts to it (`enginecore.qx.to_wide`)."""
 
     GROUP = 16
 
@@ -419,10 +420,45 @@ class WideGroups(_AffineGroups):
             q = (q.reshape(-1, 8, 32) | (qh << 4)).astype(np.int8)
             # a group of 32's scale and offset, for both of its halves
             scale, offset = np.repeat(scale, 2, axis=1), np.repeat(offset, 2, axis=1)
+        elif t.tensor_type.name == "Q3_K":
+            # 32 bytes of high-bit masks, 64 of two-bit q, 12 of six-bit scales, d: q = low two bits - 4 where
+            # the mask bit is clear; group g of 16's scale: the low nibble of byte g % 8 (its high one from 8 on)
+            # and two bits of byte 8 + g % 4 (shifted by 2 (g // 4)) as the high ones, minus 32
+            raw, N, K = _gguf_blocks(path, t, 110, 256)
+            lo = (raw[:, 32:96].reshape(-1, 2, 1, 32) >> _shifts(4, 2)) & 3
+            clear = ((raw[:, :32].reshape(-1, 1, 32) >> _shifts(8, 1)) & 1) ^ 1
+            q = lo.reshape(-1, 256).astype(np.int8) - (clear.reshape(-1, 256) << 2).astype(np.int8)
+            sc = ((raw[:, 96:104].reshape(-1, 1, 8) >> _shifts(2, 4)) & 0x0F).reshape(-1, 16) | (
+                ((raw[:, 104:108].reshape(-1, 1, 4) >> _shifts(4, 2)) & 3).reshape(-1, 16) << 4)
+            scale = _f16_column(raw, 108)[:, None] * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)
+            offset = np.full_like(scale, -0.0)
+        elif t.tensor_type.name == "Q2_K":
+            # 16 bytes of scales (low nibble) and mins (high), 64 of two-bit q, d, dmin
+            raw, N, K = _gguf_blocks(path, t, 84, 256)
+            q = ((raw[:, 16:80].reshape(-1, 2, 1, 32) >> _shifts(4, 2)) & 3).astype(np.int8)
+            scale = _f16_column(raw, 80)[:, None] * (raw[:, :16] & 0x0F).astype(np.float32)
+            offset = -(_f16_column(raw, 82)[:, None] * (raw[:, :16] >> 4).astype(np.float32))
+        elif t.tensor_type.name == "Q5_1":
+            raw, N, K = _gguf_blocks(path, t, 24)
+            q = _five_bit_q(raw, 4).astype(np.int8)
+            scale, offset = (np.repeat(_f16_column(raw, at)[:, None], 2, axis=1) for at in (0, 2))
         else:
             raise ModelLoadError(f"{path}: tensor {t.name}: {t.tensor_type.name} has no 16-wide groups here")
         groups = (N, K // cls.GROUP)
         return cls(q.reshape(N, K), scale.reshape(groups), offset.reshape(groups))
+
+
+def _shifts(n: int, step: int) -> np.ndarray:
+    """Right shifts 0, step, ..., (n - 1) step, shaped to broadcast over axis -2 of [..., 1, bytes]."""
+    return (np.arange(n, dtype=np.uint8) * np.uint8(step)).reshape(n, 1)
+
+
+def _five_bit_q(raw: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0's and Q5_1's q (uint8 [blocks, 32] in [0, 31]): the 32 fifth bits in the little-endian uint32 at byte
+    `at`, then 16 bytes of nibbles (element j < 16 the low one of byte j, j + 16 its high one)."""
+    hi = (raw[:, at : at + 4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    qs = raw[:, at + 4 : at + 20]
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1) | (hi.astype(np.uint8) << 4)
 
 
 def _k_quant_groups(raw: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

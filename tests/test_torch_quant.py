@@ -459,10 +459,16 @@ def test_q5_0_groups_are_q8_0s_form():
                        cpu_kernels.panel_gemm(lib, x, panels, N))
 
 
-@pytest.mark.parametrize("ty", ["Q6_K", "Q5_K", "Q4_1", "Q4_0", "Q8_0"])
+# GGUF types read as the wide form: (block bytes, values a block, where each block's float16s are)
+WIDE_BLOCKS = {"Q6_K": (210, 256, (208,)), "Q5_K": (176, 256, (0, 2)), "Q3_K": (110, 256, (108,)),
+               "Q2_K": (84, 256, (80, 82)), "Q5_1": (24, 32, (0, 2))}
+
+
+@pytest.mark.parametrize("ty", [*WIDE_BLOCKS, "Q4_1", "Q4_0", "Q8_0"])
 def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty):
     """The wide form (WideGroups, QX_I8 panels: int8 weights, float32 scales and offsets per 16): a GGUF file's
-    Q6_K and Q5_K read as it (the gguf package's dequantization bit for bit), and the other forms converted to it
+    Q6_K, Q5_K, Q3_K, Q2_K and Q5_1 read as it (the gguf package's dequantization bit for bit, random bytes but
+    for the float16s: every scale, mask and nibble pattern), and the other forms converted to it
     (`to_wide`: Q4_0's zeros keep their scale's sign, -0.0 offsets where a form has none) rebuild the loader's
     weights (qx_mismatches 0) and multiply to panel_gemm's bits, logits and greedy tokens."""
     import gguf
@@ -476,15 +482,13 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(8)
     N, K = 37, 512
-    nb = N * K // 256
-    f16 = (rng.standard_normal((nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
-    if ty in ("Q6_K", "Q5_K"):
-        size = 210 if ty == "Q6_K" else 176
-        raw = rng.integers(0, 256, (nb, size)).astype(np.uint8)
-        if ty == "Q6_K":
-            raw[:, 208:] = f16[:, :2]
-        else:
-            raw[:, :4] = f16
+    if ty in WIDE_BLOCKS:
+        size, per, at = WIDE_BLOCKS[ty]
+        raw = rng.integers(0, 256, (N * K // per, size)).astype(np.uint8)
+        for a in at:  # d (and dmin or m): small float16s of both signs, some zero
+            f = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
+            f[::7] = 0
+            raw[:, a : a + 2] = f.view(np.uint8).reshape(-1, 2)
 
         class T:
             name, shape, data = "blk.0.ffn_down.weight", (K, N), raw.reshape(-1)
@@ -551,10 +555,11 @@ def test_a_fused_linears_parts_of_several_forms_assemble_wide_for_the_panels_onl
 
 def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
     """A small llama GGUF file whose linears are Q4_K (q and k rows interleaved as llama.cpp stores them, q, k and
-    v fused, gate and up fused) and, in one layer, Q5_0 (v and o) and Q6_K (down): every linear's groups rebuild
-    the loaded float32 weights bit for bit, as packed panels, in the fused order (`gguf_linear_groups`): Q4_K's
-    and Q8_0's kinds, the wide one (I8) for Q6_K and a fused linear with parts of both forms; `--quantization
-    gguf`'s 4-bit linears take none of them (their blocks hold float16 scales)."""
+    v fused, gate and up fused) and, in one layer, Q5_0 (v and o) and Q6_K (down), in the other Q2_K (o), Q3_K
+    (down) and Q5_1 (gate, up Q4_K): every linear's groups rebuild the loaded float32 weights (the gguf package's
+    dequantization for the last three) bit for bit, as packed panels, in the fused order (`gguf_linear_groups`):
+    Q4_K's and Q8_0's kinds, the wide one (I8) for Q6_K, Q2_K, Q3_K and fused linears with parts of two forms;
+    `--quantization gguf`'s 4-bit linears take none of them (their blocks hold float16 scales)."""
     import gguf
 
     from enginecore import qx
@@ -578,6 +583,16 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
         wr.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
         for n, (rows, cols) in {"attn_q": (H, H), "attn_k": (nkv * hd, H), "attn_v": (nkv * hd, H),
                                 "attn_output": (H, H), "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}.items():
+            if (i, n) in ((0, "attn_output"), (0, "ffn_down"), (0, "ffn_gate")):  # Q2_K, Q3_K, Q5_1: random bytes
+                ty = {"attn_output": "Q2_K", "ffn_down": "Q3_K", "ffn_gate": "Q5_1"}[n]
+                size, per, at = WIDE_BLOCKS[ty]
+                blocks = rng.integers(0, 256, (rows * cols // per, size)).astype(np.uint8)
+                for a in at:
+                    blocks[:, a : a + 2] = (rng.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(
+                        np.uint8)
+                wr.add_tensor(f"blk.{i}.{n}.weight", blocks.reshape(-1), raw_shape=(rows, cols * size // per),
+                              raw_dtype=getattr(gguf.GGMLQuantizationType, ty))
+                continue
             if i == 1 and n == "ffn_down":  # Q6_K, as llama.cpp's Q4_K_M stores half the layers' down
                 blocks = np.concatenate([rng.integers(0, 256, (rows * cols // 256, 208)).astype(np.uint8),
                                          (rng.standard_normal((rows * cols // 256, 1)) * 1e-3).astype(np.float16).view(
@@ -608,8 +623,10 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
             assert [s.stop - s.start for s in fused_slices(src.config, stored, 1).values()] == [
                 dense[f"model.layers.{layer}.{mod}.{n}.weight"].shape[0] for n in names]
         got = qx.gguf_panels(lib, stored, g, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
-        # Q5_0 in Q8_0's form; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide
-        kind = {(1, "o_proj"): "Q8_0", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8"}.get((layer, stored), "Q4_K")
+        # Q5_0 in Q8_0's form; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide, and layer 0's o, down and
+        # gate_up (Q5_1 and Q4_K parts)
+        kind = {(1, "o_proj"): "Q8_0", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8", (0, "o_proj"): "I8",
+                (0, "down_proj"): "I8", (0, "gate_up_proj"): "I8"}.get((layer, stored), "Q4_K")
         assert got is not None and got[1] == qx.QX_KINDS[kind], (layer, stored)
     assert not qx.gguf_linear_groups(src, src.config, ("Q4_0", "Q4_1", "Q8_0"))[0]
 
