@@ -1,4 +1,5 @@
-// GGUF's Q4_0, Q4_1, Q5_0 and Q8_0 blocks and Q4_K, Q5_K and Q6_K super-blocks to float32, the arithmetic of the gguf package's numpy code (what
+// GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks and Q2_K, Q3_K, Q4_K, Q5_K and Q6_K super-blocks to float32, the
+// arithmetic of the gguf package's numpy code (what
 // enginecore.model_loader used for every GGUF tensor) value for value: Q4_0 d * (q - 8), Q4_1 (d * q) + m,
 // Q8_0 q * d, each product and sum rounded to float32 in that order (built with -ffp-contract=off: no fused
 // multiply-add). Plain C, no intrinsics: it builds wherever a C compiler does. numpy's version made ~5
@@ -43,10 +44,11 @@ static int k_scale(const uint8_t *s, int j) {
     return (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
 }
 
-// type: GGML's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0: blocks of 32; 12 Q4_K, 13 Q5_K, 14 Q6_K: super-blocks
-// of 256); src: n blocks; out: n blocks' values. Returns 0, or -1 for a type it does not read.
-// The K-quants as the gguf package computes them: Q4_K / Q5_K a sub-block of 32 (d * sc) * q - dmin * mn, Q6_K
-// one of 16 (d * sc) * (q - 32), sc and mn integers made float32 first.
+// type: GGML's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0: blocks of 32; 10 Q2_K, 11 Q3_K, 12 Q4_K, 13
+// Q5_K, 14 Q6_K: super-blocks of 256); src: n blocks; out: n blocks' values. Returns 0, or -1 for a type it does
+// not read. The K-quants as the gguf package computes them: Q4_K / Q5_K a sub-block of 32 (d * sc) * q - dmin *
+// mn, Q6_K one of 16 (d * sc) * (q - 32), Q3_K one of 16 (d * (sc - 32)) * q, Q2_K one of 16 (d * sc) * q -
+// dmin * mn, sc and mn integers made float32 first.
 int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
     switch (type) {
         case 6:  // Q5_0 {f16 d, 4 bytes of fifth bits, 16 bytes}: d * (q - 16)
@@ -57,6 +59,43 @@ int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
                 for (int j = 0; j < 16; j++) {
                     out[j] = d * (float)((int)((src[6 + j] & 0x0f) | ((qh >> j) & 1) << 4) - 16);
                     out[j + 16] = d * (float)((int)((src[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+                }
+            }
+            return 0;
+        case 7:  // Q5_1 {f16 d, f16 m, 4 bytes of fifth bits, 16 bytes}: (d * q) + m
+            for (long b = 0; b < n; b++, src += 24, out += 32) {
+                const float d = half_to_float(src), m = half_to_float(src + 2);
+                const uint32_t qh = (uint32_t)src[4] | (uint32_t)src[5] << 8 | (uint32_t)src[6] << 16 |
+                                    (uint32_t)src[7] << 24;
+                for (int j = 0; j < 16; j++) {
+                    const float lo = d * (float)((src[8 + j] & 0x0f) | ((qh >> j) & 1) << 4);
+                    const float hi = d * (float)((src[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+                    out[j] = lo + m;
+                    out[j + 16] = hi + m;
+                }
+            }
+            return 0;
+        case 10:  // Q2_K {16 bytes of scales (low nibble) and mins (high), 64 bytes of two-bit q, f16 d, f16 dmin}
+        case 11:  // Q3_K {32 bytes of high-bit masks, 64 bytes of two-bit q, 12 bytes of six-bit scales, f16 d}
+            for (long b = 0; b < n; b++, src += type == 10 ? 84 : 110, out += 256) {
+                // group g of 16 values: bits 2 ((g % 8) / 2) of bytes 32 (g / 8) + 16 (g % 2) .. + 16 of the q
+                // (and bit g / 2 of mask bytes 16 (g % 2) .. + 16: 4 off the q where it is clear)
+                const uint8_t *qs = src + (type == 10 ? 16 : 32), *hm = src, *sc = src + 96;
+                const float d = half_to_float(src + (type == 10 ? 80 : 108));
+                const float dmin = type == 10 ? half_to_float(src + 82) : 0.f;
+                for (int g = 0; g < 16; g++) {
+                    const uint8_t *qg = qs + 32 * (g / 8) + 16 * (g % 2), *hg = hm + 16 * (g % 2);
+                    const int shift = 2 * ((g % 8) / 2);
+                    float *o = out + 16 * g;
+                    if (type == 10) {
+                        const float dl = d * (float)(src[g] & 0x0f), ml = dmin * (float)(src[g] >> 4);
+                        for (int e = 0; e < 16; e++) o[e] = dl * (float)((qg[e] >> shift) & 3) - ml;
+                    } else {  // the scale: the low nibble of byte g % 8 (the high one from 8 on), two high bits
+                        const int s6 = ((sc[g % 8] >> (4 * (g / 8))) & 0x0f) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
+                        const float dl = d * (float)(s6 - 32);
+                        for (int e = 0; e < 16; e++)
+                            o[e] = dl * (float)(((qg[e] >> shift) & 3) - (((hg[e] >> (g / 2)) & 1) ? 0 : 4));
+                    }
                 }
             }
             return 0;

@@ -491,7 +491,7 @@ def _f16_column(raw: np.ndarray, at: int) -> np.ndarray:
 
 
 def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
-    """Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (flat uint8) -> float32, flat:
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks (flat uint8) -> float32, flat:
     `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a partial block, or
     where the dequantizer cannot be built."""
     from enginecore.native import gguf_block, gguf_dequantizer

@@ -49,10 +49,12 @@ def test_gguf_weights_match_transformers_gguf_loader(smollm2_source):
         np.testing.assert_allclose(ours[k], sd[k], rtol=0, atol=1e-6, err_msg=k)
 
 
-# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
-@pytest.mark.parametrize("qtype,block", [(2, 18), (3, 20), (6, 22), (8, 34), (12, 144), (13, 176), (14, 210)])
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+@pytest.mark.parametrize("qtype,block", [(2, 18), (3, 20), (6, 22), (7, 24), (8, 34), (10, 84), (11, 110), (12, 144),
+                                         (13, 176), (14, 210)])
 def test_gguf_blocks_dequantize_to_the_gguf_packages_values(qtype, block):
-    """enginecore/gguf_dequant.c (what loads every Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K tensor) against
+    """enginecore/gguf_dequant.c (what loads every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K /
+    Q6_K tensor) against
     the gguf package's numpy code, bit for bit: random blocks (every K-quant scale and min bit pattern), scales and
     offsets among them subnormal, zero, negative zero, huge, infinite and NaN float16s."""
     import gguf
@@ -67,11 +69,11 @@ def test_gguf_blocks_dequantize_to_the_gguf_packages_values(qtype, block):
     special = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0x3C00, 0x0400],
                        np.uint16)
     n = len(special)
-    d = 208 if qtype == 14 else 0  # Q6_K's d is last
+    d = {14: 208, 11: 108, 10: 80}.get(qtype, 0)  # where d is (Q6_K's, Q3_K's and Q2_K's last)
     blocks[:n, d : d + 2] = special.view(np.uint8).reshape(n, 2)  # d
-    if qtype in (3, 12, 13):  # m, dmin
-        blocks[n : 2 * n, 0:2] = special[::-1].copy().view(np.uint8).reshape(n, 2)
-        blocks[:n, 2:4] = special[::-1].copy().view(np.uint8).reshape(n, 2)  # m
+    if qtype in (3, 7, 12, 13, 10):  # m, dmin: after d
+        blocks[n : 2 * n, d : d + 2] = special[::-1].copy().view(np.uint8).reshape(n, 2)
+        blocks[:n, d + 2 : d + 4] = special[::-1].copy().view(np.uint8).reshape(n, 2)
     data = blocks.reshape(-1)
     got = _dequantize(data, qtype)
     want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype)).astype(np.float32).reshape(-1)
@@ -82,7 +84,7 @@ def test_gguf_blocks_dequantize_to_the_gguf_packages_values(qtype, block):
     assert np.array_equal(np.isnan(got), nan) and nan.any()
     assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
     assert _dequantize(data[:-1], qtype) is None  # a partial block: left to the gguf package (which refuses it)
-    assert _dequantize(data, 11) is None  # a type it does not read (Q3_K)
+    assert _dequantize(data, 16) is None  # a type it does not read (IQ2_XXS)
 
 
 def test_hf_folder_tokenizer_and_eos(smollm2_hf_dir):
