@@ -80,17 +80,18 @@ int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
             for (long b = 0; b < n; b++, src += type == 10 ? 84 : 110, out += 256) {
                 // group g of 16 values: bits 2 ((g % 8) / 2) of bytes 32 (g / 8) + 16 (g % 2) .. + 16 of the q
                 // (and bit g / 2 of mask bytes 16 (g % 2) .. + 16: 4 off the q where it is clear)
-                const uint8_t *qs = src + (type == 10 ? 16 : 32), *hm = src, *sc = src + 96;
+                const uint8_t *qs = src + (type == 10 ? 16 : 32);
                 const float d = half_to_float(src + (type == 10 ? 80 : 108));
                 const float dmin = type == 10 ? half_to_float(src + 82) : 0.f;
                 for (int g = 0; g < 16; g++) {
-                    const uint8_t *qg = qs + 32 * (g / 8) + 16 * (g % 2), *hg = hm + 16 * (g % 2);
+                    const uint8_t *qg = qs + 32 * (g / 8) + 16 * (g % 2);
                     const int shift = 2 * ((g % 8) / 2);
                     float *o = out + 16 * g;
                     if (type == 10) {
                         const float dl = d * (float)(src[g] & 0x0f), ml = dmin * (float)(src[g] >> 4);
                         for (int e = 0; e < 16; e++) o[e] = dl * (float)((qg[e] >> shift) & 3) - ml;
                     } else {  // the scale: the low nibble of byte g % 8 (the high one from 8 on), two high bits
+                        const uint8_t *sc = src + 96, *hg = src + 16 * (g % 2);  // scales; the group's mask bytes
                         const int s6 = ((sc[g % 8] >> (4 * (g / 8))) & 0x0f) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
                         const float dl = d * (float)(s6 - 32);
                         for (int e = 0; e < 16; e++)

@@ -87,7 +87,7 @@ class ModelSource:
             if name is None:
                 continue
             ty = t.tensor_type.name
-            cls = Int8Groups if ty in ("Q8_0", "Q5_0") else Int4Groups if ty in Int4Groups.TYPES else WideGroups
+            cls = Int8Groups if ty in Int8Groups.TYPES else Int4Groups if ty in Int4Groups.TYPES else WideGroups
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -370,6 +370,7 @@ class Int8Groups:
     scale: np.ndarray  # [N, K // 32] float32
 
     GROUP = 32
+    TYPES = ("Q8_0", "Q5_0")  # the GGUF types read as this form
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "Int8Groups":
@@ -399,8 +400,8 @@ class WideGroups(_AffineGroups):
     none: x + -0.0 is x). GGUF's Q6_K ((d * sc) * (q - 32), groups of 16), Q5_K ((d * sc) * q - dmin * mn,
     five-bit q), Q3_K ((d * (sc - 32)) * q, q in [-4, 3], groups of 16), Q2_K ((d * sc) * q - dmin * mn, two-bit
     q, groups of 16) and Q5_1 (d * q + m, five-bit q, blocks of 32) exactly as the gguf package dequantizes them:
-    each a product exact in float32 (at most 11 + 6 + 3 significant bits) plus an exact offset, rounded once,
-    as q * scale + offset is; every other form converts to it (`enginecore.qx.to_wide`)."""
+    each a product exact in float32 (at most 23 significant bits: Q6_K's 11 + 7 + 5) plus an exact offset,
+    rounded once, as q * scale + offset is; every other form converts to it (`enginecore.qx.to_wide`)."""
 
     GROUP = 16
 

@@ -273,9 +273,9 @@ struct PanelCall {
 };
 
 // Parts a slice of panel_gemm_plan's split where its parts are not claimed (parts of 4 panels, below
-// COMPUTE_BOUND_ROWS rows), for XLA's threads: one contiguous slice a thread, as the torch backend's OpenMP
-// threads split them (a thread that finds its slice taken takes the next, so one that starts late leaves its
-// slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower (session 30: each
+// COMPUTE_BOUND_ROWS rows), for XLA's threads: one contiguous slice of ceil(parts / nt) a thread, much as the
+// torch backend's OpenMP threads split them (a thread that finds its slice taken takes the next, so one that
+// starts late leaves its slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower (session 30: each
 // slice's first panel is not prefetched, head_rows prefetching within its range, and a thread's panels were
 // not contiguous). All of them where one thread runs the call.
 static int64_t slice_parts(int64_t parts, int nt) {

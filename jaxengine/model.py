@@ -370,7 +370,8 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
 def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False, live=None):
     """h [T, K] . the CPU panels' `group` of `layer` (`cpu_kernels.panel_linear`), from its qx panels where
     the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead;
-    `live`: of h's first `live` rows only (the kernels' `live`)."""
+    `live`: of h's first `live` rows only (the kernels' `live`; the qx panels are still chosen by h's rows,
+    which `live` cannot change at trace time)."""
     from jaxengine import cpu_kernels
 
     n = panel_outputs(arch)[group]

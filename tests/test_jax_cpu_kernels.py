@@ -572,6 +572,15 @@ def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
     shared.close()
 
 
+def _in_a_fresh_heap(code: str) -> list[int]:
+    """Run `code` in a fresh process whose glibc serves buffers of up to 256 MB from its heap (freed ones are handed
+    back with their old contents, not as fresh zero-filled mappings); -> the integers it prints."""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return [int(v) for v in p.stdout.split()]
+
+
 _ZEROS_OVER_REUSED = """
 import jax, jax.numpy as jnp, numpy as np
 from jaxengine import cpu_kernels
@@ -604,11 +613,7 @@ def test_zeros_commits_no_memory_until_written():
     # depends on the whole session's heap history (once none of 20 tries was reused, session 29's CI), so a fresh
     # process does it, with glibc told to serve such buffers from its heap (MALLOC_MMAP_THRESHOLD_) rather than
     # as fresh mappings, whose pages the kernel would zero whatever `zeros` did
-    p = subprocess.run([sys.executable, "-c", _ZEROS_OVER_REUSED], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28),
-                                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
-    assert p.returncode == 0, p.stdout + p.stderr
-    tries, reused = map(int, p.stdout.split())
+    tries, reused = _in_a_fresh_heap(_ZEROS_OVER_REUSED)
     assert reused >= 3, f"a freed buffer was reused {reused} times in {tries}: zeros not tried over written memory"
     shape, nbytes = (16, 1 << 20), 64 << 20
     z = jax.jit(lambda: cpu_kernels.zeros(shape, jnp.float32))()
@@ -705,6 +710,38 @@ def test_head_calls_multiply_only_the_live_rows(kind):
     call = jax.ffi.ffi_call(cpu_kernels.PANEL_ARGMAX, jax.ShapeDtypeStruct((T,), jnp.int32))
     with pytest.raises(Exception, match="live: one int32"):  # the custom call itself (the wrapper reshapes)
         call(x, panels, jnp.int32(0), jnp.zeros((2,), jnp.int32), n=np.int32(N))
+
+
+_LIVE_OVER_REUSED = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxengine import cpu_kernels
+cpu_kernels.lib()
+T, N, K = 64, 4096, 64
+rng = np.random.default_rng(0)
+panels = cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal((1, N, K)).astype(np.float32)))
+x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+lin = jax.jit(lambda x, live: cpu_kernels.panel_linear(x, panels, jnp.int32(0), N, live))
+arg = jax.jit(lambda x, live: cpu_kernels.panel_argmax(x, panels, jnp.int32(0), N, live))
+tries = reused = 0
+while tries < 200 and reused < 6:
+    for f in (lin, arg):
+        a = f(x, jnp.int32(T))  # every row written (no token 0 among a full call's)
+        p = a.block_until_ready().unsafe_buffer_pointer()
+        assert np.asarray(a).all()
+        a.delete()
+        z = f(x, jnp.int32(5))
+        tries, reused = tries + 1, reused + (z.block_until_ready().unsafe_buffer_pointer() == p)
+        assert not np.asarray(z)[5:].any()
+        z.delete()
+print(tries, reused)
+"""
+
+
+def test_head_calls_zero_the_rows_past_live_over_written_memory():
+    """The rows past `live` are written as zeros, not left as the buffer held them: each call's output over the
+    freed output of a call that wrote every row (a fresh heap, as for `zeros` above; both linear and argmax)."""
+    tries, reused = _in_a_fresh_heap(_LIVE_OVER_REUSED)
+    assert reused >= 6, f"a freed output was reused {reused} times in {tries}: not tried over written memory"
 
 
 def test_layers_take_a_kind_for_each_linear():

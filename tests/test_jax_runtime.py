@@ -265,6 +265,8 @@ def test_the_lm_heads_padded_rows_change_no_token(tiny):
               "seeded": [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=6, ignore_eos=True)
                          for i in range(5)]}
     llm = small(tiny)
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts)  # all five prefill in one step, then decode together
+    assert tokens <= 32 and llm.llm_engine.core.runner.buckets.shape(tokens, 5).reqs == 8  # rows 5-7 padding
     try:
         alone = {kind: [llm.generate([q], p if kind == "greedy" else [p[i]], use_tqdm=False)[0].outputs[0].token_ids
                         for i, q in enumerate(prompts)] for kind, p in params.items()}

@@ -487,7 +487,7 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
         raw = rng.integers(0, 256, (N * K // per, size)).astype(np.uint8)
         for a in at:  # d (and dmin or m): small float16s of both signs, some zero
             f = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
-            f[::7] = 0
+            f[::7], f[3::7] = 0, -0.0
             raw[:, a : a + 2] = f.view(np.uint8).reshape(-1, 2)
 
         class T:

@@ -1679,7 +1679,8 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #define QX_Q8_0 2
 #define QX_BF16 3
 #define QX_Q4_K 4
-// QX_I8: any of them (and a GGUF file's Q5_K and Q6_K, whose groups are 16 wide) in one form, for a linear whose
+// QX_I8: any of them (and a GGUF file's Q5_K, Q6_K, Q3_K, Q2_K and Q5_1, whose groups are 16 wide or whose q has
+// five bits) in one form, for a linear whose
 // fused parts or layers are stored in several types: per group of 32 k and row, a float32 scale and offset for
 // k 0-15 and another pair for k 16-31, then per k the 16 rows' q as int8; w = (q * d) + m, one rounding of an
 // exact product (m -0.0 for the forms without one: x + -0.0 is x, a zero's sign kept). 1.5 bytes a weight.
