@@ -92,7 +92,8 @@ int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
                         for (int e = 0; e < 16; e++) o[e] = dl * (float)((qg[e] >> shift) & 3) - ml;
                     } else {  // the scale: the low nibble of byte g % 8 (the high one from 8 on), two high bits
                         const uint8_t *sc = src + 96, *hg = src + 16 * (g % 2);  // scales; the group's mask bytes
-                        const int s6 = ((sc[g % 8] >> (4 * (g / 8))) & 0x0f) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
+                        const int s6 =
+                            ((sc[g % 8] >> (4 * (g / 8))) & 0x0f) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
                         const float dl = d * (float)(s6 - 32);
                         for (int e = 0; e < 16; e++)
                             o[e] = dl * (float)(((qg[e] >> shift) & 3) - (((hg[e] >> (g / 2)) & 1) ? 0 : 4));

@@ -87,7 +87,7 @@ class ModelSource:
             if name is None:
                 continue
             ty = t.tensor_type.name
-            cls = Int8Groups if ty in Int8Groups.TYPES else Int4Groups if ty in Int4Groups.TYPES else WideGroups
+            cls = next(c for c in (Int4Groups, Int8Groups, WideGroups) if ty in c.TYPES)
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -404,6 +404,7 @@ class WideGroups(_AffineGroups):
     rounded once, as q * scale + offset is; every other form converts to it (`enginecore.qx.to_wide`)."""
 
     GROUP = 16
+    TYPES = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1")  # the GGUF types read as this form
 
     @classmethod
     def from_gguf(cls, path: str, t) -> "WideGroups":

@@ -25,7 +25,7 @@ QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16
 # the GGUF types whose weights the panels take (Q4_K as Q4_1's form with float32 scales: QX_Q4_K; Q5_0, d * (q -
 # 16), as Q8_0's; Q5_K, Q6_K, Q3_K, Q2_K and Q5_1, and a linear whose parts or layers mix forms, as QX_I8's int8
 # weights with float32 scales and offsets per 16)
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1")
+GGUF_TYPES = Int4Groups.TYPES + Int8Groups.TYPES + WideGroups.TYPES
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
@@ -260,11 +260,12 @@ def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES, 
     """The decoder linears whose weight the GGUF file stores as types of `types` (Q4_0 / Q4_1 / Q4_K:
     Int4Groups; Q8_0 / Q5_0: Int8Groups; Q5_K / Q6_K / Q3_K / Q2_K / Q5_1: WideGroups), every fused part: {(layer,
     the stored linear: "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in the fused
-    weight's order}, and the LM head's groups if the file stores it as one of them. Parts of one form assemble in it (`kind_of` finds
-    the panels that hold them all); with `wide`, parts of several forms, or 4-bit parts some of Q4_0's form and
-    some not, as WideGroups (`to_wide`: the qx panels' case), else 4-bit parts as Int4Groups and other mixes not
-    at all (`--quantization gguf`'s 4-bit linears). One pass over the file's quantized tensors, each linear
-    assembled once its parts are read; a linear with a part stored in a type not in `types` has none."""
+    weight's order}, and the LM head's groups if the file stores it as one of them. Parts of one form assemble in
+    it (`kind_of` finds the panels that hold them all); with `wide`, parts of several forms, or 4-bit parts some
+    of Q4_0's form and some not, as WideGroups (`to_wide`: the qx panels' case), else 4-bit parts as Int4Groups
+    and other mixes not at all (`--quantization gguf`'s 4-bit linears). One pass over the file's quantized
+    tensors, each linear assembled once its parts are read; a linear with a part stored in a type not in `types`
+    has none."""
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = None
     parts: dict[tuple[int, str], tuple[int, list]] = {}  # -> (fused rows, [(their rows, groups)])

@@ -275,9 +275,9 @@ struct PanelCall {
 // Parts a slice of panel_gemm_plan's split where its parts are not claimed (parts of 4 panels, below
 // COMPUTE_BOUND_ROWS rows), for XLA's threads: one contiguous slice of ceil(parts / nt) a thread, much as the
 // torch backend's OpenMP threads split them (a thread that finds its slice taken takes the next, so one that
-// starts late leaves its slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower (session 30: each
-// slice's first panel is not prefetched, head_rows prefetching within its range, and a thread's panels were
-// not contiguous). All of them where one thread runs the call.
+// starts late leaves its slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower
+// (session 30: each slice's first panel is not prefetched, head_rows prefetching within its range, and a
+// thread's panels were not contiguous). All of them where one thread runs the call.
 static int64_t slice_parts(int64_t parts, int nt) {
     return nt <= 1 ? parts : (parts + nt - 1) / nt;
 }
@@ -415,7 +415,8 @@ ffi::Error PlanQxCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::Buff
         return ffi::Error::InvalidArgument("x, the qx panels (their kind) and the output disagree");
     const int32_t l = layer.typed_data()[0];
     if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer index out of range");
-    c.T = live_rows(live, T), c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data(), c.w = w.typed_data() + (size_t)l * NP * pb;
+    c.T = live_rows(live, T), c.K = K, c.N = N, c.NP = NP, c.x = x.typed_data();
+    c.w = w.typed_data() + (size_t)l * NP * pb;
     if (c.T < 0) return ffi::Error::InvalidArgument("live: one int32 (the rows to compute) expected");
     c.per = qx_slice(NP, c.T, K, N, pool.num_threads());
     c.sets = c.T == 0 ? 0 : (NP + c.per - 1) / c.per;

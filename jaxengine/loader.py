@@ -181,11 +181,11 @@ _QX_GROUPS = {g: f"{g}_proj" for g in QX_LINEARS}
 
 def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:
     """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`enginecore.qx`), for
-    decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's Q4_0 / Q4_1 / Q4_K
-    / Q5_0 / Q5_K / Q6_K / Q3_K / Q2_K / Q5_1 / Q8_0 linears (every layer's in one kind: the wide one where the layers' types differ;
-    each checked bit for bit against the loaded float32 weights, a mismatch keeps float32 only) and LM head; else linears and an LM head whose values are all bfloat16s (a
-    bfloat16 checkpoint served in float32), where the copies fit in a quarter of the memory available, each
-    linear in its own kind (`CpuPanels.qx_kinds`). Returns (the params, how many of the five groups got them)."""
+    decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's linears stored as
+    one of `enginecore.qx.GGUF_TYPES` (every layer's in one kind: the wide one where the layers' types differ;
+    each checked bit for bit against the loaded float32 weights, a mismatch keeps float32 only) and LM head; else
+    linears and an LM head whose values are all bfloat16s (a bfloat16 checkpoint served in float32), or all
+    float16s, where the copies fit in a quarter of the memory available, each linear in its own kind (`CpuPanels.qx_kinds`). Returns (the params, how many of the five groups got them)."""
     import dataclasses
 
     from enginecore import qx

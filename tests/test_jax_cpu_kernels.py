@@ -576,7 +576,8 @@ def _in_a_fresh_heap(code: str) -> list[int]:
     """Run `code` in a fresh process whose glibc serves buffers of up to 256 MB from its heap (freed ones are handed
     back with their old contents, not as fresh zero-filled mappings); -> the integers it prints."""
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
+                       env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28),
+                            "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
     assert p.returncode == 0, p.stdout + p.stderr
     return [int(v) for v in p.stdout.split()]
 

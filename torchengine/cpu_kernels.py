@@ -156,8 +156,8 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
 
 
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
-    """Whether `panels` are `pack_q4x` / `pack_q8x` / `enginecore.qx`'s's of a [N, K] weight of `kind` (what qx_gemm
-    reads)."""
+    """Whether `panels` are `enginecore.qx`'s packers' (`pack_q4x`, `pack_q8x`, ...) of a [N, K] weight of `kind`
+    (what qx_gemm reads)."""
     return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
             and panels.is_contiguous() and tuple(panels.shape) == qx.qx_shape(N, K, kind))
 

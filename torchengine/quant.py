@@ -125,9 +125,9 @@ def attach_qx(model, source: ModelSource) -> int:
     instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
     a fraction of the bytes a decode step streams.
 
-    - A GGUF file's Q4_1 / Q4_0 / Q4_K, Q8_0 / Q5_0 and Q5_K / Q6_K / Q3_K / Q2_K / Q5_1 linears and LM head (0.16 /
-      0.19 / 0.27 / 0.38 of the bytes): each weight's blocks are checked against its float32 panels first (`enginecore.qx.gguf_panels`);
-      one that differs (another loader's arithmetic) keeps float32 only.
+    - A GGUF file's linears and LM head stored as one of `enginecore.qx.GGUF_TYPES` (0.16 (Q4_1) to 0.38 (the
+      wide form) of the bytes): each weight's blocks are checked against its float32 panels first
+      (`enginecore.qx.gguf_panels`); one that differs (another loader's arithmetic) keeps float32 only.
     - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
       models are, served in float32, the CPU's default dtype), or a float16 (a float16 checkpoint, a GGUF file's
       F16 tensors): those 16 bits (0.5 of the bytes), where they fit in a quarter of the memory available.
