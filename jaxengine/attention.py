@@ -240,10 +240,11 @@ def ragged_paged_attention_xla(
 ):
     """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0.
 
-    `cpu_decode`: the decode rows run as `jaxengine.cpu_kernels.decode_attention` and the prefill and mixed
-    rows as `cpu_kernels.prefill_attention` (the cache read in place, every query with the same arithmetic;
-    on a CPU, a float32 / float16 / bfloat16 cache, no soft cap; 16-bit queries are read into float32 and the
-    output rounded back; otherwise this path's own loops)."""
+    `cpu_decode`: the new K/V are written by `jaxengine.cpu_kernels.kv_write`, the decode rows run as
+    `cpu_kernels.decode_attention` and the prefill and mixed rows as `cpu_kernels.prefill_attention` (the cache
+    written and read in place, every query with the same arithmetic; on a CPU, a float32 / float16 / bfloat16
+    cache, no soft cap; 16-bit queries are read into float32 and the output rounded back; otherwise this path's
+    own scatter and loops)."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
     table = block_tables.reshape(R, -1)
@@ -256,17 +257,22 @@ def ragged_paged_attention_xla(
     # per slot) lets XLA:CPU push the reshape through the in-place write, duplicating the write, and each
     # duplicate copies the whole cache, every layer of every step (decode became two orders of magnitude
     # slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
-    kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
-
-    # decode rows: request r's only query is token cu_q_lens[r]
-    rows = jnp.arange(R, dtype=jnp.int32)
-    row_valid = rows < distribution[0]
-    tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
     cpu = cpu_decode and soft_cap is None and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     if cpu:
         from jaxengine import cpu_kernels
 
         cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
+    if cpu:  # (XLA:CPU's scatter into a 16-bit float cache converts all of it to float32 and back)
+        block_size = kv_cache.shape[1]
+        block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
+        kv_cache = cpu_kernels.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
+    else:
+        kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
+
+    # decode rows: request r's only query is token cu_q_lens[r]
+    rows = jnp.arange(R, dtype=jnp.int32)
+    row_valid = rows < distribution[0]
+    tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
     if cpu:  # (16-bit queries, a 16-bit model's: read exactly into float32, the output rounded back)
         q32 = q.astype(jnp.float32)
         dec = cpu_kernels.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,

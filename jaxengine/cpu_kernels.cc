@@ -17,6 +17,8 @@
 // - XlaserveCpuRmsNorm, XlaserveCpuSiluMul, XlaserveCpuRope: RMSNorm of each row (XLA's reduction order
 //   depends on the row count), the MLP's activation and RoPE as the torch backend computes them, so the
 //   two backends' logits have the same bits on a CPU.
+// - XlaserveCpuKvWrite: a step's new K and V into the paged cache, in place (XLA:CPU's scatter into a 16-bit
+//   float cache converts the whole cache to float32 and back).
 // - XlaserveCpuPrefillAttention: its prefill and mixed rows, each query with decode attention's arithmetic
 //   (prefill_attention_tasks): a token's attention is the same decoded, prefilled or recomputed, and the
 //   same as the torch backend's on a CPU.
@@ -582,6 +584,37 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::Success();
 }
 
+// The new K and V of a step's tokens, k and v [T, Hkv, D] (float32), written into the cache [NB, bs, 2 Hkv, D]
+// (aliased to `out`) at row slots[t] (block * bs + offset; < 0: padding, skipped), rounded to its type as kv_write
+// rounds (the scan path's astype's bits). XLA:CPU has no 16-bit float scatter: the scan path's `.at[].set` on a
+// bfloat16 or float16 cache became a conversion of the whole cache to float32 and back, every layer of every step.
+ffi::Error KvWrite(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache,
+                   ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
+    const auto kd = k.dimensions(), cd = cache.dimensions();
+    if (kd.size() != 3 || cd.size() != 4 || v.dimensions().size() != 3 || slots.dimensions().size() != 1)
+        return ffi::Error::InvalidArgument("k, v [T, Hkv, D], cache [NB, bs, 2 Hkv, D], slots [T]");
+    const int64_t T = kd[0], Hkv = kd[1], D = kd[2], rows = cd[0] * cd[1];
+    if (cd[2] != 2 * Hkv || cd[3] != D || (int64_t)v.element_count() != T * Hkv * D || slots.dimensions()[0] != T)
+        return ffi::Error::InvalidArgument("kv write: shapes disagree");
+    const int kv = KvType(cache.element_type());
+    if (kv < 0 || out->element_type() != cache.element_type())
+        return ffi::Error::InvalidArgument("kv write: the cache is not float32, float16 or bfloat16");
+    char *c = static_cast<char *>(out->untyped_data());
+    if (cache.untyped_data() != c) std::memcpy(c, cache.untyped_data(), cache.size_bytes());
+    const int32_t *sl = slots.typed_data();
+    for (int64_t t = 0; t < T; t++)
+        if (sl[t] >= rows) return ffi::Error::InvalidArgument("kv write: a slot outside the cache");
+    for (int64_t t = 0; t < T; t++) {
+        if (sl[t] < 0) continue;
+        for (int64_t h = 0; h < Hkv; h++) {  // head h's K and V rows of slot s at s * 2 Hkv + 2h and + 1
+            const int64_t at = (int64_t)sl[t] * 2 * Hkv + 2 * h;
+            const float *kr = k.typed_data() + (t * Hkv + h) * D, *vr = v.typed_data() + (t * Hkv + h) * D;
+            kv_write(kr, vr, 0, 0, 1, &at, c, c + D * KvBytes(kv), (int)D, kv);
+        }
+    }
+    return ffi::Error::Success();
+}
+
 // Attention of the prefill and mixed rows of a ragged step (requests [decode_end, mixed_end) of
 // distribution), every query with decode attention's arithmetic (cpu_kernels.c's prefill_attention_tasks):
 // written into `out` (aliased to `base`, whose other rows it keeps), tasks spread over XLA's threads.
@@ -995,6 +1028,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuKvWrite, KvWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPrefillAttention, PrefillAttention,
                               ffi::Ffi::Bind()

@@ -58,6 +58,7 @@ QX_LINEAR = "xlaserve_cpu_qx_linear"
 QX_ARGMAX = "xlaserve_cpu_qx_argmax"
 DECODE_ATTENTION = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION = "xlaserve_cpu_prefill_attention"
+KV_WRITE = "xlaserve_cpu_kv_write"
 RMS_NORM = "xlaserve_cpu_rms_norm"
 SILU_MUL = "xlaserve_cpu_silu_mul"
 ROPE = "xlaserve_cpu_rope"
@@ -107,6 +108,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         jax.ffi.register_ffi_target(ROPE, jax.ffi.pycapsule(lib.XlaserveCpuRope), platform="cpu")
         for name, fn in ((LOG_SOFTMAX, lib.XlaserveCpuLogSoftmax), (INVERSE_CDF, lib.XlaserveCpuInverseCdf),
                          (TOP_P_THRESHOLDS, lib.XlaserveCpuTopPThresholds), (LAYERS, lib.XlaserveCpuLayers),
+                         (KV_WRITE, lib.XlaserveCpuKvWrite),
                          (ZEROS, lib.XlaserveCpuZeros)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
         lib.pack_panels_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
@@ -277,6 +279,14 @@ def top_p_thresholds(probs, top_p):
 # the caches the attention calls read: float32, or float16 / bfloat16 (`--kv-cache-dtype`; the torch backend's
 # kernels on the same values, read back exactly into float32)
 KV_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+def kv_write(k, v, cache, slots):
+    """k, v [T, Hkv, D] into cache [NB, block_size, 2 * Hkv, D] (`KV_DTYPES`; K of kv head h at 2h, V at 2h + 1)
+    at rows slots [T] (block * block_size + offset; negative: padding, not written), rounded to the cache's
+    type; -> the cache, updated in place. A slot outside the cache is an error."""
+    call = jax.ffi.ffi_call(KV_WRITE, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={2: 0})
+    return call(k.astype(jnp.float32), v.astype(jnp.float32), cache, slots.astype(jnp.int32))
 
 
 def decode_attention(q, cache, table, kv_lens, num_decode, *, sm_scale: float, sliding_window: int | None = None):

@@ -130,14 +130,17 @@ def test_agrees_with_pallas_reference():
         np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
 
 
-@pytest.mark.parametrize("cpu_decode", [False, True])
+@pytest.mark.parametrize("cpu_decode,dtype", [(False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16),
+                                              (True, jnp.float16)])
 @pytest.mark.parametrize("pps,Rp,Tp", [(32, 1, 1), (64, 1, 1), (128, 8, 16)])
-def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode):
+def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode, dtype):
     """Compiled as the model runs it (a scan over layers carrying one donated cache), the write and both
     attention loops must not copy the cache: a copy costs the whole cache per layer per step. XLA:CPU once made
-    four such copies per layer when block tables were 64+ columns wide (decode 30 ms -> 7 s per step)."""
+    four such copies per layer when block tables were 64+ columns wide (decode 30 ms -> 7 s per step), and
+    wrapped its scatter into a 16-bit float cache in conversions of the whole cache to float32 and back (a
+    bfloat16 model's decode step 3.9 s; the CPU path writes with `cpu_kernels.kv_write`)."""
     L, Hq, Hkv, D, bs, pages = 3, 4, 2, 16, 16, 256
-    cache = jnp.zeros((L * pages, bs, 2 * Hkv, D), jnp.float32)
+    cache = jnp.zeros((L * pages, bs, 2 * Hkv, D), dtype)
 
     def step(cache, q, k, v, kv_lens, table, cu, dist):
         def body(cache, l):
@@ -147,7 +150,7 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode):
 
         return jax.lax.scan(body, cache, jnp.arange(L, dtype=jnp.int32))
 
-    args = (cache, jnp.zeros((Tp, Hq, D)), jnp.zeros((Tp, Hkv, D)), jnp.zeros((Tp, Hkv, D)),
+    args = (cache, jnp.zeros((Tp, Hq, D), dtype), jnp.zeros((Tp, Hkv, D), dtype), jnp.zeros((Tp, Hkv, D), dtype),
             jnp.zeros(Rp, jnp.int32), jnp.zeros((Rp, pps), jnp.int32), jnp.zeros(Rp + 1, jnp.int32),
             jnp.zeros(3, jnp.int32))
     if cpu_decode:
@@ -159,7 +162,7 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode):
     if cpu_decode:
         assert cpu_kernels.DECODE_ATTENTION in hlo
     big = [line.strip() for line in hlo.splitlines()
-           if f"[{L * pages}," in line and (" copy(" in line or "copy-start" in line)]
+           if f"[{L * pages}," in line and any(op in line for op in (" copy(", "copy-start", " convert("))]
     assert not big, "\n".join(big[:4])
 
 

@@ -5,7 +5,7 @@ weight; a row's bits the same alone as in any batch and the same as the torch ba
 same data (one kernel for both backends); the argmax variant the product's first maximum (ties, NaN); a bad layer index or output width is an error, not a read past
 the weights; inside a scan it reads each layer's weights without the dynamic-slice copy XLA's dot needs. Decode attention: against XLA's decode path (GQA, sliding windows,
 fewer decode rows than rows), a row the same alone as among others, and a block id or length that would
-read outside the cache refused. RMSNorm: the torch backend's bits, a row's the same in any batch (XLA's is
+read outside the cache refused; the cache writes as astype rounds, in place. RMSNorm: the torch backend's bits, a row's the same in any batch (XLA's is
 not). Engine-level: tests/test_jax_model.py (greedy tokens vs transformers,
 and vs XLA's dots).
 """
@@ -294,6 +294,32 @@ def test_decode_attention_refuses_a_block_outside_the_cache_or_a_length_past_its
     with pytest.raises(Exception, match="kv_len past the block table"):
         np.asarray(f(q, cache, table, np.asarray([5, table.shape[1] * 4 + 1], np.int32), 2))
     np.asarray(f(q, cache, bad, kv_lens, 1))  # row 1 is not a decode row: its table is not read
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_kv_write_writes_each_tokens_k_and_v_rounded_as_astype_and_nothing_else(dtype):
+    """The cache after kv_write is the cache with each real token's K and V rows (kv head h's at 2h and 2h + 1
+    of its slot) replaced by them rounded as XLA's astype rounds (specials too), padding (slot -1) writing
+    nothing, updated in place; a slot outside the cache is an error."""
+    rng = np.random.default_rng(3)
+    NB, bs, Hkv, D, T = 5, 4, 3, 8, 7
+    cache = jnp.array(rng.standard_normal((NB, bs, 2 * Hkv, D), np.float32), dtype)  # (its own buffer: donated)
+    k, v = rng.standard_normal((2, T, Hkv, D), np.float32) * 1e3
+    k[0, 0, :4] = [np.inf, -np.inf, 1e-41, -0.0]  # (a subnormal, -0)
+    v[1, 2, :3] = [65519.0, 1e-8, 3.0e38]  # (float16's overflow and underflow, bfloat16's rounding up)
+    slots = np.asarray([3, -1, 19, 0, -1, 11, 7], np.int32)
+    f = jax.jit(cpu_kernels.kv_write, donate_argnums=(2,))
+    want = np.array(cache.astype(jnp.float32)).reshape(NB * bs, 2 * Hkv, D)
+    for t in np.flatnonzero(slots >= 0):
+        want[slots[t], 0::2] = np.asarray(jnp.asarray(k[t]).astype(dtype).astype(jnp.float32))
+        want[slots[t], 1::2] = np.asarray(jnp.asarray(v[t]).astype(dtype).astype(jnp.float32))
+    where = cache.unsafe_buffer_pointer()
+    got = f(jnp.asarray(k), jnp.asarray(v), cache, jnp.asarray(slots))
+    assert got.dtype == dtype and got.unsafe_buffer_pointer() == where  # (donated: written where it lies)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)).reshape(NB * bs, 2 * Hkv, D), want)
+    with pytest.raises(Exception, match="slot outside the cache"):
+        np.asarray(f(jnp.asarray(k), jnp.asarray(v), jnp.zeros((NB, bs, 2 * Hkv, D), dtype),
+                     jnp.asarray(np.where(slots == 7, NB * bs, slots))))
 
 
 def ragged(q_lens, kv_lens, Hq, Hkv, D, bs, decodes=0, seed=0):
