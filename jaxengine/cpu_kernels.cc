@@ -98,6 +98,15 @@ int KvType(ffi::DataType t) {
 }
 int64_t KvBytes(int kv_type) { return kv_type == 0 ? 4 : 2; }
 
+// One token's K and V, k and v [Hkv, D], into row `slot` of jaxengine's cache [NB * bs, 2 Hkv, D] of kv_type at c
+// (kv head h's K at 2h, V at 2h + 1), rounded to the cache's type by kv_write (as XLA's astype rounds)
+void TokenKv(const float *k, const float *v, int64_t slot, int64_t Hkv, int64_t D, char *c, int kv_type) {
+    for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t at = slot * 2 * Hkv + 2 * h;
+        kv_write(k + h * D, v + h * D, 0, 0, 1, &at, c, c + D * KvBytes(kv_type), (int)D, kv_type);
+    }
+}
+
 // Runs fn(t0, t1) over [0, n) in slices of `per` on the calling thread and up to `tasks - 1` of XLA's
 // intra-op threads; returns when every slice is done. A thread that starts after the work is gone does
 // nothing (the state it holds is shared, so it outlives this call).
@@ -585,9 +594,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 }
 
 // The new K and V of a step's tokens, k and v [T, Hkv, D] (float32), written into the cache [NB, bs, 2 Hkv, D]
-// (aliased to `out`) at row slots[t] (block * bs + offset; < 0: padding, skipped), rounded to its type as kv_write
-// rounds (the scan path's astype's bits). XLA:CPU has no 16-bit float scatter: the scan path's `.at[].set` on a
-// bfloat16 or float16 cache became a conversion of the whole cache to float32 and back, every layer of every step.
+// (aliased to `out`) at row slots[t] (block * bs + offset; < 0: padding, skipped), by TokenKv. XLA:CPU has no
+// 16-bit float scatter: attention.write_kv's `.at[].set` into a bfloat16 or float16 cache became a conversion of
+// the whole cache to float32 and back, every layer of every step.
 ffi::Error KvWrite(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache,
                    ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
     const auto kd = k.dimensions(), cd = cache.dimensions();
@@ -604,14 +613,8 @@ ffi::Error KvWrite(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::AnyBuf
     const int32_t *sl = slots.typed_data();
     for (int64_t t = 0; t < T; t++)
         if (sl[t] >= rows) return ffi::Error::InvalidArgument("kv write: a slot outside the cache");
-    for (int64_t t = 0; t < T; t++) {
-        if (sl[t] < 0) continue;
-        for (int64_t h = 0; h < Hkv; h++) {  // head h's K and V rows of slot s at s * 2 Hkv + 2h and + 1
-            const int64_t at = (int64_t)sl[t] * 2 * Hkv + 2 * h;
-            const float *kr = k.typed_data() + (t * Hkv + h) * D, *vr = v.typed_data() + (t * Hkv + h) * D;
-            kv_write(kr, vr, 0, 0, 1, &at, c, c + D * KvBytes(kv), (int)D, kv);
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        if (sl[t] >= 0) TokenKv(k.typed_data() + t * Hkv * D, v.typed_data() + t * Hkv * D, sl[t], Hkv, D, c, kv);
     return ffi::Error::Success();
 }
 
@@ -857,14 +860,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                     rms_norm(row + Hq * D, (int)Hkv, (int)D, D, nullptr, kn + P * D, eps, row + Hq * D);
                 }
                 rope(row, 1, (int)(Hq + Hkv), (int)D, QKV, cs + t * D, sn + t * D);
-                if (slot[t] < 0) continue;
-                // head k's K and V rows of slot s at s * 2 Hkv + 2k and + 1 (rows of D): kv_write rounds to the
-                // cache's type as the scan path's astype does
-                for (int64_t k = 0; k < Hkv; k++) {
-                    const int64_t at = slot[t] * 2 * Hkv + 2 * k;
-                    kv_write(row + (Hq + k) * D, row + (Hq + Hkv + k) * D, 0, 0, 1, &at, kvc, kvc + D * es, (int)D,
-                             kv_type);
-                }
+                if (slot[t] >= 0) TokenKv(row + Hq * D, row + (Hq + Hkv) * D, slot[t], Hkv, D, kvc, kv_type);
             }
         });
         team->run(a_tasks, att_alone ? a_tasks : 1, [&, kvc](int64_t a, int64_t b) {
