@@ -51,11 +51,18 @@ def write_kv(
     pos,           # [T] int32 absolute position of each token
     valid,         # [T] bool real (not padding) token
     table,         # [R, blocks_per_seq] int32
+    cpu: bool = False,
 ):
-    """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped)."""
+    """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped). `cpu`: by
+    `jaxengine.cpu_kernels.kv_write` (a cache of its `KV_DTYPES`), in place: XLA:CPU has no bfloat16 / float16
+    scatter and wraps one in conversions of the whole cache to float32 and back."""
     T, Hkv, D = k.shape
     NB, block_size = kv_cache.shape[:2]
     block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
+    if cpu:
+        from jaxengine import cpu_kernels
+
+        return cpu_kernels.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
     block = jnp.where(valid, block, NB)
     new_kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D).astype(kv_cache.dtype)
     return kv_cache.at[block, pos % block_size].set(new_kv, mode="drop")
@@ -262,12 +269,7 @@ def ragged_paged_attention_xla(
         from jaxengine import cpu_kernels
 
         cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
-    if cpu:  # (XLA:CPU's scatter into a 16-bit float cache converts all of it to float32 and back)
-        block_size = kv_cache.shape[1]
-        block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
-        kv_cache = cpu_kernels.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
-    else:
-        kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
+    kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table, cpu=cpu)
 
     # decode rows: request r's only query is token cu_q_lens[r]
     rows = jnp.arange(R, dtype=jnp.int32)
