@@ -5,7 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8|iq4]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -31,7 +31,8 @@ between the kernels (e.g. fetching the next layer's cache during this one's MLP)
 (`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `QX_MAX_ROWS` rows), the same bits
 (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
 `--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
-and linears of mixed types);
+and linears of mixed types); `--qx-kind iq4`: 4-bit indices into IQ4_NL's 16 values with float32 scales (a GGUF
+file's IQ4_NL and IQ4_XS, kind QX_IQ4);
 `--qx-kind bf16` (f16): bfloat16-exact (float16-exact) weights against the same as those 16 bits (what a bfloat16
 checkpoint served in float32 runs).
 """
@@ -84,7 +85,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
-    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "bf16", "f16"),
+    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "iq4", "bf16", "f16"),
                     help="--what qx: a GGUF's Q4_1 (q4k: Q4_K; i8: the wide form) blocks and Q8_0 head, or "
                          "bfloat16-exact weights as bfloat16")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
@@ -334,7 +335,7 @@ def qx_step(args, threads: int) -> int:
     import torch
 
     from enginecore import qx
-    from enginecore.model_loader import Int4Groups, Int8Groups
+    from enginecore.model_loader import Int4Groups, Int8Groups, Iq4Groups
     from torchengine import cpu_kernels
 
     lib = cpu_kernels.lib()
@@ -346,7 +347,7 @@ def qx_step(args, threads: int) -> int:
     def f16(shape, s):
         return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
 
-    bf16, q4k, i8 = args.qx_kind in ("bf16", "f16"), args.qx_kind == "q4k", args.qx_kind == "i8"
+    bf16, q4k, i8, iq4 = args.qx_kind in ("bf16", "f16"), *(args.qx_kind == k for k in ("q4k", "i8", "iq4"))
     half = torch.float16 if args.qx_kind == "f16" else torch.bfloat16
 
     def bf16_weight(n, k):  # (or float16s, --qx-kind f16)
@@ -367,6 +368,11 @@ def qx_step(args, threads: int) -> int:
             d, m = f16((n, k // 32), 0.01), f16((n, k // 32), 0.05)
             if q4k:  # a Q4_K's scales d * sc and offsets -(dmin * mn): float32, 6 more bits than a float16's
                 d, m = d * rng.integers(1, 64, d.shape), m * rng.integers(1, 64, m.shape)
+            if iq4:  # IQ4_XS's scales d * (sc - 32)
+                g = Iq4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d * rng.integers(-32, 32, d.shape))
+                packed = qx.pack_q4x(g.q, g.scale, None, qx.QX_KINDS["IQ4"])
+                ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
+                continue
             g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d.astype(np.float32), m.astype(np.float32))
             packed = qx.pack_i8x(qx.to_wide(g)) if i8 else qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g))
             ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
@@ -379,7 +385,7 @@ def qx_step(args, threads: int) -> int:
     else:
         h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
         head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
-        name = "Q4_K" if q4k else "I8" if i8 else "Q4_1"
+        name = "Q4_K" if q4k else "I8" if i8 else "IQ4" if iq4 else "Q4_1"
         kinds = cpu_kernels.QX_KINDS[name], cpu_kernels.QX_KINDS["Q8_0"]
         what = f"{name} blocks and a Q8_0 head as stored (qx_gemm, ~{ {'Q4_K': 110, 'I8': 190}.get(name, 100)} MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "

@@ -1,4 +1,5 @@
-// GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks and Q2_K, Q3_K, Q4_K, Q5_K and Q6_K super-blocks to float32, the
+// GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL blocks and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks
+// to float32, the
 // arithmetic of the gguf package's numpy code (what
 // enginecore.model_loader used for every GGUF tensor) value for value: Q4_0 d * (q - 8), Q4_1 (d * q) + m,
 // Q8_0 q * d, each product and sum rounded to float32 in that order (built with -ffp-contract=off: no fused
@@ -35,6 +36,9 @@ static float half_to_float(const uint8_t *p) {
     return f;
 }
 
+// IQ4_NL's (and IQ4_XS's) 16 values, a 4-bit index each (the gguf package's table)
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 // Q4_K's and Q5_K's 6-bit scale (j < 8) and min (8 + j) of sub-block j from their 12 bytes s
 static int k_scale(const uint8_t *s, int j) {
     if (j < 4) return s[j] & 63;
@@ -44,11 +48,11 @@ static int k_scale(const uint8_t *s, int j) {
     return (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
 }
 
-// type: GGML's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0: blocks of 32; 10 Q2_K, 11 Q3_K, 12 Q4_K, 13
-// Q5_K, 14 Q6_K: super-blocks of 256); src: n blocks; out: n blocks' values. Returns 0, or -1 for a type it does
-// not read. The K-quants as the gguf package computes them: Q4_K / Q5_K a sub-block of 32 (d * sc) * q - dmin *
-// mn, Q6_K one of 16 (d * sc) * (q - 32), Q3_K one of 16 (d * (sc - 32)) * q, Q2_K one of 16 (d * sc) * q -
-// dmin * mn, sc and mn integers made float32 first.
+// type: GGML's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 20 IQ4_NL: blocks of 32; 10 Q2_K, 11 Q3_K, 12
+// Q4_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: super-blocks of 256); src: n blocks; out: n blocks' values. Returns 0, or -1
+// for a type it does not read. The K-quants as the gguf package computes them: Q4_K / Q5_K a sub-block of 32 (d *
+// sc) * q - dmin * mn, Q6_K one of 16 (d * sc) * (q - 32), Q3_K one of 16 (d * (sc - 32)) * q, Q2_K one of 16 (d *
+// sc) * q - dmin * mn, IQ4_XS one of 32 (d * (sc - 32)) * value, sc and mn integers made float32 first.
 int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
     switch (type) {
         case 6:  // Q5_0 {f16 d, 4 bytes of fifth bits, 16 bytes}: d * (q - 16)
@@ -129,6 +133,30 @@ int gguf_dequantize(int type, const uint8_t *src, long n, float *out) {
                         const int v = 128 * h + r;
                         out[v] = d * (float)sc[v / 16] * (float)((lo | hi << 4) - 32);
                     }
+            }
+            return 0;
+        case 20:  // IQ4_NL {f16 d, 16 bytes of indices}: d * value
+            for (long b = 0; b < n; b++, src += 18, out += 32) {
+                const float d = half_to_float(src);
+                for (int j = 0; j < 16; j++) {
+                    out[j] = d * (float)iq4_values[src[2 + j] & 0x0f];
+                    out[j + 16] = d * (float)iq4_values[src[2 + j] >> 4];
+                }
+            }
+            return 0;
+        case 23:  // IQ4_XS {f16 d, u16 of the scales' high bits, 4 bytes of their low nibbles, 8 x 16 bytes}
+            for (long b = 0; b < n; b++, src += 136, out += 256) {
+                const float d = half_to_float(src);
+                const int hs = src[2] | src[3] << 8;
+                for (int j = 0; j < 8; j++) {  // sub-block j of 32: scale bits 2j of hs over nibble j % 2 of 4 + j / 2
+                    const int sc = ((src[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | ((hs >> (2 * j)) & 3) << 4;
+                    const float dl = d * (float)(sc - 32);
+                    const uint8_t *qs = src + 8 + 16 * j;
+                    for (int e = 0; e < 16; e++) {
+                        out[32 * j + e] = dl * (float)iq4_values[qs[e] & 0x0f];
+                        out[32 * j + e + 16] = dl * (float)iq4_values[qs[e] >> 4];
+                    }
+                }
             }
             return 0;
         case 2:

@@ -75,9 +75,10 @@ class ModelSource:
                     yield name, shape
 
     def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[
-            tuple[str, "Int4Groups | Int8Groups | WideGroups"]]:
-        """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | WideGroups for the others) of every
-        2-D GGUF tensor stored as one of `types`, as stored, rows in Hugging Face order; nothing for other files."""
+            tuple[str, "Int4Groups | Int8Groups | WideGroups | Iq4Groups"]]:
+        """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | Iq4Groups for IQ4_NL/IQ4_XS |
+        WideGroups for the others) of every 2-D GGUF tensor stored as one of `types`, as stored, rows in Hugging
+        Face order; nothing for other files."""
         if self.kind != "gguf":
             return
         for t in self.gguf_reader.tensors:
@@ -87,7 +88,7 @@ class ModelSource:
             if name is None:
                 continue
             ty = t.tensor_type.name
-            cls = next(c for c in (Int4Groups, Int8Groups, WideGroups) if ty in c.TYPES)
+            cls = next(c for c in (Int4Groups, Int8Groups, WideGroups, Iq4Groups) if ty in c.TYPES)
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -400,8 +401,9 @@ class WideGroups(_AffineGroups):
     none: x + -0.0 is x). GGUF's Q6_K ((d * sc) * (q - 32), groups of 16), Q5_K ((d * sc) * q - dmin * mn,
     five-bit q), Q3_K ((d * (sc - 32)) * q, q in [-4, 3], groups of 16), Q2_K ((d * sc) * q - dmin * mn, two-bit
     q, groups of 16) and Q5_1 (d * q + m, five-bit q, blocks of 32) exactly as the gguf package dequantizes them:
-    each a product exact in float32 (at most 23 significant bits: Q6_K's 11 + 7 + 5) plus an exact offset,
-    rounded once, as q * scale + offset is; every other form converts to it (`enginecore.qx.to_wide`)."""
+    each a product exact in float32 (at most 24 significant bits: Q6_K's 11 + 7 + 5, Iq4Groups' 11 + 6 + 7) plus
+    an exact offset, rounded once, as q * scale + offset is; every other form converts to it
+    (`enginecore.qx.to_wide`)."""
 
     GROUP = 16
     TYPES = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1")  # the GGUF types read as this form
@@ -450,6 +452,42 @@ class WideGroups(_AffineGroups):
         return cls(q.reshape(N, K), scale.reshape(groups), offset.reshape(groups))
 
 
+@dataclass
+class Iq4Groups:
+    """A weight [N, K] of llama.cpp's 4-bit non-linear types in groups of 32 along K: w[n, k] = VALUES[q[n, k]] *
+    scale[n, k // 32], q a nibble indexing 16 int8 values. GGUF's IQ4_NL (scale d, a float16) and IQ4_XS (super-
+    blocks of 256: scale d * (sc - 32), sc six bits a sub-block of 32) exactly as the gguf package dequantizes
+    them: the scale exact in float32 (11 significant bits times 6), the product too (times 7: at most 24)."""
+
+    q: np.ndarray  # [N, K] uint8 in 0..15
+    scale: np.ndarray  # [N, K // 32] float32
+
+    GROUP = 32
+    TYPES = ("IQ4_NL", "IQ4_XS")  # the GGUF types read as this form
+    VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+    @classmethod
+    def from_gguf(cls, path: str, t) -> "Iq4Groups":
+        if t.tensor_type.name == "IQ4_NL":  # d, then 16 bytes of nibbles
+            raw, N, K = _gguf_blocks(path, t, 18)
+            qs, scale = raw[:, None, 2:], _f16_column(raw, 0)
+        else:
+            # IQ4_XS: d, the scales' high two bits (a little-endian uint16, sub-block b's at bit 2b), their low
+            # nibbles (4 bytes, b's the low one of byte b // 2 for even b), then sub-block b's 16 bytes
+            raw, N, K = _gguf_blocks(path, t, 136, 256)
+            lo = ((raw[:, 4:8].reshape(-1, 4, 1) >> _shifts(2, 4).reshape(1, 2)) & 0x0F).reshape(-1, 8)
+            hi = (raw[:, 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+            sc = (lo | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+            qs, scale = raw[:, 8:].reshape(-1, 8, 16), _f16_column(raw, 0)[:, None] * sc.astype(np.float32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # element j < 16 the low nibble of byte j, j + 16 the high
+        return cls(q.reshape(N, K), scale.reshape(N, K // cls.GROUP))
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.q.shape
+        v = self.VALUES[self.q].reshape(N, -1, self.GROUP).astype(np.float32)
+        return (v * self.scale[..., None]).reshape(N, K)
+
+
 def _shifts(n: int, step: int) -> np.ndarray:
     """Right shifts 0, step, ..., (n - 1) step, shaped to broadcast over axis -2 of [..., 1, bytes]."""
     return (np.arange(n, dtype=np.uint8) * np.uint8(step)).reshape(n, 1)
@@ -493,9 +531,9 @@ def _f16_column(raw: np.ndarray, at: int) -> np.ndarray:
 
 
 def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks (flat uint8) -> float32, flat:
-    `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a partial block, or
-    where the dequantizer cannot be built."""
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS blocks (flat uint8) ->
+    float32, flat: `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a
+    partial block, or where the dequantizer cannot be built."""
     from enginecore.native import gguf_block, gguf_dequantizer
 
     block = gguf_block(ggml_type)

@@ -27,8 +27,8 @@ CPU_KERNELS_C = os.path.join(REPO, "torchengine", "cpu_kernels.c")
 CPU_KERNELS_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-std=c11"]
 # enginecore/gguf_dequant.c: GGUF's blocks (GGUF_DEQUANT_TYPES) to float32 at load (portable C)
 GGUF_DEQUANT_C = os.path.join(REPO, "enginecore", "gguf_dequant.c")
-GGUF_DEQUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)  # the GGML types it reads: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+GGUF_DEQUANT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # the GGML types it reads: Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
 
 
 def gguf_block(ggml_type: int) -> tuple[int, int] | None:

@@ -18,29 +18,31 @@ import sys
 import numpy as np
 
 from enginecore.arch import ArchConfig, fused_slices, weight_spec
-from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource, WideGroups
+from enginecore.model_loader import Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
 
 PANEL = 16  # output rows a panel (panel_gemm's)
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6}  # the C file's QX_*
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6, "IQ4": 7}  # the C file's QX_*
 # the GGUF types whose weights the panels take (Q4_K as Q4_1's form with float32 scales: QX_Q4_K; Q5_0, d * (q -
-# 16), as Q8_0's; Q5_K, Q6_K, Q3_K, Q2_K and Q5_1, and a linear whose parts or layers mix forms, as QX_I8's int8
-# weights with float32 scales and offsets per 16)
-GGUF_TYPES = Int4Groups.TYPES + Int8Groups.TYPES + WideGroups.TYPES
+# 16), as Q8_0's; IQ4_NL and IQ4_XS, a float32 scale times one of 16 int8s a nibble indexes, as QX_IQ4's; Q5_K,
+# Q6_K, Q3_K, Q2_K and Q5_1, and a linear whose parts or layers mix forms, as QX_I8's int8 weights with float32
+# scales and offsets per 16)
+GGUF_TYPES = Int4Groups.TYPES + Int8Groups.TYPES + WideGroups.TYPES + Iq4Groups.TYPES
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
 # SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
 # at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8
-# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16)
+# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
-               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12}
+               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12, QX_KINDS["IQ4"]: 8}
 MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
 # of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s; Q4_K Q4_1's with float32
-# scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s; F16 as BF16
+# scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s; F16 as BF16;
+# IQ4 16 float32 scales, then Q4's nibbles
 QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
                   QX_KINDS["BF16"]: 32 * 16 * 2, QX_KINDS["Q4_K"]: 128 + 32 * 8, QX_KINDS["I8"]: 256 + 32 * 16,
-                  QX_KINDS["F16"]: 32 * 16 * 2}
+                  QX_KINDS["F16"]: 32 * 16 * 2, QX_KINDS["IQ4"]: 64 + 32 * 8}
 
 
 logger = logging.getLogger(__name__)
@@ -101,26 +103,27 @@ def q4_kind(g: Int4Groups) -> int:
     return QX_KINDS["Q4_1" if f16 else "Q4_K"]
 
 
-Groups = Int4Groups | Int8Groups | WideGroups
+Groups = Int4Groups | Int8Groups | WideGroups | Iq4Groups
 
 
 def kind_of(g: Groups) -> int:
-    """The qx kind whose panels hold a GGUF weight's groups exactly (Q8_0's for the 8-bit form, I8 for the wide)."""
+    """The qx kind whose panels hold a GGUF weight's groups exactly (Q8_0's for the 8-bit form, I8 for the wide,
+    IQ4 for IQ4_NL's and IQ4_XS's)."""
     return (QX_KINDS["Q8_0"] if isinstance(g, Int8Groups) else QX_KINDS["I8"] if isinstance(g, WideGroups)
-            else q4_kind(g))
+            else QX_KINDS["IQ4"] if isinstance(g, Iq4Groups) else q4_kind(g))
 
 
 def to_wide(g: Groups) -> WideGroups:
     """Any form's groups as WideGroups, the same weights to the bit: a 4-bit weight of Q4_0's form (every offset
     -8 scale) as (q - 8) * scale (its zeros keep the scale's sign), other 4-bit ones q * scale + offset, 8-bit
-    ones q * scale (offset -0.0)."""
+    ones q * scale (offset -0.0), IQ4 ones their values * scale (offset -0.0)."""
     if isinstance(g, WideGroups):
         return g
     N, K = g.q.shape
-    q = g.q.reshape(N, -1, 32).astype(np.int8)
-    if isinstance(g, Int8Groups) or g.is_q4_0:
+    q = (Iq4Groups.VALUES[g.q] if isinstance(g, Iq4Groups) else g.q).reshape(N, -1, 32).astype(np.int8)
+    if isinstance(g, (Int8Groups, Iq4Groups)) or g.is_q4_0:
         offset = np.full_like(g.scale, -0.0)
-        q = q if isinstance(g, Int8Groups) else q - np.int8(8)
+        q = q if isinstance(g, (Int8Groups, Iq4Groups)) else q - np.int8(8)
     else:  # (a weight's form, not a group's: a Q4_K group of scale 0 and offset -0.0 is no Q4_0 one)
         offset = g.offset
     return WideGroups(q.reshape(N, K), np.repeat(g.scale, 2, axis=1), np.repeat(offset.astype(np.float32), 2, axis=1))
@@ -143,20 +146,22 @@ def pack_i8x(g: WideGroups) -> np.ndarray:
 
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, kind: int = QX_KINDS["Q4_1"]) -> np.ndarray:
     """Int4Groups arrays (q [N, K] in 0..15, scale / offset [N, K/32]; offset None: Q4_0, whose weights are
-    scale * (q - 8)) -> `qx_gemm`'s panels of `kind` (Q4_0 / Q4_1: float16-exact scales, Q4_K: float32), uint8
-    [ceil(N / 16), K / 32, group bytes]: per panel and group of 32 k, the 16 rows' scales and offsets (float16 or
-    float32), then per k 8 bytes, byte j row j's q | row j + 8's << 4 (zero rows pad the last panel)."""
+    scale * (q - 8)), or Iq4Groups' (kind IQ4, no offsets) -> `qx_gemm`'s panels of `kind` (Q4_0 / Q4_1:
+    float16-exact scales, Q4_K / IQ4: float32), uint8 [ceil(N / 16), K / 32, group bytes]: per panel and group of
+    32 k, the 16 rows' scales and offsets (float16 or float32; IQ4 scales only), then per k 8 bytes, byte j row j's
+    q | row j + 8's << 4 (zero rows pad the last panel)."""
     N, K = q.shape
     G, P = K // 32, -(-N // PANEL)
     qp = np.zeros((P * PANEL, K), np.uint8)
     qp[:N] = q
     qp = qp.reshape(P, PANEL, G, 32).transpose(0, 2, 3, 1)  # [P, G, 32 k, 16 rows]
     out = np.empty((P, G, QX_GROUP_BYTES[kind]), np.uint8)
-    dt = np.float32 if kind == QX_KINDS["Q4_K"] else np.float16
+    dt = np.float32 if kind in (QX_KINDS["Q4_K"], QX_KINDS["IQ4"]) else np.float16
     sb = PANEL * np.dtype(dt).itemsize  # bytes of a group's 16 scales
     _pack_scales(out, 0, scale, P, dt)
-    _pack_scales(out, sb, offset, P, dt)
-    out[:, :, 2 * sb :] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
+    if kind != QX_KINDS["IQ4"]:
+        _pack_scales(out, sb, offset, P, dt)
+    out[:, :, QX_GROUP_BYTES[kind] - 256 :] = (qp[..., :8] | (qp[..., 8:] << 4)).reshape(P, G, 256)
     return out
 
 
@@ -240,7 +245,7 @@ def gguf_panels(lib, what: str, g: Groups, panels: np.ndarray) -> tuple[np.ndarr
     elif isinstance(g, WideGroups):
         packed = pack_i8x(g)
     else:
-        packed = pack_q4x(g.q, g.scale, None if kind == QX_KINDS["Q4_0"] else g.offset, kind)
+        packed = pack_q4x(g.q, g.scale, None if kind in (QX_KINDS["Q4_0"], QX_KINDS["IQ4"]) else g.offset, kind)
     return (packed, kind) if rebuilds(lib, what, packed, kind, g.q.shape[0], panels) else None
 
 
@@ -257,15 +262,15 @@ def _pack_scales(out: np.ndarray, at: int, a: np.ndarray | None, P: int, dt) -> 
 
 def gguf_linear_groups(source: ModelSource, arch: ArchConfig, types=GGUF_TYPES, wide: bool = True) -> tuple[
         dict[tuple[int, str], Groups], Groups | None]:
-    """The decoder linears whose weight the GGUF file stores as types of `types` (Q4_0 / Q4_1 / Q4_K:
-    Int4Groups; Q8_0 / Q5_0: Int8Groups; Q5_K / Q6_K / Q3_K / Q2_K / Q5_1: WideGroups), every fused part: {(layer,
-    the stored linear: "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in the fused
-    weight's order}, and the LM head's groups if the file stores it as one of them. Parts of one form assemble in
-    it (`kind_of` finds the panels that hold them all); with `wide`, parts of several forms, or 4-bit parts some
-    of Q4_0's form and some not, as WideGroups (`to_wide`: the qx panels' case), else 4-bit parts as Int4Groups
-    and other mixes not at all (`--quantization gguf`'s 4-bit linears). One pass over the file's quantized
-    tensors, each linear assembled once its parts are read; a linear with a part stored in a type not in `types`
-    has none."""
+    """The decoder linears whose weight the GGUF file stores as types of `types` (Q4_0 / Q4_1 / Q4_K: Int4Groups;
+    Q8_0 / Q5_0: Int8Groups; IQ4_NL / IQ4_XS: Iq4Groups; Q5_K / Q6_K / Q3_K / Q2_K / Q5_1: WideGroups), every fused
+    part: {(layer, the stored linear: "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"): its groups, the rows in
+    the fused weight's order}, and the LM head's groups if the file stores it as one of them. Parts of one form
+    assemble in it (`kind_of` finds the panels that hold them all); with `wide`, parts of several forms, or 4-bit
+    parts some of Q4_0's form and some not, as WideGroups (`to_wide`: the qx panels' case), else 4-bit parts as
+    Int4Groups and other mixes not at all (`--quantization gguf`'s 4-bit linears). One pass over the file's
+    quantized tensors, each linear assembled once its parts are read; a linear with a part stored in a type not in
+    `types` has none."""
     head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = None
     parts: dict[tuple[int, str], tuple[int, list]] = {}  # -> (fused rows, [(their rows, groups)])

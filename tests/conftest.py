@@ -58,32 +58,62 @@ def smollm2_source():
 
 @pytest.fixture(scope="session")
 def mixed_gguf(tmp_path_factory):
-    """The embedded GGUF with its linears in the types a llama.cpp K-quant file mixes: v Q8_0 in even layers
-    (q and k Q4_1: qkv of both forms there), o Q5_0, down Q4_K in layers 0-14 and Q6_K from 15 (`_q4_k`, `_q6_k`:
-    the gguf package has no K-quant encoders), the rest as stored (Q4_1, a Q8_0 embedding); its tokenizer and
-    metadata copied."""
+    """The embedded GGUF with its linears in the types a llama.cpp K-quant or IQ4_XS file mixes: v Q8_0 in even
+    layers (q and k Q4_1: qkv of both forms there), o Q5_0, down Q4_K in layers 0-9 and 15-19 (`_q4_k`, `_q6_k`,
+    `_iq4`: the gguf package has no encoders for these), IQ4_XS in 10-14 and Q6_K from 20, gate and up IQ4_NL
+    from layer 20, the rest as stored (Q4_1, a Q8_0 embedding); its tokenizer and metadata copied."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+
+    def types(name: str, layer: int):
+        if name.endswith("attn_v.weight") and layer % 2 == 0:
+            return T.Q8_0
+        if name.endswith("attn_output.weight"):
+            return T.Q5_0
+        if name.endswith("ffn_down.weight"):
+            return T.Q6_K if layer >= 20 else T.IQ4_XS if layer >= 10 and layer < 15 else T.Q4_K
+        if name.endswith(("ffn_gate.weight", "ffn_up.weight")) and layer >= 20:
+            return T.IQ4_NL
+        return None
+
+    return _requantized_gguf(tmp_path_factory, "mixed", types)
+
+
+@pytest.fixture(scope="session")
+def iq4_gguf(tmp_path_factory):
+    """The embedded GGUF as an IQ4_XS file of it would be, every layer alike: gate and up IQ4_NL, down IQ4_XS
+    (rows of 1536, whole super-blocks of 256), the rest as stored."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return _requantized_gguf(tmp_path_factory, "iq4", lambda name, layer: T.IQ4_XS if name.endswith(
+        "ffn_down.weight") else T.IQ4_NL if name.endswith(("ffn_gate.weight", "ffn_up.weight")) else None)
+
+
+def _requantized_gguf(tmp_path_factory, name: str, types) -> str:
+    """The embedded GGUF with each tensor that `types(tensor name, layer)` names a GGML type for requantized to it
+    (the gguf package's encoder, or `_q4_k`, `_q6_k`, `_iq4`), the rest as stored; its tokenizer and metadata
+    copied. Returns its path."""
     import gguf
 
     from enginecore.model_loader import embedded_model_path
 
     src = gguf.GGUFReader(embedded_model_path())
-    path = str(tmp_path_factory.mktemp("mixed_gguf") / "mixed.gguf")
+    path = str(tmp_path_factory.mktemp(f"{name}_gguf") / f"{name}.gguf")
     w = gguf.GGUFWriter(path, src.fields["general.architecture"].contents())
     for f in src.fields.values():
         if f.name != "general.architecture" and not f.name.startswith("GGUF."):
             array = f.types[0] == gguf.GGUFValueType.ARRAY
             w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
     T = gguf.GGMLQuantizationType
+    encoders = {T.Q4_K: _q4_k, T.Q6_K: _q6_k, T.IQ4_NL: lambda a: _iq4(a, 32), T.IQ4_XS: lambda a: _iq4(a, 256)}
     for t in src.tensors:
         data, ty = t.data, t.tensor_type
-        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
-        requant = (T.Q8_0 if t.name.endswith("attn_v.weight") and layer % 2 == 0 else
-                   T.Q5_0 if t.name.endswith("attn_output.weight") else None)
-        if requant is not None:
-            data, ty = gguf.quants.quantize(gguf.quants.dequantize(data, ty), requant), requant
-        elif t.name.endswith("ffn_down.weight"):
-            data, ty = (_q4_k, T.Q4_K) if layer < 15 else (_q6_k, T.Q6_K)
-            data = data(gguf.quants.dequantize(t.data, t.tensor_type))
+        to = types(t.name, int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1)
+        if to is not None:
+            w32 = gguf.quants.dequantize(data, ty)
+            data, ty = (encoders[to](w32) if to in encoders else gguf.quants.quantize(w32, to)), to
         w.add_tensor(t.name, data, raw_dtype=ty)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
@@ -114,6 +144,37 @@ def _q4_k(w):
     out = np.concatenate([d.astype(np.float16)[:, None].view(np.uint8), dmin.astype(np.float16)[:, None].view(
         np.uint8), scales, qs], axis=1)
     return out.reshape(N, -1)
+
+
+def _iq4(w, block):
+    """float32 [N, K] -> GGUF IQ4_NL blocks (block 32: d, 16 bytes of nibbles) or IQ4_XS super-blocks (256: d, the
+    eight sub-blocks' six-bit scales sc, d * (sc - 32) theirs, in two bits each of a uint16 and four bytes of
+    nibbles, then 8 x 16 bytes), [N, K / block * bytes] uint8, roughly: each weight the index of the nearest of
+    IQ4_NL's 16 values times its scale; nibbles as the gguf package reads them (element j < 16 the low one of byte
+    j, j + 16 its high one, a sub-block of 32 at a time)."""
+    import gguf
+    import numpy as np
+
+    N, K = w.shape
+    values = np.asarray(gguf.quants.IQ4_NL.kvalues, np.float32)
+    x = w.reshape(-1, block // 32, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
+    s = np.abs(x).max(axis=2) / 127  # per sub-block
+    if block == 32:
+        d = s[:, 0].astype(np.float16)
+        eff = d.astype(np.float32)[:, None]
+        head = [d[:, None].view(np.uint8)]
+    else:
+        d = (s.max(axis=1) / 31).astype(np.float16)
+        sc = np.clip(np.round(np.divide(s, d.astype(np.float32)[:, None], out=np.zeros_like(s),
+                                        where=d[:, None] > 0)), -32, 31).astype(np.int64) + 32
+        eff = d.astype(np.float32)[:, None] * (sc - 32).astype(np.float32)
+        hi = sum((sc[:, j] >> 4) << (2 * j) for j in range(8)).astype("<u2")
+        lo = (sc[:, 0::2] & 15) | (sc[:, 1::2] & 15) << 4
+        head = [d[:, None].view(np.uint8), hi[:, None].view(np.uint8), lo.astype(np.uint8)]
+    scaled = np.divide(x, eff[..., None], out=np.zeros_like(x), where=eff[..., None] != 0)
+    idx = np.abs(scaled[..., None] - values).argmin(axis=-1).astype(np.uint8)  # [blocks, sub-blocks, 32]
+    qs = (idx[..., :16] | idx[..., 16:] << 4).reshape(len(x), -1)
+    return np.concatenate([*head, qs], axis=1).reshape(N, -1)
 
 
 def _q6_k(w):

@@ -49,14 +49,14 @@ def test_gguf_weights_match_transformers_gguf_loader(smollm2_source):
         np.testing.assert_allclose(ours[k], sd[k], rtol=0, atol=1e-6, err_msg=k)
 
 
-# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
 @pytest.mark.parametrize("qtype,block", [(2, 18), (3, 20), (6, 22), (7, 24), (8, 34), (10, 84), (11, 110), (12, 144),
-                                         (13, 176), (14, 210)])
+                                         (13, 176), (14, 210), (20, 18), (23, 136)])
 def test_gguf_blocks_dequantize_to_the_gguf_packages_values(qtype, block):
     """enginecore/gguf_dequant.c (what loads every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K /
-    Q6_K tensor) against
-    the gguf package's numpy code, bit for bit: random blocks (every K-quant scale and min bit pattern), scales and
-    offsets among them subnormal, zero, negative zero, huge, infinite and NaN float16s."""
+    Q6_K / IQ4_NL / IQ4_XS tensor) against the gguf package's numpy code, bit for bit: random blocks (every
+    K-quant scale and min bit pattern, every IQ4 index), scales and offsets among them subnormal, zero, negative
+    zero, huge, infinite and NaN float16s."""
     import gguf
 
     from enginecore.model_loader import _dequantize

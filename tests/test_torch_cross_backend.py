@@ -113,18 +113,20 @@ def test_a_16bit_kv_cache_gives_the_same_bits_on_both_backends(smollm2_hf_dir):
 
 @pytest.mark.skipif(not SAME_KERNELS, reason="the AVX2 kernels do not run here")
 @pytest.mark.parametrize("model,cpu_layers", [("gguf", True), ("gguf", False), ("bf16", True), ("f16", True),
-                                              ("mixed", True)])
+                                              ("mixed", True), ("iq4", True)])
 def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_layers, tiny_bf16_llama_dir,
-                                                                  tiny_f16_llama_dir, mixed_gguf, monkeypatch):
+                                                                  tiny_f16_llama_dir, mixed_gguf, iq4_gguf,
+                                                                  monkeypatch):
     """The jax backend's decode steps from the weights as stored (`jaxengine.loader.attach_cpu_qx`: the embedded
     GGUF's Q4_1 linears and Q8_0 LM head; a bfloat16 checkpoint's halves; a file of mixed types, `mixed_gguf`, a
-    kind a linear), in the one-call layers and in the scan
+    kind a linear; IQ4_NL and IQ4_XS linears, `iq4_gguf`), in the one-call layers and in the scan
     over layers (`cpu_layers` off: a custom call per linear), give the torch backend's float32-only bits
     (`XLASERVE_Q4X=off`): the same tokens and logprobs, greedy (the head's argmax) and with logprobs (the
     logits). Three requests, then five (a bucket of 8 rows: the Q4 panels' limit)."""
     from enginecore import qx
 
-    path = {"gguf": None, "bf16": tiny_bf16_llama_dir, "f16": tiny_f16_llama_dir, "mixed": mixed_gguf}[model]
+    path = {"gguf": None, "bf16": tiny_bf16_llama_dir, "f16": tiny_f16_llama_dir, "mixed": mixed_gguf,
+            "iq4": iq4_gguf}[model]
     prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(5)]
     runs = [(prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)),
             (prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
@@ -138,10 +140,12 @@ def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_lay
             if backend == "jax":
                 p = llm.llm_engine.core.runner.params.panels
                 K = qx.QX_KINDS
-                # mixed: qkv and down of other types in some layers (stacked: the wide form), o Q5_0 (Q8_0's)
+                # mixed: qkv, gate_up and down of other types in some layers (stacked: the wide form), o Q5_0
+                # (Q8_0's)
                 assert (*p.qx_kinds, p.head_qx_kind) == {
                     "gguf": (K["Q4_1"],) * 4 + (K["Q8_0"],), "bf16": (K["BF16"],) * 5, "f16": (K["F16"],) * 5,
-                    "mixed": (K["I8"], K["Q8_0"], K["Q4_1"], K["I8"], K["Q8_0"])}[model]
+                    "mixed": (K["I8"], K["Q8_0"], K["I8"], K["I8"], K["Q8_0"]),
+                    "iq4": (K["Q4_1"], K["Q4_1"], K["IQ4"], K["IQ4"], K["Q8_0"])}[model]
                 assert all(getattr(p, f"{g}_qx") is not None for g in ("qkv", "o", "gate_up", "down", "head"))
             res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:

@@ -318,14 +318,14 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     assert quant.attach_qx(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16", "IQ4"])
 def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     """The loaders' check (`qx_mismatches`, through `enginecore.qx.rebuilds`): a weight's qx panels of every kind
     against its float32 panels, 0 for the loader's own arithmetic; each weight off by one ulp, or a zero of the
     other sign, counted once, wherever it sits in a panel; the padding rows of a partial last panel not counted
     (qx's Q4_0 padding rebuilds -0.0); a bad kind or K refused (-1)."""
     from enginecore import qx
-    from enginecore.model_loader import Int8Groups
+    from enginecore.model_loader import Int8Groups, Iq4Groups
     from torchengine import cpu_kernels
 
     lib = cpu_kernels.lib()
@@ -341,6 +341,11 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     elif kind == "Q8_0":
         g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
         w, packed = torch.from_numpy(g.dequantize()), qx.pack_q8x(g.q, g.scale)
+    elif kind == "IQ4":  # IQ4_XS's float32 scales d * (sc - 32), some zero
+        g = Iq4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), f16(N, K // 32) * rng.integers(-32, 32, (
+            N, K // 32)).astype(np.float32))
+        g.scale[0, 0], g.scale[20, 1] = 0.0, -0.0
+        w, packed = torch.from_numpy(g.dequantize()), qx.pack_q4x(g.q, g.scale, None, qx.QX_KINDS["IQ4"])
     else:
         d = f16(N, K // 32)
         g = Int4Groups(rng.integers(0, 16, (N, K)).astype(np.uint8), d, -8 * d if kind == "Q4_0" else f16(N, K // 32))
@@ -362,7 +367,8 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     signed[signed == 0] = -signed[signed == 0]  # -0.0 where the loader wrote 0.0 (+0.0 where -0.0)
     assert (w == 0).any() and count(signed) == int((w == 0).sum())
     panels = cpu_kernels.pack_panels(w).numpy()
-    assert lib.qx_mismatches(packed.ctypes.data, 7, K, N, panels.ctypes.data) == -1
+    bad = max(cpu_kernels.QX_KINDS.values()) + 1
+    assert lib.qx_mismatches(packed.ctypes.data, bad, K, N, panels.ctypes.data) == -1
     assert lib.qx_mismatches(packed.ctypes.data, k, 48, N, panels.ctypes.data) == -1
     assert not qx.rebuilds(lib, "w", packed, k, N + 16, panels)  # another shape: refused before the call
 
@@ -457,6 +463,63 @@ def test_q5_0_groups_are_q8_0s_form():
     x = torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     assert torch.equal(cpu_kernels.qx_gemm(lib, x, torch.from_numpy(packed), N, kind),
                        cpu_kernels.panel_gemm(lib, x, panels, N))
+
+
+# IQ4 types: (block bytes, values a block, where each block's float16 is)
+IQ4_BLOCKS = {"IQ4_NL": (18, 32, (0,)), "IQ4_XS": (136, 256, (0,))}
+
+
+@pytest.mark.parametrize("ty", IQ4_BLOCKS)
+def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty):
+    """llama.cpp's IQ4_NL (d * one of 16 int8 values a nibble indexes; its IQ4_XS files store it where a row is
+    not whole super-blocks of 256, as SmolLM2's 576 are not) and IQ4_XS ((d * (sc - 32)) * value, six-bit sc a
+    sub-block of 32), read as Iq4Groups from random bytes (every index and scale pattern; d of both signs, some
+    zero, some with all 11 significant bits: products of 24): the gguf package's dequantization bit for bit, the
+    QX_IQ4 panels (float32 scales, 4-bit indices) rebuild the loader's weights (qx_mismatches 0, and 2 with two
+    weights an ulp off) and multiply to panel_gemm's bits and greedy tokens, and the wide form holds them too."""
+    import gguf
+
+    from enginecore import qx
+    from enginecore.model_loader import Iq4Groups
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    assert Iq4Groups.VALUES.tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    rng = np.random.default_rng(10)
+    N, K = 37, 512
+    size, per, _ = IQ4_BLOCKS[ty]
+    raw = rng.integers(0, 256, (N * K // per, size)).astype(np.uint8)
+    f = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
+    f[::7], f[3::7], f[5::7] = 0, -0.0, np.float16(-0.01) - np.float16(2**-17)  # the last: 11 significant bits
+    raw[:, :2] = f.view(np.uint8).reshape(-1, 2)
+
+    class T:
+        name, shape, data = "blk.0.ffn_down.weight", (K, N), raw.reshape(-1)
+
+        class tensor_type:
+            name = ty
+
+    want = gguf.quants.dequantize(T.data, getattr(gguf.GGMLQuantizationType, ty)).reshape(N, K)
+    g = Iq4Groups.from_gguf("x.gguf", T)
+    assert qx.kind_of(g) == qx.QX_KINDS["IQ4"] and set(np.unique(g.q).tolist()) == set(range(16))
+    np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(qx.to_wide(g).dequantize().view(np.uint32), want.view(np.uint32))
+    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
+    packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
+    assert kind == qx.QX_KINDS["IQ4"] and packed.shape == qx.qx_shape(N, K, kind)
+    blocks = torch.from_numpy(packed)
+    for M in (1, 2, 3, 4, 5, 9):
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
+                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+    off = want.copy()
+    off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))
+    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))
+    assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
+        ).ctypes.data) == 2
 
 
 # GGUF types read as the wide form: (block bytes, values a block, where each block's float16s are)
@@ -555,11 +618,12 @@ def test_a_fused_linears_parts_of_several_forms_assemble_wide_for_the_panels_onl
 
 def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
     """A small llama GGUF file whose linears are Q4_K (q and k rows interleaved as llama.cpp stores them, q, k and
-    v fused, gate and up fused) and, in one layer, Q5_0 (v and o) and Q6_K (down), in the other Q2_K (o), Q3_K
-    (down) and Q5_1 (gate, up Q4_K): every linear's groups rebuild the loaded float32 weights (the gguf package's
-    dequantization for the last three) bit for bit, as packed panels, in the fused order (`gguf_linear_groups`):
-    Q4_K's and Q8_0's kinds, the wide one (I8) for Q6_K, Q2_K, Q3_K and fused linears with parts of two forms;
-    `--quantization gguf`'s 4-bit linears take none of them (their blocks hold float16 scales)."""
+    v fused, gate and up fused) and, in one layer, Q5_0 (v and o), Q6_K (down) and IQ4_NL (gate and up), in the
+    other Q2_K (o), Q3_K (down), Q5_1 (gate) and IQ4_XS (up): every linear's groups rebuild the loaded float32
+    weights (the gguf package's dequantization for the random-byte ones) bit for bit, as packed panels, in the
+    fused order (`gguf_linear_groups`): Q4_K's, Q8_0's and IQ4's kinds, the wide one (I8) for Q6_K, Q2_K, Q3_K and
+    fused linears with parts of two forms; `--quantization gguf`'s 4-bit linears take none of them (their blocks hold
+    float16 scales)."""
     import gguf
 
     from enginecore import qx
@@ -583,9 +647,11 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
         wr.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
         for n, (rows, cols) in {"attn_q": (H, H), "attn_k": (nkv * hd, H), "attn_v": (nkv * hd, H),
                                 "attn_output": (H, H), "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}.items():
-            if (i, n) in ((0, "attn_output"), (0, "ffn_down"), (0, "ffn_gate")):  # Q2_K, Q3_K, Q5_1: random bytes
-                ty = {"attn_output": "Q2_K", "ffn_down": "Q3_K", "ffn_gate": "Q5_1"}[n]
-                size, per, at = WIDE_BLOCKS[ty]
+            # Q2_K, Q3_K, Q5_1, IQ4_XS, IQ4_NL: random bytes
+            ty = {(0, "attn_output"): "Q2_K", (0, "ffn_down"): "Q3_K", (0, "ffn_gate"): "Q5_1",
+                  (0, "ffn_up"): "IQ4_XS", (1, "ffn_gate"): "IQ4_NL", (1, "ffn_up"): "IQ4_NL"}.get((i, n))
+            if ty is not None:
+                size, per, at = {**WIDE_BLOCKS, **IQ4_BLOCKS}[ty]
                 blocks = rng.integers(0, 256, (rows * cols // per, size)).astype(np.uint8)
                 for a in at:
                     blocks[:, a : a + 2] = (rng.standard_normal((len(blocks), 1)) * 0.01).astype(np.float16).view(
@@ -623,10 +689,10 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
             assert [s.stop - s.start for s in fused_slices(src.config, stored, 1).values()] == [
                 dense[f"model.layers.{layer}.{mod}.{n}.weight"].shape[0] for n in names]
         got = qx.gguf_panels(lib, stored, g, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
-        # Q5_0 in Q8_0's form; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide, and layer 0's o, down and
-        # gate_up (Q5_1 and Q4_K parts)
-        kind = {(1, "o_proj"): "Q8_0", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8", (0, "o_proj"): "I8",
-                (0, "down_proj"): "I8", (0, "gate_up_proj"): "I8"}.get((layer, stored), "Q4_K")
+        # Q5_0 in Q8_0's form, IQ4_NL in IQ4's; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide, and layer
+        # 0's o, down and gate_up (Q5_1 and IQ4_XS parts)
+        kind = {(1, "o_proj"): "Q8_0", (1, "gate_up_proj"): "IQ4", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8",
+                (0, "o_proj"): "I8", (0, "down_proj"): "I8", (0, "gate_up_proj"): "I8"}.get((layer, stored), "Q4_K")
         assert got is not None and got[1] == qx.QX_KINDS[kind], (layer, stored)
     assert not qx.gguf_linear_groups(src, src.config, ("Q4_0", "Q4_1", "Q8_0"))[0]
 
@@ -754,10 +820,11 @@ def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
 
 
 def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mixed_gguf, one_call_vs_python_layers):
-    """A GGUF file whose linears mix llama.cpp's types as its K-quant files do (`mixed_gguf`: Q4_1, Q8_0, Q5_0,
-    Q4_K and Q6_K; q, k and v of both forms in half the layers): every linear and the LM head keep their weights
-    as stored, each layer's linears in their own kinds (Q4_1, the wide form, Q8_0's, Q4_K), and decode steps
-    multiply them to the float32 weights' tokens and logprobs, to the bit, in the one-call and Python layers."""
+    """A GGUF file whose linears mix llama.cpp's types as its K-quant and IQ4_XS files do (`mixed_gguf`: Q4_1,
+    Q8_0, Q5_0, Q4_K, Q6_K, IQ4_XS and IQ4_NL; q, k and v of both forms in half the layers): every linear and the
+    LM head keep their weights as stored, each layer's linears in their own kinds (Q4_1, the wide form, Q8_0's,
+    Q4_K, IQ4), and decode steps multiply them to the float32 weights' tokens and logprobs, to the bit, in the one-call
+    and Python layers."""
     from torchengine import cpu_kernels
 
     if cpu_kernels.lib() is None:
@@ -773,7 +840,9 @@ def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mix
                    for m in (l.attn.qkv_proj, l.attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj))
         assert kinds[0] == (K["I8"], K["Q8_0"], K["Q4_1"], K["Q4_K"])  # v Q8_0 with q, k Q4_1: the wide form
         assert kinds[1] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["Q4_K"])
-        assert kinds[15] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["I8"])  # Q6_K
+        assert kinds[11] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["IQ4"])  # IQ4_XS
+        assert kinds[15] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["Q4_K"])
+        assert kinds[21] == (K["Q4_1"], K["Q8_0"], K["IQ4"], K["I8"])  # IQ4_NL, Q6_K
         assert runner.model.head_qx_kind == K["Q8_0"]
         lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]

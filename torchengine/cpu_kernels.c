@@ -1688,6 +1688,11 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // QX_F16: QX_BF16's layout for a float16-exact weight (a float16 checkpoint, or a GGUF file's F16 tensor, served in
 // float32) as float16s: rebuilt by the exact conversion.
 #define QX_F16 6
+// QX_IQ4: a GGUF file's IQ4_NL (d * value, d a float16) and IQ4_XS ((d * (sc - 32)) * value, sc six bits a
+// sub-block of 32), value one of 16 int8s a nibble indexes: per group of 32 k the 16 rows' float32 scales, then
+// Q4's nibbles; w = value * scale, an exact product (at most 11 + 6 + 7 = 24 significant bits), the gguf
+// package's. 0.625 bytes a weight.
+#define QX_IQ4 7
 #define QX_HALVES(kind) ((kind) == QX_BF16 || (kind) == QX_F16)  // 16-bit weights, no scales
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 #define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
@@ -1701,6 +1706,10 @@ static inline int qx_group_bytes(int kind) {
 static inline __attribute__((always_inline)) void qx_scales(const int kind, const uint8_t *b, __m256 *d0, __m256 *d1,
                                                            __m256 *m0, __m256 *m1) {
     *d0 = *d1 = _mm256_setzero_ps();
+    if (kind == QX_IQ4) {  // float32 d, no m
+        *d0 = _mm256_loadu_ps((const float *)b), *d1 = _mm256_loadu_ps((const float *)b + 8);
+        return;
+    }
     if (kind == QX_Q4_K || kind == QX_I8) {  // float32 d, then m (QX_I8: k 0-15's; k 16-31's 128 bytes on)
         *d0 = _mm256_loadu_ps((const float *)b), *d1 = _mm256_loadu_ps((const float *)b + 8);
         *m0 = _mm256_loadu_ps((const float *)b + 16), *m1 = _mm256_loadu_ps((const float *)b + 24);
@@ -1733,7 +1742,12 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
         return;
     }
     __m256i q0, q1;
-    if (kind == QX_Q8_0 || kind == QX_I8) {
+    if (kind == QX_IQ4) {  // the nibbles index IQ4_NL's values (pshufb), rows 0-7 the low ones
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(qs + kk * 8)), f = _mm_set1_epi8(15);
+        const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        q0 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(values, _mm_and_si128(v, f)));
+        q1 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), f)));
+    } else if (kind == QX_Q8_0 || kind == QX_I8) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(qs + kk * 16));
         q0 = _mm256_cvtepi8_epi32(v), q1 = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v));
     } else {
@@ -1824,7 +1838,7 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
 
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
-    return kind < QX_Q4_0 || kind > QX_F16 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+    return kind < QX_Q4_0 || kind > QX_IQ4 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
 }
 
 // How many weights of the first N rows qx_gemm's panels `w` (of `kind`, over K) rebuild to other bits than the
@@ -1874,6 +1888,7 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         case QX_Q4_K: qx_panels(QX_Q4_K, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_I8: qx_panels(QX_I8, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_F16: qx_panels(QX_F16, x, M, K, wb, N, y, b, p0, p1); break;
+        case QX_IQ4: qx_panels(QX_IQ4, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, b, p0, p1); break;
         default: qx_panels(QX_BF16, x, M, K, wb, N, y, b, p0, p1); break;
     }
