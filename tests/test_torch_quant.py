@@ -506,20 +506,7 @@ def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits
     assert qx.kind_of(g) == qx.QX_KINDS["IQ4"] and set(np.unique(g.q).tolist()) == set(range(16))
     np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(qx.to_wide(g).dequantize().view(np.uint32), want.view(np.uint32))
-    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
-    packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
-    assert kind == qx.QX_KINDS["IQ4"] and packed.shape == qx.qx_shape(N, K, kind)
-    blocks = torch.from_numpy(packed)
-    for M in (1, 2, 3, 4, 5, 9):
-        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
-    off = want.copy()
-    off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))
-    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))
-    assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
-        ).ctypes.data) == 2
+    _check_gguf_panels(lib, g, want, "IQ4", rng)
 
 
 # GGUF types read as the wide form: (block bytes, values a block, where each block's float16s are)
@@ -575,9 +562,20 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
         g = qx.to_wide(src)
     assert qx.kind_of(g) == qx.QX_KINDS["I8"] and g.q.dtype == np.int8
     np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
+    _check_gguf_panels(lib, g, want, "I8", rng)
+
+
+def _check_gguf_panels(lib, g, want: np.ndarray, kind_name: str, rng) -> None:
+    """A GGUF weight's groups `g` pack into qx panels of `kind_name` (`gguf_panels`' check passes against the
+    loaded float32 weights `want`) that multiply to panel_gemm's bits, logits and greedy tokens, 1 to 9 rows; two
+    weights one ulp off (under a group's first scale, k 0-15, and under a second, k 16-31) are counted."""
+    from enginecore import qx
+    from torchengine import cpu_kernels
+
+    N, K = want.shape
     panels = cpu_kernels.pack_panels(torch.from_numpy(want))
     packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
-    assert kind == qx.QX_KINDS["I8"] and packed.shape == qx.qx_shape(N, K, kind)
+    assert kind == qx.QX_KINDS[kind_name] and packed.shape == qx.qx_shape(N, K, kind)
     blocks = torch.from_numpy(packed)
     for M in (1, 2, 3, 4, 5, 9):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
@@ -585,8 +583,8 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
                            cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
     off = want.copy()
-    off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))  # under a group's first scale (k 0-15)
-    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))  # and under a second one (k 16-31)
+    off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))
+    off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))
     assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
         ).ctypes.data) == 2
 
