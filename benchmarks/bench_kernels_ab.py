@@ -371,10 +371,10 @@ def qx_step(args, threads: int) -> int:
             if iq4:  # IQ4_XS's scales d * (sc - 32)
                 g = Iq4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d * rng.integers(-32, 32, d.shape))
                 packed = qx.pack_q4x(g.q, g.scale, None, qx.QX_KINDS["IQ4"])
-                ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
-                continue
-            g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d.astype(np.float32), m.astype(np.float32))
-            packed = qx.pack_i8x(qx.to_wide(g)) if i8 else qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g))
+            else:
+                g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d.astype(np.float32),
+                               m.astype(np.float32))
+                packed = qx.pack_i8x(qx.to_wide(g)) if i8 else qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g))
             ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
         layers.append(ws)
     if bf16:

@@ -1,7 +1,6 @@
 // GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL blocks and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks
-// to float32, the
-// arithmetic of the gguf package's numpy code (what
-// enginecore.model_loader used for every GGUF tensor) value for value: Q4_0 d * (q - 8), Q4_1 (d * q) + m,
+// to float32, the arithmetic of the gguf package's numpy code (what enginecore.model_loader used for every GGUF
+// tensor) value for value: Q4_0 d * (q - 8), Q4_1 (d * q) + m,
 // Q8_0 q * d, each product and sum rounded to float32 in that order (built with -ffp-contract=off: no fused
 // multiply-add). Plain C, no intrinsics: it builds wherever a C compiler does. numpy's version made ~5
 // temporaries of every tensor and took ~2.5 s of every start for the embedded model on 2 cores.

@@ -88,7 +88,7 @@ class ModelSource:
             if name is None:
                 continue
             ty = t.tensor_type.name
-            cls = next(c for c in (Int4Groups, Int8Groups, WideGroups, Iq4Groups) if ty in c.TYPES)
+            cls = next(c for c in GGUF_FORMS if ty in c.TYPES)
             g = cls.from_gguf(self.path, t)
             n_head = _rope_permuted_heads(self.config, name)
             if n_head:
@@ -486,6 +486,10 @@ class Iq4Groups:
         N, K = self.q.shape
         v = self.VALUES[self.q].reshape(N, -1, self.GROUP).astype(np.float32)
         return (v * self.scale[..., None]).reshape(N, K)
+
+
+# the forms a GGUF file's quantized weights are read as (`iter_quantized_weights`), each naming its types
+GGUF_FORMS = (Int4Groups, Int8Groups, WideGroups, Iq4Groups)
 
 
 def _shifts(n: int, step: int) -> np.ndarray:

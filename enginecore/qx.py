@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from enginecore.arch import ArchConfig, fused_slices, weight_spec
-from enginecore.model_loader import Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
+from enginecore.model_loader import GGUF_FORMS, Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
 
 PANEL = 16  # output rows a panel (panel_gemm's)
 QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6, "IQ4": 7}  # the C file's QX_*
@@ -26,7 +26,7 @@ QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16
 # 16), as Q8_0's; IQ4_NL and IQ4_XS, a float32 scale times one of 16 int8s a nibble indexes, as QX_IQ4's; Q5_K,
 # Q6_K, Q3_K, Q2_K and Q5_1, and a linear whose parts or layers mix forms, as QX_I8's int8 weights with float32
 # scales and offsets per 16)
-GGUF_TYPES = Int4Groups.TYPES + Int8Groups.TYPES + WideGroups.TYPES + Iq4Groups.TYPES
+GGUF_TYPES = tuple(t for form in GGUF_FORMS for t in form.TYPES)
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,

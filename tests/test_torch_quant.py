@@ -41,14 +41,15 @@ def test_int4_groups_equal_the_gguf_dequantizer(source):
         np.testing.assert_array_equal(g.dequantize(), dense[n])  # bit for bit, rows unpermuted alike
 
 
+def _gguf_tensor(ty: str, N: int, K: int, data=None, name: str = "blk.0.ffn_down.weight"):
+    """The attributes the groups' `from_gguf` read from a GGUFTensor: an [N, K] weight of GGUF type `ty`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, shape=(K, N), data=data, tensor_type=SimpleNamespace(name=ty))
+
+
 def test_q4_0_block_form():
-    class T:  # the attributes Int4Groups.from_gguf reads from a GGUFTensor
-        name = "blk.0.ffn_down.weight"
-        shape = (32, 2)
-
-        class tensor_type:
-            name = "Q4_0"
-
+    T = _gguf_tensor("Q4_0", 2, 32)
     rng = np.random.default_rng(0)
     q = rng.integers(0, 16, (2, 32)).astype(np.uint8)
     d = np.array([0.5, -0.25], np.float16)
@@ -400,11 +401,7 @@ def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
     rng = np.random.default_rng(4)
     N, K = 40, 512
 
-    class T:
-        name, shape, data = "blk.0.ffn_down.weight", (K, N), _q4_k_blocks(rng, N, K)
-
-        class tensor_type:
-            name = "Q4_K"
+    T = _gguf_tensor("Q4_K", N, K, _q4_k_blocks(rng, N, K))
 
     want = gguf.quants.dequantize(T.data, gguf.GGMLQuantizationType.Q4_K).reshape(N, K)  # the loader's values
     g = Int4Groups.from_gguf("x.gguf", T)
@@ -446,12 +443,8 @@ def test_q5_0_groups_are_q8_0s_form():
     N, K = 19, 96
     d = (rng.standard_normal((N * K // 32, 1)) * 0.02).astype(np.float16)
 
-    class T:
-        name, shape = "blk.0.ffn_up.weight", (K, N)
-        data = np.concatenate([d.view(np.uint8), rng.integers(0, 256, (N * K // 32, 20)).astype(np.uint8)], axis=1)
-
-        class tensor_type:
-            name = "Q5_0"
+    T = _gguf_tensor("Q5_0", N, K, np.concatenate([d.view(np.uint8), rng.integers(0, 256, (N * K // 32, 20)).astype(
+        np.uint8)], axis=1), "blk.0.ffn_up.weight")
 
     want = gguf.quants.dequantize(T.data, gguf.GGMLQuantizationType.Q5_0).reshape(N, K)
     g = Int8Groups.from_gguf("x.gguf", T)
@@ -492,14 +485,9 @@ def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits
     size, per, _ = IQ4_BLOCKS[ty]
     raw = rng.integers(0, 256, (N * K // per, size)).astype(np.uint8)
     f = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
-    f[::7], f[3::7], f[5::7] = 0, -0.0, np.float16(-0.01) - np.float16(2**-17)  # the last: 11 significant bits
+    f[::7], f[3::7], f[5::7] = 0, -0.0, np.float16(-2047 * 2.0**-17)  # the last: 11 significant bits
     raw[:, :2] = f.view(np.uint8).reshape(-1, 2)
-
-    class T:
-        name, shape, data = "blk.0.ffn_down.weight", (K, N), raw.reshape(-1)
-
-        class tensor_type:
-            name = ty
+    T = _gguf_tensor(ty, N, K, raw.reshape(-1))
 
     want = gguf.quants.dequantize(T.data, getattr(gguf.GGMLQuantizationType, ty)).reshape(N, K)
     g = Iq4Groups.from_gguf("x.gguf", T)
@@ -540,11 +528,7 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
             f[::7], f[3::7] = 0, -0.0
             raw[:, a : a + 2] = f.view(np.uint8).reshape(-1, 2)
 
-        class T:
-            name, shape, data = "blk.0.ffn_down.weight", (K, N), raw.reshape(-1)
-
-            class tensor_type:
-                name = ty
+        T = _gguf_tensor(ty, N, K, raw.reshape(-1))
 
         want = gguf.quants.dequantize(T.data, getattr(gguf.GGMLQuantizationType, ty)).reshape(N, K)
         g = WideGroups.from_gguf("x.gguf", T)
@@ -568,7 +552,8 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
 def _check_gguf_panels(lib, g, want: np.ndarray, kind_name: str, rng) -> None:
     """A GGUF weight's groups `g` pack into qx panels of `kind_name` (`gguf_panels`' check passes against the
     loaded float32 weights `want`) that multiply to panel_gemm's bits, logits and greedy tokens, 1 to 9 rows; two
-    weights one ulp off (under a group's first scale, k 0-15, and under a second, k 16-31) are counted."""
+    weights one ulp off (k 5 and K - 3: in the wide form under a group's first scale and its second) are
+    counted."""
     from enginecore import qx
     from torchengine import cpu_kernels
 

@@ -1680,8 +1680,8 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #define QX_BF16 3
 #define QX_Q4_K 4
 // QX_I8: any of them (and a GGUF file's Q5_K, Q6_K, Q3_K, Q2_K and Q5_1, whose groups are 16 wide or whose q has
-// five bits) in one form, for a linear whose
-// fused parts or layers are stored in several types: per group of 32 k and row, a float32 scale and offset for
+// five bits) in one form, for a linear whose fused parts or layers are stored in several types (QX_IQ4's too,
+// their values as int8): per group of 32 k and row, a float32 scale and offset for
 // k 0-15 and another pair for k 16-31, then per k the 16 rows' q as int8; w = (q * d) + m, one rounding of an
 // exact product (m -0.0 for the forms without one: x + -0.0 is x, a zero's sign kept). 1.5 bytes a weight.
 #define QX_I8 5
@@ -1706,13 +1706,11 @@ static inline int qx_group_bytes(int kind) {
 static inline __attribute__((always_inline)) void qx_scales(const int kind, const uint8_t *b, __m256 *d0, __m256 *d1,
                                                            __m256 *m0, __m256 *m1) {
     *d0 = *d1 = _mm256_setzero_ps();
-    if (kind == QX_IQ4) {  // float32 d, no m
+    // float32 d, then m (QX_I8: k 0-15's, k 16-31's 128 bytes on; QX_IQ4: no m)
+    if (kind == QX_Q4_K || kind == QX_I8 || kind == QX_IQ4) {
         *d0 = _mm256_loadu_ps((const float *)b), *d1 = _mm256_loadu_ps((const float *)b + 8);
-        return;
-    }
-    if (kind == QX_Q4_K || kind == QX_I8) {  // float32 d, then m (QX_I8: k 0-15's; k 16-31's 128 bytes on)
-        *d0 = _mm256_loadu_ps((const float *)b), *d1 = _mm256_loadu_ps((const float *)b + 8);
-        *m0 = _mm256_loadu_ps((const float *)b + 16), *m1 = _mm256_loadu_ps((const float *)b + 24);
+        if (kind != QX_IQ4)
+            *m0 = _mm256_loadu_ps((const float *)b + 16), *m1 = _mm256_loadu_ps((const float *)b + 24);
         return;
     }
     if (!QX_HALVES(kind)) {
