@@ -34,7 +34,8 @@ between the kernels (e.g. fetching the next layer's cache during this one's MLP)
 and linears of mixed types); `--qx-kind iq4`: 4-bit indices into IQ4_NL's 16 values with float32 scales (a GGUF
 file's IQ4_NL and IQ4_XS, kind QX_IQ4);
 `--qx-kind bf16` (f16): bfloat16-exact (float16-exact) weights against the same as those 16 bits (what a bfloat16
-checkpoint served in float32 runs).
+checkpoint served in float32 runs); `--qx-kind bdot`: the same bfloat16 weights multiplied by activations rounded to
+bfloat16 (QX_BDOT, `--dtype bfloat16` on a CPU with AVX512-BF16: other bits, not compared).
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
-    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "iq4", "bf16", "f16"),
+    ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "iq4", "bf16", "f16", "bdot"),
                     help="--what qx: a GGUF's Q4_1 (q4k: Q4_K; i8: the wide form) blocks and Q8_0 head, or "
-                         "bfloat16-exact weights as bfloat16")
+                         "bfloat16-exact weights as bfloat16 (bdot: bfloat16 products, --dtype bfloat16 on AVX512-BF16)")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -342,12 +343,16 @@ def qx_step(args, threads: int) -> int:
     if lib is None:
         print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
         return 1
+    if args.qx_kind == "bdot" and not lib.bdot_supported():
+        print("no AVX512-BF16 here: QX_BDOT does not run")
+        return 1
     rng = np.random.default_rng(0)
 
     def f16(shape, s):
         return (rng.standard_normal(shape) * s).astype(np.float16).astype(np.float32)
 
-    bf16, q4k, i8, iq4 = args.qx_kind in ("bf16", "f16"), *(args.qx_kind == k for k in ("q4k", "i8", "iq4"))
+    bdot = args.qx_kind == "bdot"
+    bf16, q4k, i8, iq4 = args.qx_kind in ("bf16", "f16", "bdot"), *(args.qx_kind == k for k in ("q4k", "i8", "iq4"))
     half = torch.float16 if args.qx_kind == "f16" else torch.bfloat16
 
     def bf16_weight(n, k):  # (or float16s, --qx-kind f16)
@@ -355,7 +360,7 @@ def qx_step(args, threads: int) -> int:
 
     def halves(w):
         p = cpu_kernels.pack_panels(w).numpy()
-        return torch.from_numpy(qx.half_panels(lib, "w", p, qx.half_kind(p)))
+        return torch.from_numpy(qx.bdot_panels(p) if bdot else qx.half_panels(lib, "w", p, qx.half_kind(p)))
 
     layers = []  # per layer: [(float32 panels, qx panels)] for q/k/v, o, gate/up, down
     for _ in range(LAYERS):
@@ -380,8 +385,9 @@ def qx_step(args, threads: int) -> int:
     if bf16:
         w = bf16_weight(VOCAB, HIDDEN)
         head = (cpu_kernels.pack_panels(w), halves(w))
-        kinds = (cpu_kernels.QX_KINDS["BF16" if half == torch.bfloat16 else "F16"],) * 2
-        what = f"{'b' if half == torch.bfloat16 else ''}float16-exact weights as those 16 bits (qx_gemm, ~270 MB)"
+        kinds = (cpu_kernels.QX_KINDS["BDOT" if bdot else "BF16" if half == torch.bfloat16 else "F16"],) * 2
+        what = (f"{'b' if half == torch.bfloat16 else ''}float16-exact weights as those 16 bits (qx_gemm, ~270 MB)"
+                if not bdot else "the same bfloat16 weights times activations rounded to bfloat16 (QX_BDOT, ~270 MB)")
     else:
         h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
         head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
@@ -417,7 +423,7 @@ def qx_step(args, threads: int) -> int:
 
         for name in outs:
             step(name)
-        if not same_outputs(outs["f32"], outs["qx"]):
+        if not bdot and not same_outputs(outs["f32"], outs["qx"]):  # (bfloat16 products: other bits)
             print(f"{M:>5}  the two give different outputs")
             return 1
         best, med = best_of({"base": None, "new": None},

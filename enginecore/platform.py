@@ -90,12 +90,12 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
 
     Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
     kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
-    4 and 16; without them (torch's own ops) jax is the faster one. bfloat16 weights run neither backend's
-    kernels (they are float32): where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX: oneDNN, which
-    torch's bfloat16 matmuls use) torch, whose decode step of the embedded model took 30 ms at batch 1 and 36 ms
-    at 8 on a 2-core Zen 4 against jax's 0.2 s (XLA:CPU multiplies bfloat16 in float32: every step it converts
-    all the stacked weights to float32 before the scan over layers; `cpu_dtype_note`); elsewhere jax, as
-    measured before.
+    4 and 16; without them (torch's own ops) jax is the faster one. bfloat16: where the CPU multiplies bfloat16
+    natively (AVX512-BF16, AMX) torch, whose kernels multiply its linears in bfloat16 on AVX512-BF16 (QX_BDOT:
+    the embedded model served at 1.5x float32's output tokens/s at concurrency 16 on a 2-core Zen 4) and whose
+    own bfloat16 ops use oneDNN on AMX (a decode step of the embedded model 30 ms at batch 1 on that Zen 4
+    against jax's 0.2 s: XLA:CPU multiplies bfloat16 in float32, converting all the stacked weights to float32
+    every step; `cpu_dtype_note`); elsewhere jax, as measured before.
     """
     if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"
@@ -137,7 +137,8 @@ def cpu_dtype_note(dtype: str) -> str:
     return (f"--dtype {dtype} on a CPU runs the framework's own {dtype} ops, not the CPU kernels (float32): a "
             "decode step is many times slower than in float32 (the embedded model at batch 1 on a 2-core Zen 4: "
             "torch 30 ms, jax 0.2 s, against 6-7 ms in float32). float32, the default on a CPU, computes a "
-            "bfloat16 checkpoint exactly and reads its weights as bfloat16 in decode steps of few rows.")
+            "bfloat16 checkpoint exactly and reads its weights as bfloat16 in decode steps of few rows. (On a CPU "
+            "with AVX512-BF16, --backend torch --dtype bfloat16 runs its linears on the kernels' bfloat16 products.)")
 
 
 # CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where

@@ -21,7 +21,8 @@ from enginecore.arch import ArchConfig, fused_slices, weight_spec
 from enginecore.model_loader import GGUF_FORMS, Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
 
 PANEL = 16  # output rows a panel (panel_gemm's)
-QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6, "IQ4": 7}  # the C file's QX_*
+# the C file's QX_*; BDOT is not a form of the float32 weights but bfloat16 arithmetic (`bdot_panels`)
+QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16": 6, "IQ4": 7, "BDOT": 8}
 # the GGUF types whose weights the panels take (Q4_K as Q4_1's form with float32 scales: QX_Q4_K; Q5_0, d * (q -
 # 16), as Q8_0's; IQ4_NL and IQ4_XS, a float32 scale times one of 16 int8s a nibble indexes, as QX_IQ4's; Q5_K,
 # Q6_K, Q3_K, Q2_K and Q5_1, and a linear whose parts or layers mix forms, as QX_I8's int8 weights with float32
@@ -32,17 +33,18 @@ GGUF_TYPES = tuple(t for form in GGUF_FORMS for t in form.TYPES)
 # few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
 # SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
 # at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8
-# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4)
+# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4). BDOT: every step (no float32 panels)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
-               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12, QX_KINDS["IQ4"]: 8}
+               QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12, QX_KINDS["IQ4"]: 8,
+               QX_KINDS["BDOT"]: 1 << 30}
 MAX_QX_ROWS = max(QX_MAX_ROWS.values())
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
 # of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s; Q4_K Q4_1's with float32
 # scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s; F16 as BF16;
-# IQ4 16 float32 scales, then Q4's nibbles
+# IQ4 16 float32 scales, then Q4's nibbles; BDOT 16 pairs of k of 16 rows' two bfloat16s
 QX_GROUP_BYTES = {QX_KINDS["Q4_0"]: 64 + 32 * 8, QX_KINDS["Q4_1"]: 64 + 32 * 8, QX_KINDS["Q8_0"]: 32 + 32 * 16,
                   QX_KINDS["BF16"]: 32 * 16 * 2, QX_KINDS["Q4_K"]: 128 + 32 * 8, QX_KINDS["I8"]: 256 + 32 * 16,
-                  QX_KINDS["F16"]: 32 * 16 * 2, QX_KINDS["IQ4"]: 64 + 32 * 8}
+                  QX_KINDS["F16"]: 32 * 16 * 2, QX_KINDS["IQ4"]: 64 + 32 * 8, QX_KINDS["BDOT"]: 32 * 16 * 2}
 
 
 logger = logging.getLogger(__name__)
@@ -208,6 +210,38 @@ def half_panels(lib, what: str, panels: np.ndarray, kind: int) -> np.ndarray | N
         if not rebuilds(lib, what, out[i], kind, NP * PANEL, panels[i]):
             return None
     return out
+
+
+def bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> its bfloat16 (uint16 bits), rounded to nearest even as torch's `.to(torch.bfloat16)` rounds
+    (a NaN stays a NaN)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    out = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        out[nan] = (u[nan] >> 16).astype(np.uint16) | np.uint16(0x40)
+    return out
+
+
+def bdot_panels(panels: np.ndarray) -> np.ndarray:
+    """float32 panels [..., NP, K, 16] (panel_gemm's, K % 32 == 0) -> QX_BDOT's [..., NP, K / 32, 1024]: the
+    weights rounded to bfloat16 (`bfloat16_bits`), each pair of k's 16 rows as 16 (k even, k odd) pairs, the
+    order in which VDPBF16PS multiplies them by the activations' pairs (`--dtype bfloat16` on a CPU with
+    AVX512-BF16: `bdot_ok`). 64 panels at a time, so the temporaries stay small."""
+    *lead, NP, K, _ = panels.shape
+    flat = panels.reshape(-1, K, PANEL)
+    out = np.empty((len(flat), K // 2, PANEL, 2), np.uint16)
+    for a in range(0, len(flat), 64):
+        part = bfloat16_bits(flat[a : a + 64])
+        out[a : a + 64] = part.reshape(len(part), K // 2, 2, PANEL).transpose(0, 1, 3, 2)
+    return out.view(np.uint8).reshape(*lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BDOT"]])
+
+
+def bdot_ok(lib, arch: ArchConfig) -> bool:
+    """Whether `--dtype bfloat16` on this CPU runs as the float32 path with its linears and LM head in QX_BDOT
+    (the kernels' `lib` built with it, the CPU has AVX512-BF16, and every linear's inputs are a multiple of 32)."""
+    ins = (arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.intermediate_size)
+    return lib is not None and bool(lib.bdot_supported()) and all(k % 32 == 0 for k in ins)
 
 
 def half_copies(lib, panels: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, int]]:

@@ -71,7 +71,8 @@ def create_runner(config: EngineConfig, model: ModelSource) -> ModelRunner:
     if config.device_config.platform == "cpu":
         from enginecore.platform import cpu_dtype_note, resolve_dtype
 
-        if note := cpu_dtype_note(resolve_dtype(config.model_config.dtype, "cpu")):
+        # (the torch runner says it itself: it may run bfloat16 on the kernels, `TorchModelRunner.bdot`)
+        if backend != "torch" and (note := cpu_dtype_note(resolve_dtype(config.model_config.dtype, "cpu"))):
             logging.getLogger("xlaserve").warning(note)
     try:
         mod = importlib.import_module(mod_name)

@@ -1693,7 +1693,12 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 // Q4's nibbles; w = value * scale, an exact product (at most 11 + 6 + 7 = 24 significant bits), the gguf
 // package's. 0.625 bytes a weight.
 #define QX_IQ4 7
-#define QX_HALVES(kind) ((kind) == QX_BF16 || (kind) == QX_F16)  // 16-bit weights, no scales
+// QX_BDOT: not a form of the float32 weights but bfloat16 arithmetic (--dtype bfloat16 on a CPU with
+// AVX512-BF16): the weights rounded to bfloat16, per pair of k the 16 rows' two values (k even in the low half),
+// 1024 bytes a group of 32 k, multiplied by the activations rounded to bfloat16 (bdot_panels below), for every
+// row count. 2 bytes a weight, and twice float32's multiply-adds a cycle.
+#define QX_BDOT 8
+#define QX_HALVES(kind) ((kind) == QX_BF16 || (kind) == QX_F16 || (kind) == QX_BDOT)  // 16-bit weights, no scales
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 #define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
 
@@ -1836,7 +1841,7 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
 
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
-    return kind < QX_Q4_0 || kind > QX_IQ4 || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
+    return kind < QX_Q4_0 || kind > QX_BDOT || K <= 0 || K % 32 ? -1 : (long)K / 32 * qx_group_bytes(kind);
 }
 
 // How many weights of the first N rows qx_gemm's panels `w` (of `kind`, over K) rebuild to other bits than the
@@ -1845,7 +1850,7 @@ long qx_panel_bytes(int kind, int K) {
 // with it (enginecore.qx.rebuilds). -1 for bad arguments.
 long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
     const long pb = qx_panel_bytes(kind, K);
-    if (N <= 0 || pb < 0) return -1;
+    if (N <= 0 || pb < 0 || kind == QX_BDOT) return -1;
     const int gb = qx_group_bytes(kind);
     long bad = 0;
     for (int p = 0; p < (N + 15) / 16; p++) {
@@ -1870,6 +1875,137 @@ long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
     return bad;
 }
 
+// QX_BDOT's kernel. The activations are rounded to bfloat16 once a call (VCVTNE2PS2BF16: to nearest even,
+// denormals to zero) into pairs as the weights are paired; each output is one VDPBF16PS chain over the pairs of k
+// in ascending order from zero (each instruction adds a pair's two exact products into its float32 sum, to
+// nearest even, denormals to zero), so, as everywhere here, a row's outputs do not depend on the rows beside it,
+// the tiles or the threads. 32 registers: tiles of up to BDOT_ROWS rows times two panels (24 sums).
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
+#define XLASERVE_BDOT 1
+#define BDOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define BDOT_ROWS 12
+
+// this thread's buffer of n uint32s for a call's activations, kept between calls; NULL if out of memory
+static uint32_t *bdot_scratch(size_t n) {
+    static __thread uint32_t *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = (uint32_t *)aligned_alloc(64, (n * sizeof(uint32_t) + 63) / 64 * 64);
+        cap = buf == NULL ? 0 : n;
+    }
+    return buf;
+}
+
+// x [M, K] (K % 32 == 0) -> xb [M, K / 2]: each pair of k as bfloat16s, k even in the low half
+BDOT_TARGET static void bdot_activations(const float *x, int M, int K, uint32_t *xb) {
+    for (size_t i = 0; i < (size_t)M * K; i += 32) {
+        const __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_si512((void *)(xb + i / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// 16 outputs (columns col0 ..) into a row's running maxima. Not inlined: head_fold inlined into the AVX-512
+// tiles left GCC (12) 8 vector registers for them, and the 24 sums went to the stack.
+static __attribute__((noinline)) void bdot_fold(const float *t, int col0, int N, head_best *b) {
+    head_fold(_mm256_loadu_ps(t), col0, N, b);
+    head_fold(_mm256_loadu_ps(t + 8), col0 + 8, N, b);
+}
+
+BDOT_TARGET static inline __attribute__((always_inline)) void bdot_tile(const int R, const int P, const uint32_t *xb,
+                                                                        int K2, const uint32_t *w, size_t pw, int col,
+                                                                        int N, float *y, head_best *best) {
+    __m512 a[2 * BDOT_ROWS];
+#pragma GCC unroll 24
+    for (int i = 0; i < R * P; i++) a[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K2; k++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)k * 16));
+        const __m512bh b1 = P > 1 ? (__m512bh)_mm512_loadu_si512((const void *)(w + pw + (size_t)k * 16)) : b0;
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[(size_t)r * K2 + k]);
+            a[r * P] = _mm512_dpbf16_ps(a[r * P], xv, b0);
+            if (P > 1) a[r * P + 1] = _mm512_dpbf16_ps(a[r * P + 1], xv, b1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < P; j++) {
+            const int c0 = col + 16 * j;
+            const __m512 v = a[r * P + j];
+            if (best != NULL) {
+                float t[16];
+                _mm512_storeu_ps(t, v);
+                bdot_fold(t, c0, N, best + r);
+            } else if (c0 + 16 <= N) {
+                _mm512_storeu_ps(y + (size_t)r * N + c0, v);
+            } else {
+                float t[16];
+                _mm512_storeu_ps(t, v);
+                for (int c = 0; c < N - c0; c++) y[(size_t)r * N + c0 + c] = t[c];
+            }
+        }
+}
+
+#define BDOT_TILE(R)                                                                                     \
+    case R:                                                                                              \
+        if (two)                                                                                         \
+            bdot_tile(R, 2, xm, K2, wp, pw, p * 16, N, ym, bm);                                          \
+        else                                                                                             \
+            bdot_tile(R, 1, xm, K2, wp, pw, p * 16, N, ym, bm);                                          \
+        break;
+
+// panels [p0, p1), two at a time, for all M rows in tiles of up to BDOT_ROWS as even as they go (xb:
+// bdot_activations'; y, or the rows' running maxima `best`)
+BDOT_TARGET static void bdot_panels(const uint32_t *xb, int M, int K, const uint8_t *w, int N, float *y,
+                                    head_best *best, int p0, int p1) {
+    const int K2 = K / 2, tiles = (M + BDOT_ROWS - 1) / BDOT_ROWS;
+    const size_t pw = (size_t)K2 * 16;  // uint32s a panel
+    for (int p = p0; p < p1; p += 2) {
+        const int two = p + 1 < p1;
+        const uint32_t *wp = (const uint32_t *)w + (size_t)p * pw;
+        for (int i = 0, m = 0; i < tiles; i++) {
+            const int m1 = (int)((long)M * (i + 1) / tiles);
+            const uint32_t *xm = xb + (size_t)m * K2;
+            float *ym = y == NULL ? NULL : y + (size_t)m * N;
+            head_best *bm = best == NULL ? NULL : best + m;
+            switch (m1 - m) {
+                BDOT_TILE(1) BDOT_TILE(2) BDOT_TILE(3) BDOT_TILE(4) BDOT_TILE(5) BDOT_TILE(6)
+                BDOT_TILE(7) BDOT_TILE(8) BDOT_TILE(9) BDOT_TILE(10) BDOT_TILE(11) BDOT_TILE(12)
+            }
+            m = m1;
+        }
+    }
+}
+#endif
+
+// Whether QX_BDOT runs here: built with it, on a CPU with AVX512-BF16 (and the AVX-512 parts it needs)
+int bdot_supported(void) {
+#ifdef XLASERVE_BDOT
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+// QX_BDOT's qx_gemm_part: this thread rounds the activations (into its scratch) and runs panels [p0, p1)
+static int bdot_part(const float *x, int M, int K, const void *w, int N, float *y, head_best *best, int p0, int p1) {
+#ifdef XLASERVE_BDOT
+    uint32_t *xb = bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
+    if (xb == NULL) return -1;
+    bdot_activations(x, M, K, xb);
+    bdot_panels(xb, M, K, (const uint8_t *)w, N, y, best, p0, p1);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)best, (void)p0, (void)p1;
+    return -1;
+#endif
+}
+
 // qx_gemm's panels [p0, p1) on the calling thread: y, or with `best` (y NULL) the M rows' running maxima (M
 // head_best, head_best_init'ed). jaxengine's custom calls share the panels between XLA's threads with it.
 // Returns 0, -1 for bad arguments.
@@ -1880,6 +2016,7 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         return -1;
     const uint8_t *wb = (const uint8_t *)w;
     head_best *b = (head_best *)best;
+    if (kind == QX_BDOT) return bdot_part(x, M, K, w, N, y, b, p0, p1);
     switch (kind) {
         case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
@@ -1900,13 +2037,31 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
     if (M < 1 || N <= 0 || qx_panel_bytes(kind, K) < 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
+    // QX_BDOT: the activations rounded once, here, for every thread's panels
+    const uint32_t *xb = NULL;
+#ifdef XLASERVE_BDOT
+    if (kind == QX_BDOT) {
+        uint32_t *b = bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
+        if (b == NULL) return -1;
+        bdot_activations(x, M, K, b);
+        xb = b;
+    }
+#else
+    if (kind == QX_BDOT) return -1;
+#endif
     head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
     if (argmax != NULL && best == NULL) return -2;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int p0 = (int)((long)NP * t / T), p1 = (int)((long)NP * (t + 1) / T);
-        qx_gemm_part(x, M, K, w, N, y, best == NULL ? NULL : best + (size_t)M * t, kind, p0, p1);
+        head_best *own = best == NULL ? NULL : best + (size_t)M * t;
+#ifdef XLASERVE_BDOT
+        if (xb != NULL)
+            bdot_panels(xb, M, K, (const uint8_t *)w, N, y, own, p0, p1);
+        else
+#endif
+            qx_gemm_part(x, M, K, w, N, y, own, kind, p0, p1);
     }
     if (argmax != NULL) maxima_merge(best, M, nt, argmax);
     return 0;

@@ -20,6 +20,10 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   `torchengine.quant.attach_qx`; the K-quants' forms too), or from a bfloat16-exact (float16-exact) weight's 16
   bits (`enginecore.qx.half_panels`): a decode step of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) to half
   (BF16, F16) of the bytes;
+- `qx_gemm` of kind QX_BDOT: not a form of the float32 weights but bfloat16 products (`VDPBF16PS`, built with
+  a target attribute, run where `bdot_supported()`: a CPU with AVX512-BF16): `--dtype bfloat16` on such a CPU
+  keeps the float32 model and multiplies every linear and the LM head so (`Transformer.pack_cpu_weights(bdot=
+  True)`), twice float32's multiply-adds a cycle;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer.
 
@@ -128,8 +132,10 @@ _SIGNATURES = {
     "decode_layers": "p i p i p i p p p p p i i i i i i i f f i p p i i",
     "decode_workspace": "l: i i i i i i",
     "qx_gemm": "p i i p i p p i i",
+    "qx_gemm_part": "p i i p i p p i i i",
     "qx_mismatches": "l: p i i i p",
     "qx_panel_bytes": "l: i i",
+    "bdot_supported": "",
 }
 
 
@@ -438,13 +444,15 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
     """(float32 weight panels, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can
-    run: a packed `torchengine.model.Linear` (its `qx` panels go separately), or `torchengine.quant.Int4Linear`
-    on this library's Q4 kernel."""
+    run: a packed `torchengine.model.Linear` (its `qx` panels go separately; QX_BDOT's have no float32 panels: None),
+    or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
     from torchengine.model import Linear
     from torchengine.quant import Int4Linear
 
     if type(m) is Linear and m.panels is not None:
         return m.panels, m.bias, None, 0
+    if type(m) is Linear and m.qx is not None and m.qx_kind == QX_KINDS["BDOT"]:  # every step in its qx panels
+        return None, m.bias, None, 0
     if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear and m.dense.panels is not None
             and m.blocks.shape[1] == m.dense.in_features // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
             and m.max_rows <= MAX_ROWS):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore import qx
 from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
 from torchengine import cpu_kernels
 
@@ -114,7 +115,8 @@ class Linear(_Loaded, nn.Linear):
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
     # this float32 weight as a GGUF file's Q4_1 or Q4_0 blocks, or as bfloat16 where every value is one
     # (`torchengine.quant.attach_qx`; qx_kind: cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of
-    # up to cpu_kernels.QX_MAX_ROWS[qx_kind] rows (the same bits)
+    # up to cpu_kernels.QX_MAX_ROWS[qx_kind] rows (the same bits). QX_BDOT (`Transformer.pack_cpu_weights(bdot=
+    # True)`): the weight in bfloat16 for every step, `panels` None
     qx: torch.Tensor | None = None
     qx_kind = cpu_kernels.QX_KINDS["Q4_1"]
 
@@ -130,6 +132,12 @@ class Linear(_Loaded, nn.Linear):
         self.weight = None
         return True
 
+    def to_bdot(self) -> None:
+        """The packed weight rounded to bfloat16 in QX_BDOT's panels (`enginecore.qx.bdot_panels`), which then
+        multiply every step; the float32 panels are dropped."""
+        self.qx = torch.from_numpy(qx.bdot_panels(self.panels.numpy()))
+        self.qx_kind, self.panels = cpu_kernels.QX_KINDS["BDOT"], None
+
     def matrix(self) -> torch.Tensor:
         """The [out, in] weight, packed or not (a copy when packed: for checks, not for steps)."""
         if self.panels is None:
@@ -137,7 +145,7 @@ class Linear(_Loaded, nn.Linear):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
+        if self.panels is not None or self.qx is not None:
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
             if self.qx is not None and x.shape[0] <= cpu_kernels.QX_MAX_ROWS[self.qx_kind]:
@@ -273,17 +281,29 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, cos, sin, attn, keep if i == last else None)
         return residual + x
 
-    def pack_cpu_weights(self) -> int:
+    def pack_cpu_weights(self, bdot: bool = False) -> int:
         """On a CPU with `torchengine.cpu_kernels` and float32 weights: every `Linear` (the 4-bit linears'
         float32 copies too) and the LM head into `cpu_kernels.panel_gemm`'s panels, for every step (the LM head
         also gives greedy tokens without logits: `greedy_tokens`); the [out, in] matrices are freed (a tied
         embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
-        loading (and after `torchengine.quant`, which reads the matrices)."""
+        loading (and after `torchengine.quant`, which reads the matrices).
+
+        `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_ok`): every linear and the LM head in QX_BDOT's
+        bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every step; the rest of the
+        model (embedding, norms, RoPE, attention, the residual stream) float32."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.packable()]
         head = None
-        if self.head_panels is None:
+        if self.head_panels is None and self.head_qx is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
             head = w if cpu_kernels.lib_for(w) is not None else None
+        if bdot:  # each through float32 panels of its own, dropped once converted
+            for m in linears:
+                m.pack()
+                m.to_bdot()
+            if head is not None:
+                self.head_qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.pack_panels(head).numpy()))
+                self.head_qx_kind, self.lm_head = cpu_kernels.QX_KINDS["BDOT"], None
+            return len(linears) + (head is not None)
         sizes = [cpu_kernels.panels_size(m.weight) for m in linears] + ([cpu_kernels.panels_size(head)] if head is not None else [])
         if not sizes:
             return 0
@@ -305,7 +325,7 @@ class Transformer(nn.Module):
         n = h.shape[0]
         if self.lm_head_small is not None and 0 < n <= self.lm_head_small_rows:
             return self.lm_head_small(h)
-        if self.head_panels is not None:  # each row's logits the same whatever the row count
+        if self.head_panels is not None or self.head_qx is not None:  # a row's logits the same whatever the rows
             if n == 0:
                 return h.new_empty((0, self.arch.vocab_size))
             if self._head_qx(n):  # the same bits
@@ -335,7 +355,8 @@ class Transformer(nn.Module):
         # not with a small-rows LM head (--quantization gguf): the logits path takes it for chunks of few rows,
         # so a greedy row's token would depend on whether its neighbours need logits. head_qx is one too, but
         # gives the float32 panels' bits, so either path gives the same token
-        if self.head_panels is None or hidden.shape[0] == 0 or self.lm_head_small is not None:
+        if ((self.head_panels is None and self.head_qx is None) or hidden.shape[0] == 0
+                or self.lm_head_small is not None):
             return None
         if self._head_qx(hidden.shape[0]):  # the same tokens
             return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_qx,

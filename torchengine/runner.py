@@ -41,7 +41,7 @@ from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.native import describe_huge_pages, huge_page_array
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.sampling_params import SamplingParams
@@ -128,6 +128,13 @@ class TorchModelRunner:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
         self.dtype = _DTYPES[resolve_dtype(mc.dtype, dc.platform, capability)]
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
+        # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16
+        # (QX_BDOT: `Transformer.pack_cpu_weights(bdot=True)`); compute_dtype is the activations' (float32 then)
+        self.bdot = (dc.platform == "cpu" and self.dtype == torch.bfloat16 and mc.quantization is None
+                     and self.tp_size == 1 and qx.bdot_ok(cpu_kernels.lib(), model.config))
+        self.compute_dtype = torch.float32 if self.bdot else self.dtype
+        if dc.platform == "cpu" and not self.bdot and (note := cpu_dtype_note(str(self.dtype).replace("torch.", ""))):
+            logger.warning(note)
         self.arch = model.config
         heads, kv_heads = self.arch.num_attention_heads, self.arch.num_key_value_heads
         if kv_heads % self.tp_size or heads % self.tp_size:
@@ -171,7 +178,7 @@ class TorchModelRunner:
         with torch.inference_mode():
             # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
             tp = (self.rank, self.tp_size, self.tp.group) if self.tp is not None else None
-            model = build_model(self.arch, self.max_model_len + 1, self.device, self.dtype, tp=tp)
+            model = build_model(self.arch, self.max_model_len + 1, self.device, self.compute_dtype, tp=tp)
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
             model.weights_first_rows = CPU_WEIGHTS_FIRST_ROWS
@@ -186,7 +193,10 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
-        if self.device.type == "cpu" and (n := model.pack_cpu_weights()):
+        if self.bdot and (n := model.pack_cpu_weights(bdot=True)):
+            logger.info("rank %d: %d weights in bfloat16 (AVX512-BF16: cpu_kernels.qx_gemm's QX_BDOT), multiplied by "
+                        "their inputs rounded to bfloat16; the rest of the model in float32", self.rank, n)
+        elif self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
             if (self.config.model_config.quantization != "gguf" and self.dtype == torch.float32
@@ -404,7 +414,7 @@ class TorchModelRunner:
         takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
         nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
         size)."""
-        return (self.model is not None and self.model.cpu_arena is not None and self.tp_size == 1
+        return (self.model is not None and (self.model.cpu_arena is not None or self.bdot) and self.tp_size == 1
                 and self.config.model_config.quantization != "gguf")
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
@@ -431,7 +441,7 @@ class TorchModelRunner:
             return sample(self.cuda_graphs.replay(batch, input_ids, positions, logits_indices, meta)[:R], st), None
         # eager: padding buys nothing, run the T real tokens only (the kernels read cu_q_lens for the rest)
         meta.slot_mapping = meta.slot_mapping[:T]
-        meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.dtype)
+        meta.groups = self.attn_backend.plan(batch, self.device, self.block_size, self.compute_dtype)
         attn = PagedAttention(self.attn_backend, self.kv_caches, meta)
         if batch.prompt_logprobs or R >= T or not self.sampled_rows_alone:
             hidden = self.model(input_ids[:T], positions[:T], attn)  # [T, H]
