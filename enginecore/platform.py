@@ -91,11 +91,12 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
     Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
     kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
     4 and 16; without them (torch's own ops) jax is the faster one. bfloat16: where the CPU multiplies bfloat16
-    natively (AVX512-BF16, AMX) torch, whose kernels multiply its linears in bfloat16 on AVX512-BF16 (QX_BDOT:
-    the embedded model served at 1.5x float32's output tokens/s at concurrency 16 on a 2-core Zen 4) and whose
-    own bfloat16 ops use oneDNN on AMX (a decode step of the embedded model 30 ms at batch 1 on that Zen 4
-    against jax's 0.2 s: XLA:CPU multiplies bfloat16 in float32, converting all the stacked weights to float32
-    every step; `cpu_dtype_note`); elsewhere jax, as measured before.
+    natively (AVX512-BF16, AMX) torch: on AVX512-BF16 both backends multiply the linears in bfloat16 on the
+    kernels (QX_BDOT: the embedded model served at 1.5x float32's output tokens/s at concurrency 16 on a 2-core
+    Zen 4) and torch starts with nothing to compile; on AMX alone torch's own bfloat16 ops use oneDNN (a
+    decode step of the embedded model 30 ms at batch 1 on that Zen 4 against jax's 0.2 s: XLA:CPU multiplies
+    bfloat16 in float32, converting all the stacked weights to float32 every step; `cpu_dtype_note`); elsewhere
+    jax, as measured before.
     """
     if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"
@@ -138,7 +139,7 @@ def cpu_dtype_note(dtype: str) -> str:
             "decode step is many times slower than in float32 (the embedded model at batch 1 on a 2-core Zen 4: "
             "torch 30 ms, jax 0.2 s, against 6-7 ms in float32). float32, the default on a CPU, computes a "
             "bfloat16 checkpoint exactly and reads its weights as bfloat16 in decode steps of few rows. (On a CPU "
-            "with AVX512-BF16, --backend torch --dtype bfloat16 runs its linears on the kernels' bfloat16 products.)")
+            "with AVX512-BF16, --dtype bfloat16 runs its linears on the kernels' bfloat16 products instead.)")
 
 
 # CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where

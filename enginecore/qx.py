@@ -7,6 +7,9 @@ its weights from memory, computes the float32 model's bits from a sixth (Q4) or 
 torch backend's `torchengine.quant.attach_qx` and the jax backend's `jaxengine.loader.attach_cpu_qx` keep these
 panels beside the float32 ones; this module packs them (numpy), reads a GGUF file's groups per linear and checks
 the blocks against the float32 panels with the kernels' own rebuild (`rebuilds`).
+
+One kind is not a form of the float32 weights: QX_BDOT, bfloat16 products (`--dtype bfloat16` on a CPU with
+AVX512-BF16, `bdot_ok`): the weights rounded to bfloat16 (`bdot_panels`), every step of every row count.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ enginecore never imports jax or torch: a backend is imported only when
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Protocol, runtime_checkable
 
 from enginecore.config import ConfigError, EngineConfig
@@ -68,12 +67,6 @@ def create_runner(config: EngineConfig, model: ModelSource) -> ModelRunner:
     if backend not in _RUNNERS:
         raise ConfigError(f"--backend must be one of {', '.join(_RUNNERS)}; got {backend!r}.")
     mod_name, factory = _RUNNERS[backend]
-    if config.device_config.platform == "cpu":
-        from enginecore.platform import cpu_dtype_note, resolve_dtype
-
-        # (the torch runner says it itself: it may run bfloat16 on the kernels, `TorchModelRunner.bdot`)
-        if backend != "torch" and (note := cpu_dtype_note(resolve_dtype(config.model_config.dtype, "cpu"))):
-            logging.getLogger("xlaserve").warning(note)
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:

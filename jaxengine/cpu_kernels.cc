@@ -64,6 +64,8 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int hi, int pf_hi);
 long qx_panel_bytes(int kind, int K);
 int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, void *best, int kind, int p0, int p1);
+int bdot_round(const float *x, int M, int K, uint32_t *xb);
+int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float *y, void *best, int p0, int p1);
 void shares_init(uint64_t *s, int n, int nt);
 int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
@@ -407,6 +409,29 @@ static int64_t qx_slice(int64_t NP, int64_t T, int64_t K, int64_t N, int64_t thr
     return T * K * N < kParallelWork || threads <= 1 ? NP : std::max<int64_t>(1, (NP + 2 * threads - 1) / (2 * threads));
 }
 
+// The activations of a qx call: for QX_BDOT (cpu_kernels.c; bfloat16 products) x rounded to bfloat16 once a call
+// (bdot_round), which every slice then multiplies (bdot_gemm_part); for the other kinds x itself (qx_gemm_part).
+constexpr int kQxBdot = 8;  // cpu_kernels.c's QX_BDOT (enginecore.qx.QX_KINDS["BDOT"])
+struct QxInput {
+    int kind = -1;
+    const float *x = nullptr;
+    std::vector<uint32_t> xb;
+
+    // false where the kind cannot run here (QX_BDOT without AVX512-BF16)
+    bool set(int k, const float *in, int64_t M, int64_t K) {
+        kind = k, x = in;
+        if (kind != kQxBdot) return true;
+        xb.resize((size_t)(M * K / 2));
+        return bdot_round(in, (int)M, (int)K, xb.data()) == 0;
+    }
+    void part(int M, int K, const void *w, int N, float *y, void *best, int p0, int p1) const {
+        if (kind == kQxBdot)
+            bdot_gemm_part(xb.data(), M, K, w, N, y, best, p0, p1);
+        else
+            qx_gemm_part(x, M, K, w, N, y, best, kind, p0, p1);
+    }
+};
+
 // x [T, K] times layer l of w [L, NP, K / 32, group bytes] (qx_gemm's panels of `kind`, stacked) for N output
 // columns: the operands checked; then fn(p0, p1, set) over slices of the panels on the calling thread and XLA's
 // (set: the slice), `sets` of them.
@@ -450,8 +475,10 @@ ffi::Error QxLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     float *yp = y->typed_data();
     zero_past(yp, c.T, yd[0], c.N);
     if (c.sets == 0) return ffi::Error::Success();
-    RunQxCall(pool, c, [=](int p0, int p1, int64_t) {
-        qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, kind, p0, p1);
+    QxInput in;
+    if (!in.set(kind, c.x, c.T, c.K)) return ffi::Error::InvalidArgument("this qx kind does not run on this CPU");
+    RunQxCall(pool, c, [=, &in](int p0, int p1, int64_t) {
+        in.part((int)c.T, (int)c.K, c.w, (int)c.N, yp, nullptr, p0, p1);
     });
     return ffi::Error::Success();
 }
@@ -465,9 +492,11 @@ ffi::Error QxArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     if (auto err = PlanQxCall(pool, x, w, layer, live, od[0], n, kind, c); !err.success()) return err;
     zero_past(out->typed_data(), c.T, od[0], 1);
     if (c.sets == 0) return ffi::Error::Success();
+    QxInput in;
+    if (!in.set(kind, c.x, c.T, c.K)) return ffi::Error::InvalidArgument("this qx kind does not run on this CPU");
     Maxima best(c.T, c.sets);
-    RunQxCall(pool, c, [=, &best](int p0, int p1, int64_t set) {
-        qx_gemm_part(c.x, (int)c.T, (int)c.K, c.w, (int)c.N, nullptr, best.set(set), kind, p0, p1);
+    RunQxCall(pool, c, [=, &best, &in](int p0, int p1, int64_t set) {
+        in.part((int)c.T, (int)c.K, c.w, (int)c.N, nullptr, best.set(set), p0, p1);
     });
     best.argmax(out->typed_data());
     return ffi::Error::Success();
@@ -733,6 +762,8 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const long pb = qx_panel_bytes(qx_kind[i], (int)qx_k[i]);
         if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * qx_np[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
+        if (qx_kind[i] == kQxBdot && bdot_round(nullptr, 0, (int)qx_k[i], nullptr) != 0)
+            return ffi::Error::InvalidArgument("layers: bfloat16 products (QX_BDOT) do not run on this CPU");
         qx_w[i] = qx_b[i]->typed_data();
     }
     const int kv_type = KvType(cache.element_type());
@@ -799,14 +830,16 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const bool split = M * row_work >= 4 * kParallelWork;
         team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
     };
+    QxInput qx_in;  // the qx linears' activations (QX_BDOT's rounded), one linear at a time
     // o[M, N] = in[M, K] . the panels wp of linear i, or their qx panels qp where given
     const auto linear = [&](int i, const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp,
                             int64_t N, float *o) {
         if (qp != nullptr) {
             const int64_t NP = (N + 15) / 16;
-            const int kind = qx_kind[i];
+            qx_in.set(qx_kind[i], in, M, K);  // (QX_BDOT's checked to run here with the operands)
+            const QxInput *q = &qx_in;
             team->run(NP, qx_slice(NP, M, K, N, threads), [=](int64_t a, int64_t b) {
-                qx_gemm_part(in, (int)M, (int)K, qp, (int)N, o, nullptr, kind, (int)a, (int)b);
+                q->part((int)M, (int)K, qp, (int)N, o, nullptr, (int)a, (int)b);
             });
             return;
         }

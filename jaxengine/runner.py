@@ -40,7 +40,7 @@ from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
-from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, resolve_dtype
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
@@ -55,7 +55,7 @@ from jaxengine.compilation import (
     use_persistent_cache,
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
-from jaxengine.loader import attach_cpu_qx
+from jaxengine.loader import attach_cpu_bdot, attach_cpu_qx
 from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
 from jaxengine.programs import (
     ModelLayout,
@@ -119,6 +119,16 @@ class JaxModelRunner:
         self.dtype = resolve_dtype(mc.dtype, self.platform)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
+        opts = dict(dc.compilation_config or {})
+        # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model (self.dtype: the weights' and activations'
+        # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT, attach_cpu_bdot), as
+        # the torch backend runs it; the KV cache as asked
+        self.bdot = (self.platform == "cpu" and self.dtype == "bfloat16" and pc.tensor_parallel_size == 1
+                     and bool(opts.get("cpu_linears", True)) and _bdot_ok(model.config))
+        if self.bdot:
+            self.dtype = "float32"
+        elif self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
+            logger.warning(note)
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)
         self.rules = ShardingRules.for_model(self.arch, self.mesh)
         self.heads_tp = self.mesh.shape["model"] if self.rules.shard_heads else 1
@@ -128,7 +138,6 @@ class JaxModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cc.block_size, self.arch.vocab_size)
         self.num_rows = self.buckets.max_reqs  # rows of the gathered-hidden buffer and of last_tokens
         self.max_logprobs = max(mc.max_logprobs, 0)
-        opts = dict(dc.compilation_config or {})
         self.scan_layers = bool(opts.get("scan_layers", True))
         self.sampler_method = opts.get("sampler_method", "topk")
         # CPU: LM head + sampler 64 rows at a time (see programs.sample_step)
@@ -142,8 +151,9 @@ class JaxModelRunner:
         # read each layer's weights where they lie, where XLA's dots in the scan copy them first, with the
         # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Attention over the
         # cache in place (a float32, float16 or bfloat16 one): {"cpu_decode_attention": False} turns it off.
-        # A 16-bit model gets the attention only (its linears are XLA's: the panels are float32); XLA's own
-        # attention loops took a 16-bit decode step of the embedded model ~1.4 s.
+        # A 16-bit model gets the attention only (its linears are XLA's: the panels are float32), unless it runs
+        # as float32 with bfloat16 products (self.bdot); XLA's own attention loops took a 16-bit decode step of
+        # the embedded model ~1.4 s.
         self.cpu_linears, self.cpu_decode_attention = False, False
         linears = bool(opts.get("cpu_linears", True)) and self.dtype == "float32"
         decode = bool(opts.get("cpu_decode_attention", True))
@@ -225,7 +235,11 @@ class JaxModelRunner:
         if self.cpu_linears:
             params, self.params = self.params, None
             self.params = pack_cpu_panels(params)
-            if qx.enabled():
+            if self.bdot:
+                self.params = attach_cpu_bdot(self.params)
+                logger.info("jax: every linear and the LM head in bfloat16 (AVX512-BF16: QX_BDOT), multiplied by their "
+                            "inputs rounded to bfloat16; the rest of the model in float32")
+            elif qx.enabled():
                 self.params, n = attach_cpu_qx(self.params, self.source, self.arch)
                 if n:
                     logger.info("jax: %d weight groups also as stored (a GGUF file's blocks, 16-bit values), "
@@ -518,6 +532,13 @@ class JaxModelRunner:
 
 
 __all__ = ["JaxModelRunner"]
+
+
+def _bdot_ok(arch) -> bool:
+    """Whether QX_BDOT runs here for `arch` (`enginecore.qx.bdot_ok`, on the jax build of the kernels)."""
+    from jaxengine import cpu_kernels
+
+    return qx.bdot_ok(cpu_kernels.lib(), arch)
 
 
 class _ProgressLog:

@@ -1992,14 +1992,40 @@ int bdot_supported(void) {
 #endif
 }
 
+// QX_BDOT's operands for callers that split the panels themselves (jaxengine's custom calls): x [M, K] rounded
+// once a call into xb (M * K / 2 uint32s, bdot_activations'), then bdot_gemm_part over each part of the panels.
+// -1 where QX_BDOT cannot run here, or for bad arguments.
+int bdot_round(const float *x, int M, int K, uint32_t *xb) {
+#ifdef XLASERVE_BDOT
+    if (!bdot_supported() || M < 0 || K <= 0 || K % 32) return -1;
+    bdot_activations(x, M, K, xb);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)xb;
+    return -1;
+#endif
+}
+
+int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float *y, void *best, int p0, int p1) {
+    if (M < 1 || N <= 0 || K <= 0 || K % 32 || (y == NULL) == (best == NULL) || p0 < 0 || p1 > (N + 15) / 16 ||
+        !bdot_supported())
+        return -1;
+#ifdef XLASERVE_BDOT
+    bdot_panels(xb, M, K, (const uint8_t *)w, N, y, (head_best *)best, p0, p1);
+    return 0;
+#else
+    (void)xb, (void)w;
+    return -1;
+#endif
+}
+
 // QX_BDOT's qx_gemm_part: this thread rounds the activations (into its scratch) and runs panels [p0, p1)
 static int bdot_part(const float *x, int M, int K, const void *w, int N, float *y, head_best *best, int p0, int p1) {
 #ifdef XLASERVE_BDOT
     uint32_t *xb = bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
     if (xb == NULL) return -1;
     bdot_activations(x, M, K, xb);
-    bdot_panels(xb, M, K, (const uint8_t *)w, N, y, best, p0, p1);
-    return 0;
+    return bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
 #else
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)best, (void)p0, (void)p1;
     return -1;

@@ -1,5 +1,5 @@
-"""`--dtype bfloat16` on a CPU with AVX512-BF16 (torch backend): the float32 model with its linears and LM head in
-bfloat16, multiplied by their inputs rounded to bfloat16 (`cpu_kernels.c`'s QX_BDOT: VDPBF16PS).
+"""`--dtype bfloat16` on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16,
+multiplied by their inputs rounded to bfloat16 (`torchengine/cpu_kernels.c`'s QX_BDOT: VDPBF16PS), on both backends.
 
 - `enginecore.qx.bfloat16_bits` rounds as torch's `.to(torch.bfloat16)` does (ties to even, NaN, overflow);
 - the kernel computes its definition to the bit: the activations rounded to bfloat16, each output one chain over
@@ -9,7 +9,8 @@ bfloat16, multiplied by their inputs rounded to bfloat16 (`cpu_kernels.c`'s QX_B
 - the engine: every linear and the LM head in QX_BDOT, no float32 panels kept; the one-call decode layers give the
   Python layers' bits; the tokens are the greedy ones of transformers' model with the same roundings (a bfloat16
   checkpoint, every linear's input rounded to bfloat16), the logprobs close; not float32's;
-- where the kernel cannot run, `--dtype bfloat16` is torch's own bfloat16 ops, with the warning.
+- where the kernel cannot run, `--dtype bfloat16` is torch's own bfloat16 ops, with the warning;
+- the jax backend gives the torch backend's tokens and logprobs to the bit, in its one-call layers and its scan.
 """
 
 from __future__ import annotations
@@ -157,3 +158,41 @@ def test_without_the_kernel_bfloat16_is_torchs_own(tiny_bf16_llama_dir, monkeypa
     finally:
         llm.llm_engine.core.shutdown()
     assert "runs the framework's own bfloat16 ops" in caplog.text
+
+
+@needs_bdot
+@pytest.mark.parametrize("cpu_layers", [True, False])
+def test_jax_gives_torchs_bfloat16_bits(cpu_layers, tiny_bf16_llama_dir):
+    """The jax backend runs `--dtype bfloat16` the same way (`jaxengine.loader.attach_cpu_bdot`), in its one-call
+    layers and in the scan over layers (a custom call per linear): the torch backend's tokens and logprobs to the
+    bit, greedy (the head's argmax and the logits) and seeded sampling, a bfloat16 KV cache (the dtype's default)
+    on both."""
+    try:
+        import jaxengine.runner  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
+        pytest.skip(f"jaxengine.runner cannot be imported ({type(e).__name__}: {e})")
+    prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(5)]
+    runs = [(prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)),
+            (prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
+            (prompts, [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=8, ignore_eos=True,
+                                      logprobs=1) for i in range(5)])]
+    res = {}
+    for backend in ("jax", "torch"):
+        kw = {} if cpu_layers or backend == "torch" else {"compilation_config": {"cpu_layers": False}}
+        llm = LLM(model=tiny_bf16_llama_dir, backend=backend, platform="cpu", dtype="bfloat16", max_model_len=128,
+                  max_num_seqs=8, max_num_batched_tokens=64, seed=0, **kw)
+        try:
+            runner = llm.llm_engine.core.runner
+            assert runner.bdot
+            if backend == "jax":
+                p = runner.params.panels
+                assert runner.dtype == "float32" and runner.kv_dtype == "bfloat16"
+                assert (*p.qx_kinds, p.head_qx_kind) == (BDOT,) * 5
+            res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
+        finally:
+            llm.llm_engine.core.shutdown()
+    for a_runs, b_runs in zip(res["jax"], res["torch"]):
+        for a, b in zip(a_runs, b_runs):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
