@@ -23,6 +23,8 @@ if not HAS_GPU:
 
 import pytest  # noqa: E402
 
+from tests.outputs import assert_same_outputs  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -319,11 +321,7 @@ def one_call_vs_python_layers(monkeypatch):
         monkeypatch.setattr(TorchModelRunner, "_decode_layers", lambda self: None)
         python = llm.generate(prompts, sp, use_tqdm=False)
         monkeypatch.setattr(TorchModelRunner, "_decode_layers", real)
-        for a, b in zip(one_call, python):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert (a.outputs[0].logprobs is None) == (b.outputs[0].logprobs is None)
-            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
-                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+        assert_same_outputs(one_call, python)
         return any(used)
 
     return check

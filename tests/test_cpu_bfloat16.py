@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from enginecore import LLM, SamplingParams, qx  # noqa: E402
+from tests.outputs import assert_same_outputs  # noqa: E402
 from torchengine import cpu_kernels  # noqa: E402
 
 BDOT = qx.QX_KINDS["BDOT"]
@@ -191,8 +192,5 @@ def test_jax_gives_torchs_bfloat16_bits(cpu_layers, tiny_bf16_llama_dir):
             res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:
             llm.llm_engine.core.shutdown()
-    for a_runs, b_runs in zip(res["jax"], res["torch"]):
-        for a, b in zip(a_runs, b_runs):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
-                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+    for a, b in zip(res["jax"], res["torch"]):
+        assert_same_outputs(a, b)

@@ -18,6 +18,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     pytest.skip(f"jaxengine.runner cannot be imported ({type(e).__name__}: {e})", allow_module_level=True)
 
 from enginecore import LLM, SamplingParams  # noqa: E402
+from tests.outputs import assert_same_outputs  # noqa: E402
 from torchengine import cpu_kernels  # noqa: E402
 
 SAME_KERNELS = cpu_kernels.lib() is not None  # both backends on the C kernels (x86 with AVX2)
@@ -105,10 +106,7 @@ def test_a_16bit_kv_cache_gives_the_same_bits_on_both_backends(smollm2_hf_dir):
         llm = engine(backend, smollm2_hf_dir, kv_cache_dtype="bfloat16")
         res[backend] = llm.generate(prompts, PARAMS["greedy"][:3], use_tqdm=False)
         llm.llm_engine.core.shutdown()
-    for x, y in zip(res["jax"], res["torch"]):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for s, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert {k: v.logprob for k, v in s.items()} == {k: v.logprob for k, v in t.items()}
+    assert_same_outputs(res["jax"], res["torch"])
 
 
 @pytest.mark.skipif(not SAME_KERNELS, reason="the AVX2 kernels do not run here")
@@ -150,8 +148,5 @@ def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_lay
             res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:
             llm.llm_engine.core.shutdown()
-    for a_runs, b_runs in zip(res["jax"], res["torch"]):
-        for a, b in zip(a_runs, b_runs):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
-                assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+    for a, b in zip(res["jax"], res["torch"]):
+        assert_same_outputs(a, b)

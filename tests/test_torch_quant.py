@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from enginecore import LLM, SamplingParams  # noqa: E402
 from enginecore.config import ConfigError, EngineArgs  # noqa: E402
 from enginecore.model_loader import Int4Groups, resolve_model  # noqa: E402
+from tests.outputs import assert_same_outputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -770,10 +771,7 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
         for m, t in saved:
             m.qx = t
         runner._decode_layers_bound = None
-    for a, b in zip(with_qx, float32):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+    assert_same_outputs(with_qx, float32)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -2019,16 +2019,15 @@ int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float
 #endif
 }
 
-// QX_BDOT's qx_gemm_part: this thread rounds the activations (into its scratch) and runs panels [p0, p1)
-static int bdot_part(const float *x, int M, int K, const void *w, int N, float *y, head_best *best, int p0, int p1) {
+// this thread's scratch holding x [M, K] rounded (bdot_round): what qx_gemm and qx_gemm_part multiply QX_BDOT's
+// panels by; NULL where QX_BDOT cannot run here, or out of memory
+static const uint32_t *bdot_input(const float *x, int M, int K) {
 #ifdef XLASERVE_BDOT
-    uint32_t *xb = bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
-    if (xb == NULL) return -1;
-    bdot_activations(x, M, K, xb);
-    return bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
+    uint32_t *xb = bdot_scratch((size_t)M * K / 2);
+    return xb != NULL && bdot_round(x, M, K, xb) == 0 ? xb : NULL;
 #else
-    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)best, (void)p0, (void)p1;
-    return -1;
+    (void)x, (void)M, (void)K;
+    return NULL;
 #endif
 }
 
@@ -2042,7 +2041,10 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         return -1;
     const uint8_t *wb = (const uint8_t *)w;
     head_best *b = (head_best *)best;
-    if (kind == QX_BDOT) return bdot_part(x, M, K, w, N, y, b, p0, p1);
+    if (kind == QX_BDOT) {
+        const uint32_t *xb = bdot_input(x, M, K);
+        return xb == NULL ? -1 : bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
+    }
     switch (kind) {
         case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
@@ -2064,17 +2066,8 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
     // QX_BDOT: the activations rounded once, here, for every thread's panels
-    const uint32_t *xb = NULL;
-#ifdef XLASERVE_BDOT
-    if (kind == QX_BDOT) {
-        uint32_t *b = bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
-        if (b == NULL) return -1;
-        bdot_activations(x, M, K, b);
-        xb = b;
-    }
-#else
-    if (kind == QX_BDOT) return -1;
-#endif
+    const uint32_t *xb = kind == QX_BDOT ? bdot_input(x, M, K) : NULL;
+    if (kind == QX_BDOT && xb == NULL) return -1;
     head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
     if (argmax != NULL && best == NULL) return -2;
 #pragma omp parallel num_threads(nt)
@@ -2082,11 +2075,9 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int p0 = (int)((long)NP * t / T), p1 = (int)((long)NP * (t + 1) / T);
         head_best *own = best == NULL ? NULL : best + (size_t)M * t;
-#ifdef XLASERVE_BDOT
         if (xb != NULL)
-            bdot_panels(xb, M, K, (const uint8_t *)w, N, y, own, p0, p1);
+            bdot_gemm_part(xb, M, K, w, N, y, own, p0, p1);
         else
-#endif
             qx_gemm_part(x, M, K, w, N, y, own, kind, p0, p1);
     }
     if (argmax != NULL) maxima_merge(best, M, nt, argmax);
