@@ -9,13 +9,16 @@ never see half a library).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import mmap
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 
 import numpy as np
 
@@ -158,6 +161,41 @@ def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
         except OSError:  # advice only: a refusal leaves plain pages
             pass
     return np.frombuffer(mm, dtype, count=count, offset=offset)
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20) -> threading.Event:
+    """Commit the pages of [addr, addr + nbytes) from a daemon thread at the lowest priority, `chunk` bytes at a
+    time (madvise MADV_POPULATE_WRITE: each page faulted in writable, its contents untouched, so steps may write
+    the memory meanwhile); returns an Event that stops it (set it before the memory is unmapped). A CPU KV cache
+    is a mapping the OS hands out page by page as steps first write it (fast to start); the first write of a
+    page then costs a fault, ~2.3 s a GiB of huge pages on a 2-core Zen 4 (a 4096-token prefill's KV writes
+    0.22 s of its 3.0 s, the next pass 0.014 s): this moves that work off the steps, to while a new server
+    waits for requests. Where the kernel has no MADV_POPULATE_WRITE (or outside Linux) the thread stops at once
+    and the pages come as steps write them, as before. `XLASERVE_KV_POPULATE=off` turns it off."""
+    stop = threading.Event()
+    if os.environ.get("XLASERVE_KV_POPULATE", "on") == "off" or not sys.platform.startswith("linux") or nbytes <= 0:
+        stop.set()
+        return stop
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            page = mmap.PAGESIZE
+            lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+            for a in range(lo, hi, chunk):
+                # (ctypes lets the GIL go for the call)
+                if stop.is_set() or libc.madvise(a, min(chunk, hi - a), MADV_POPULATE_WRITE) != 0:
+                    break
+        except (OSError, AttributeError):  # no setpriority / libc here: leave the pages to the steps
+            pass
+
+    threading.Thread(target=run, name="xlaserve-kv-populate", daemon=True).start()
+    return stop
 
 
 def huge_page_bytes(a: np.ndarray, smaps: str = "/proc/self/smaps") -> int:

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
@@ -39,6 +40,7 @@ from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
+from enginecore.native import populate_in_background
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -194,6 +196,7 @@ class JaxModelRunner:
         self._pending: PendingStep | None = None
         self.params = None
         self.kv_cache = None
+        self._kv_populate = threading.Event()  # stops the CPU KV cache's background commit
         self.last_tokens = None
         self.rope = None
         self.num_blocks = 0
@@ -291,6 +294,9 @@ class JaxModelRunner:
 
                 zeros = cpu_kernels.zeros  # memory committed as steps first write it, not all here
         self.kv_cache = jax.jit(lambda: zeros(shape, dtype), out_shardings=self._kv_sharding)()
+        if zeros is not jnp.zeros:  # its pages committed in the background (steps update the cache in place)
+            self._kv_populate.set()
+            self._kv_populate = populate_in_background(self.kv_cache.unsafe_buffer_pointer(), nbytes)
         self.last_tokens = jax.jit(lambda: jnp.zeros(self.num_rows, jnp.int32), out_shardings=self._rep)()
         logger.info("jax: KV cache %s %s (%.1f MiB)", shape, self.kv_dtype, nbytes / 2**20)
 
@@ -299,6 +305,7 @@ class JaxModelRunner:
         return kv_cache_sharding(self.rules, self.mesh)
 
     def shutdown(self) -> None:
+        self._kv_populate.set()
         self.monitor.uninstall()
         self._pending = None
         self._programs.clear()

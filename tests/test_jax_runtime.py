@@ -235,12 +235,14 @@ def test_max_model_len_of_a_few_blocks(tiny, reference_tokens):
 def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, monkeypatch):
     """On a CPU the KV cache must fit the memory available (else a ConfigError naming the flag, not an OOM kill
     later); with the kernels on it is zero without being written at start (`cpu_kernels.zeros`): after warmup
-    (its steps write the null blocks) most of the 16 MiB cache holds no memory, and the tokens are the same."""
+    (its steps write the null blocks) most of the 16 MiB cache holds no memory, and the tokens are the same. (A
+    server then commits it in the background, `populate_in_background`: off here, to see what steps write.)"""
     from enginecore import kv_cache
     from enginecore.config import ConfigError
     from tests.memory import resident_bytes
     from jaxengine import cpu_kernels
 
+    monkeypatch.setenv("XLASERVE_KV_POPULATE", "off")
     llm = small(tiny, kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
     runner = llm.llm_engine.core.runner
     assert runner.num_blocks == (16 << 20) // runner.kv_bytes_per_block() and runner.kv_cache.nbytes == 16 << 20
@@ -254,6 +256,28 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
         assert resident < runner.kv_cache.nbytes // 2, resident  # (a few 4 KiB pages; 2 MiB ones under THP "always")
         assert not np.asarray(runner.kv_cache).any()
     assert generate(llm) == reference_tokens
+    llm.llm_engine.core.shutdown()
+
+
+def test_cpu_kv_cache_is_committed_in_the_background(tiny, reference_tokens):
+    """With the kernels on, a new engine's KV cache is committed by a background thread
+    (`enginecore.native.populate_in_background`), not by its steps' first writes; the tokens are the same."""
+    import time
+
+    from jaxengine import cpu_kernels
+    from tests.memory import resident_bytes
+
+    if cpu_kernels.available():
+        pytest.skip("the CPU kernels do not run here (the cache is XLA's zeros)")
+    llm = small(tiny, kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
+    runner = llm.llm_engine.core.runner
+    ptr, nbytes = runner.kv_cache.unsafe_buffer_pointer(), runner.kv_cache.nbytes
+    deadline = time.monotonic() + 30
+    while resident_bytes(ptr, nbytes) < nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident_bytes(ptr, nbytes) >= nbytes - 4096  # (a partial page at either end may be left)
+    assert generate(llm) == reference_tokens
+    llm.llm_engine.core.shutdown()
 
 
 def test_the_lm_heads_padded_rows_change_no_token(tiny):

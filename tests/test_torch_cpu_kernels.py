@@ -618,6 +618,43 @@ def test_huge_page_array_is_aligned_zeroed_writable_memory():
     assert float(b.sum()) == 2.0 * b.size
 
 
+def test_populate_in_background_commits_the_pages_and_keeps_what_steps_write(monkeypatch):
+    """The CPU KV caches' background commit (`enginecore.native.populate_in_background`): every page of the range
+    becomes resident, and what is written to it before and while it runs stays (MADV_POPULATE_WRITE writes no
+    data); `XLASERVE_KV_POPULATE=off` commits nothing. Skipped where the kernel has no MADV_POPULATE_WRITE."""
+    import ctypes
+    import sys
+    import time
+
+    import numpy as np
+
+    from enginecore.native import HUGE_PAGE, MADV_POPULATE_WRITE, huge_page_array, populate_in_background
+    from tests.memory import resident_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux's madvise")
+    probe = huge_page_array(HUGE_PAGE, np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(probe.ctypes.data, 4096, MADV_POPULATE_WRITE) != 0:
+        pytest.skip("no MADV_POPULATE_WRITE (Linux < 5.14)")
+    monkeypatch.setenv("XLASERVE_KV_POPULATE", "off")
+    off = huge_page_array(8 * HUGE_PAGE, np.uint8)
+    assert populate_in_background(off.ctypes.data, off.nbytes).is_set()
+    monkeypatch.delenv("XLASERVE_KV_POPULATE")
+    a = huge_page_array(24 * HUGE_PAGE + 4096, np.uint8)
+    a[123], a[-1] = 7, 9
+    stop = populate_in_background(a.ctypes.data, a.nbytes, chunk=HUGE_PAGE)
+    a[10 * HUGE_PAGE + 5] = 5  # while it runs (or after)
+    deadline = time.monotonic() + 30
+    while resident_bytes(a.ctypes.data, a.nbytes) < a.nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident_bytes(a.ctypes.data, a.nbytes) == a.nbytes
+    assert (a[123], a[-1], a[10 * HUGE_PAGE + 5]) == (7, 9, 5) and int(a.astype(np.int64).sum()) == 21
+    assert resident_bytes(off.ctypes.data, off.nbytes) < off.nbytes // 2
+    stop.set()
+
+
 def test_huge_page_bytes_sums_the_mappings_that_hold_the_array(tmp_path):
     """What the engines log of their weights' buffer: the AnonHugePages of the mappings overlapping the
     array (/proc/self/smaps' format), capped at its size; this process's own smaps gives a number in range."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -39,7 +40,7 @@ from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
-from enginecore.native import describe_huge_pages, huge_page_array
+from enginecore.native import describe_huge_pages, huge_page_array, populate_in_background
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -160,6 +161,7 @@ class TorchModelRunner:
         self._pending: PendingStep | None = None
         # (caches, model, cpu_kernels.DecodeLayers or None): the one-call decode layers bound to them
         self._decode_layers_bound: tuple | None = None
+        self._kv_populate = threading.Event()  # stops the CPU KV cache's background commit (populate_in_background)
         # CPU: LM head + sampler 64 rows at a time (see sampler.sample_in_chunks)
         self.logits_chunk_rows = 64 if self.device.type == "cpu" else None
 
@@ -217,6 +219,7 @@ class TorchModelRunner:
         The graphs go first: they hold the captured all-reduces, and NCCL (>= 2.26) waits for every graph
         using a communicator to be destroyed before it destroys the communicator.
         """
+        self._kv_populate.set()
         self.cuda_graphs, self.kv_caches, self.model, self._pending = None, [], None, None
         self._decode_layers_bound = None
         gc.collect()
@@ -282,6 +285,9 @@ class TorchModelRunner:
             check_cpu_kv_fits(nbytes)  # (torch.zeros would have committed it all here, or been killed for it)
             raw = huge_page_array(nbytes, np.uint8)
             cache = torch.from_numpy(raw).view(self.kv_dtype).view(full)
+            self._kv_populate.set()  # (an earlier cache's)
+            # its pages committed in the background, so that steps do not pay their first writes' faults
+            self._kv_populate = populate_in_background(raw.ctypes.data, nbytes)
         else:
             cache = torch.zeros(full, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
