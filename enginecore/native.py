@@ -166,7 +166,7 @@ def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
-def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20) -> threading.Event:
+def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20, owner=None) -> threading.Event:
     """Commit the pages of [addr, addr + nbytes) from a daemon thread at the lowest priority, `chunk` bytes at a
     time (madvise MADV_POPULATE_WRITE: each page faulted in writable, its contents untouched, so steps may write
     the memory meanwhile); returns an Event that stops it (set it before the memory is unmapped). A CPU KV cache
@@ -174,13 +174,14 @@ def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20) -> thr
     page then costs a fault, ~2.3 s a GiB of huge pages on a 2-core Zen 4 (a 4096-token prefill's KV writes
     0.22 s of its 3.0 s, the next pass 0.014 s): this moves that work off the steps, to while a new server
     waits for requests. Where the kernel has no MADV_POPULATE_WRITE (or outside Linux) the thread stops at once
-    and the pages come as steps write them, as before. `XLASERVE_KV_POPULATE=off` turns it off."""
+    and the pages come as steps write them, as before. `XLASERVE_KV_POPULATE=off` turns it off. `owner` (the
+    array that holds the mapping) is kept alive until the thread ends."""
     stop = threading.Event()
     if os.environ.get("XLASERVE_KV_POPULATE", "on") == "off" or not sys.platform.startswith("linux") or nbytes <= 0:
         stop.set()
         return stop
 
-    def run() -> None:
+    def run(owner=owner) -> None:  # (owner: held until the last call returns)
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
             libc = ctypes.CDLL(None, use_errno=True)

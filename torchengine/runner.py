@@ -287,7 +287,7 @@ class TorchModelRunner:
             cache = torch.from_numpy(raw).view(self.kv_dtype).view(full)
             self._kv_populate.set()  # (an earlier cache's)
             # its pages committed in the background, so that steps do not pay their first writes' faults
-            self._kv_populate = populate_in_background(raw.ctypes.data, nbytes)
+            self._kv_populate = populate_in_background(raw.ctypes.data, nbytes, owner=raw)
         else:
             cache = torch.zeros(full, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
