@@ -360,7 +360,7 @@ def qx_step(args, threads: int) -> int:
 
     def halves(w):
         p = cpu_kernels.pack_panels(w).numpy()
-        return torch.from_numpy(qx.bdot_panels(p) if bdot else qx.half_panels(lib, "w", p, qx.half_kind(p)))
+        return torch.from_numpy(qx.bdot_panels(lib, p) if bdot else qx.half_panels(lib, "w", p, qx.half_kind(p)))
 
     layers = []  # per layer: [(float32 panels, qx panels)] for q/k/v, o, gate/up, down
     for _ in range(LAYERS):

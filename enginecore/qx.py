@@ -9,7 +9,7 @@ panels beside the float32 ones; this module packs them (numpy), reads a GGUF fil
 the blocks against the float32 panels with the kernels' own rebuild (`rebuilds`).
 
 One kind is not a form of the float32 weights: QX_BDOT, bfloat16 products (`--dtype bfloat16` on a CPU with
-AVX512-BF16, `bdot_ok`): the weights rounded to bfloat16 (`bdot_panels`), every step of every row count.
+AVX512-BF16, `bdot_runs`): the weights rounded to bfloat16 (`bdot_panels`), every step of every row count.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -215,36 +216,32 @@ def half_panels(lib, what: str, panels: np.ndarray, kind: int) -> np.ndarray | N
     return out
 
 
-def bfloat16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> its bfloat16 (uint16 bits), rounded to nearest even as torch's `.to(torch.bfloat16)` rounds
-    (a NaN stays a NaN)."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    out = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = (u[nan] >> 16).astype(np.uint16) | np.uint16(0x40)
+def bdot_panels(lib, panels: np.ndarray) -> np.ndarray:
+    """float32 panels [..., NP, K, 16] (panel_gemm's, K % 32 == 0) -> QX_BDOT's [..., NP, K / 32, 1024]: the
+    weights rounded to bfloat16 as the KV cache's bfloat16 writes and torch's `.to(torch.bfloat16)` round (to
+    nearest even), per pair of k the 16 rows' two values, k even first: the order in which VDPBF16PS multiplies
+    them by the activations' pairs (`--dtype bfloat16` on a CPU with AVX512-BF16: `bdot_runs`). Packed by the
+    kernels' library `lib` (`pack_bdot_panels`, on its threads)."""
+    *lead, NP, K, _ = panels.shape
+    src = np.ascontiguousarray(panels, np.float32)
+    out = np.empty((*lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BDOT"]]), np.uint8)
+    if lib.pack_bdot_panels(src.ctypes.data, src.size // (K * PANEL), K, out.ctypes.data) != 0:
+        raise ValueError(f"bdot_panels: panels {panels.shape} (K a multiple of 32 expected)")
     return out
 
 
-def bdot_panels(panels: np.ndarray) -> np.ndarray:
-    """float32 panels [..., NP, K, 16] (panel_gemm's, K % 32 == 0) -> QX_BDOT's [..., NP, K / 32, 1024]: the
-    weights rounded to bfloat16 (`bfloat16_bits`), each pair of k's 16 rows as 16 (k even, k odd) pairs, the
-    order in which VDPBF16PS multiplies them by the activations' pairs (`--dtype bfloat16` on a CPU with
-    AVX512-BF16: `bdot_ok`). 64 panels at a time, so the temporaries stay small."""
-    *lead, NP, K, _ = panels.shape
-    flat = panels.reshape(-1, K, PANEL)
-    out = np.empty((len(flat), K // 2, PANEL, 2), np.uint16)
-    for a in range(0, len(flat), 64):
-        part = bfloat16_bits(flat[a : a + 64])
-        out[a : a + 64] = part.reshape(len(part), K // 2, 2, PANEL).transpose(0, 1, 3, 2)
-    return out.view(np.uint8).reshape(*lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BDOT"]])
-
-
-def bdot_ok(lib, arch: ArchConfig) -> bool:
-    """Whether `--dtype bfloat16` on this CPU runs as the float32 path with its linears and LM head in QX_BDOT
-    (the kernels' `lib` built with it, the CPU has AVX512-BF16, and every linear's inputs are a multiple of 32)."""
-    ins = (arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.intermediate_size)
-    return lib is not None and bool(lib.bdot_supported()) and all(k % 32 == 0 for k in ins)
+def bdot_runs(lib: Callable, arch: ArchConfig, platform: str, dtype: str, tp_size: int) -> bool:
+    """Whether `--dtype bfloat16` runs as the float32 model with its linears and LM head in QX_BDOT, both backends'
+    rule (each adds what only it knows: torch's `--quantization`, jax's `cpu_linears`): bfloat16 on a CPU, one
+    process, the kernels' library (`lib()`, asked for only then) built with QX_BDOT on a CPU with AVX512-BF16,
+    every linear's inputs a multiple of 32."""
+    if platform != "cpu" or dtype != "bfloat16" or tp_size != 1:
+        return False
+    kernels = lib()
+    if kernels is None or not kernels.bdot_supported():
+        return False
+    return all(k % 32 == 0 for k in (arch.hidden_size, arch.num_attention_heads * arch.head_dim,
+                                     arch.intermediate_size))
 
 
 def half_copies(lib, panels: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, int]]:

@@ -117,6 +117,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib.qx_mismatches.restype = ctypes.c_long
         lib.qx_panel_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.qx_panel_bytes.restype = ctypes.c_long
+        lib.pack_bdot_panels.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        lib.pack_bdot_panels.restype = ctypes.c_int
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
     if not qx.layout_matches(lib):

@@ -226,7 +226,7 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
 
 
 def attach_cpu_bdot(params: ModelParams) -> ModelParams:
-    """`--dtype bfloat16` on a CPU with AVX512-BF16 (`enginecore.qx.bdot_ok`): every linear and the LM head of
+    """`--dtype bfloat16` on a CPU with AVX512-BF16 (`enginecore.qx.bdot_runs`): every linear and the LM head of
     the float32 CPU panels also in QX_BDOT's bfloat16 panels (`enginecore.qx.bdot_panels`), which every step
     multiplies (`QX_MAX_ROWS` unbounded): the torch backend's `pack_cpu_weights(bdot=True)` for the jax one, the same
     bits. The float32 panels stay (the custom calls take their shapes, a tied embedding is looked up in the LM
@@ -235,9 +235,11 @@ def attach_cpu_bdot(params: ModelParams) -> ModelParams:
 
     from enginecore import qx
 
-    p = params.panels
+    from jaxengine import cpu_kernels
+
+    p, lib = params.panels, cpu_kernels.lib()
     groups = (*_QX_GROUPS, "head")
-    fields = {f"{g}_qx": jax.device_put(qx.bdot_panels(np.asarray(getattr(p, g))), getattr(p, g).sharding)
+    fields = {f"{g}_qx": jax.device_put(qx.bdot_panels(lib, np.asarray(getattr(p, g))), getattr(p, g).sharding)
               for g in groups}
     kind = qx.QX_KINDS["BDOT"]
     panels = dataclasses.replace(p, **fields, qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)

@@ -125,8 +125,8 @@ class JaxModelRunner:
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model (self.dtype: the weights' and activations'
         # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT, attach_cpu_bdot), as
         # the torch backend runs it; the KV cache as asked
-        self.bdot = (self.platform == "cpu" and self.dtype == "bfloat16" and pc.tensor_parallel_size == 1
-                     and bool(opts.get("cpu_linears", True)) and _bdot_ok(model.config))
+        self.bdot = bool(opts.get("cpu_linears", True)) and qx.bdot_runs(
+            _kernels_lib, model.config, self.platform, self.dtype, pc.tensor_parallel_size)
         if self.bdot:
             self.dtype = "float32"
         elif self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
@@ -541,11 +541,11 @@ class JaxModelRunner:
 __all__ = ["JaxModelRunner"]
 
 
-def _bdot_ok(arch) -> bool:
-    """Whether QX_BDOT runs here for `arch` (`enginecore.qx.bdot_ok`, on the jax build of the kernels)."""
+def _kernels_lib():
+    """The jax build of the CPU kernels, or None (`jaxengine.cpu_kernels.lib`: imported when asked for)."""
     from jaxengine import cpu_kernels
 
-    return qx.bdot_ok(cpu_kernels.lib(), arch)
+    return cpu_kernels.lib()
 
 
 class _ProgressLog:

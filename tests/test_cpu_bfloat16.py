@@ -1,7 +1,8 @@
 """`--dtype bfloat16` on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16,
 multiplied by their inputs rounded to bfloat16 (`torchengine/cpu_kernels.c`'s QX_BDOT: VDPBF16PS), on both backends.
 
-- `enginecore.qx.bfloat16_bits` rounds as torch's `.to(torch.bfloat16)` does (ties to even, NaN, overflow);
+- `enginecore.qx.bdot_panels` rounds the weights as torch's `.to(torch.bfloat16)` does (ties to even, NaN, overflow)
+  and pairs them as the instruction pairs them;
 - the kernel computes its definition to the bit: the activations rounded to bfloat16, each output one chain over
   the pairs of k in ascending order, adding the odd k's exact product and then the even one's, each sum rounded
   to float32 (the instruction's documented order, which this CPU follows); any row count, the threads, the parts a
@@ -37,7 +38,8 @@ def bdot_runs() -> bool:
 needs_bdot = pytest.mark.skipif(not bdot_runs(), reason="no AVX512-BF16 (or no kernels) here")
 
 
-def test_bfloat16_bits_round_as_torch_does():
+@pytest.mark.skipif(cpu_kernels.lib() is None, reason="the kernels do not run here")
+def test_bdot_panels_round_as_torch_does_and_pair_k():
     rng = np.random.default_rng(0)
     x = np.concatenate([
         rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
@@ -45,8 +47,12 @@ def test_bfloat16_bits_round_as_torch_does():
         # ties: exactly halfway between two bfloat16s, both parities
         (np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80C000, 0x3F807FFF], np.uint32)).view(np.float32),
     ]).astype(np.float32)
+    x = np.concatenate([x, np.zeros(-len(x) % 512, np.float32)])
+    panels = x.reshape(-1, 32, 16)  # K = 32: one group, 16 pairs of k
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    got = qx.bfloat16_bits(x)
+    packed = qx.bdot_panels(cpu_kernels.lib(), panels)
+    assert packed.shape == (len(panels), 1, 1024)
+    got = packed.view(np.uint16).reshape(-1, 16, 16, 2).transpose(0, 1, 3, 2).reshape(-1)  # back to [NP, K, 16]
     nan = np.isnan(x)
     assert np.array_equal(got[~nan], want[~nan])
     assert np.isnan(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()[nan]).all()
@@ -69,7 +75,7 @@ def test_bdot_gemm_is_its_definition_to_the_bit(N, K):
     lib = cpu_kernels.lib()
     rng = np.random.default_rng(N + K)
     w = (rng.standard_normal((N, K)) / K**0.5).astype(np.float32)
-    panels = qx.bdot_panels(cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
+    panels = qx.bdot_panels(lib, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
     assert panels.shape == qx.qx_shape(N, K, BDOT)
     bd = torch.from_numpy(panels)
     x = rng.standard_normal((40, K)).astype(np.float32)
@@ -145,7 +151,7 @@ def test_the_engine_runs_bfloat16_on_the_kernels(tiny_bf16_llama_dir, one_call_v
 
 
 def test_without_the_kernel_bfloat16_is_torchs_own(tiny_bf16_llama_dir, monkeypatch, caplog):
-    monkeypatch.setattr(qx, "bdot_ok", lambda lib, arch: False)
+    monkeypatch.setattr(qx, "bdot_runs", lambda *args: False)
     with caplog.at_level(logging.WARNING, logger="xlaserve.torchengine"):
         llm = LLM(model=tiny_bf16_llama_dir, backend="torch", platform="cpu", dtype="bfloat16", max_model_len=64,
                   max_num_seqs=2)

@@ -1980,6 +1980,24 @@ BDOT_TARGET static void bdot_panels(const uint32_t *xb, int M, int K, const uint
 }
 #endif
 
+// float32 panels [npanels, K, 16] (pack_panels_f32's) -> QX_BDOT's [npanels, K / 2, 16, 2] bfloat16s: each weight
+// rounded as the KV cache's bfloat16 writes round (to_bf16: c10::BFloat16's), per pair of k the 16 rows' two
+// values, k even first. Portable (no AVX-512 needed to pack). -1 for bad arguments.
+int pack_bdot_panels(const float *panels, long npanels, int K, uint16_t *out) {
+    if (npanels < 0 || K <= 0 || K % 32) return -1;
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        const float *src = panels + (size_t)p * K * 16;
+        uint16_t *dst = out + (size_t)p * K * 16;
+        for (int j = 0; j < K / 2; j++)
+            for (int c = 0; c < 16; c++) {
+                dst[((size_t)j * 16 + c) * 2] = to_bf16(src[(size_t)(2 * j) * 16 + c]);
+                dst[((size_t)j * 16 + c) * 2 + 1] = to_bf16(src[(size_t)(2 * j + 1) * 16 + c]);
+            }
+    }
+    return 0;
+}
+
 // Whether QX_BDOT runs here: built with it, on a CPU with AVX512-BF16 (and the AVX-512 parts it needs)
 int bdot_supported(void) {
 #ifdef XLASERVE_BDOT

@@ -136,6 +136,7 @@ _SIGNATURES = {
     "qx_mismatches": "l: p i i i p",
     "qx_panel_bytes": "l: i i",
     "bdot_supported": "",
+    "pack_bdot_panels": "p l i p",
 }
 
 

@@ -135,7 +135,7 @@ class Linear(_Loaded, nn.Linear):
     def to_bdot(self) -> None:
         """The packed weight rounded to bfloat16 in QX_BDOT's panels (`enginecore.qx.bdot_panels`), which then
         multiply every step; the float32 panels are dropped."""
-        self.qx = torch.from_numpy(qx.bdot_panels(self.panels.numpy()))
+        self.qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), self.panels.numpy()))
         self.qx_kind, self.panels = cpu_kernels.QX_KINDS["BDOT"], None
 
     def matrix(self) -> torch.Tensor:
@@ -288,7 +288,7 @@ class Transformer(nn.Module):
         embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
         loading (and after `torchengine.quant`, which reads the matrices).
 
-        `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_ok`): every linear and the LM head in QX_BDOT's
+        `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_runs`): every linear and the LM head in QX_BDOT's
         bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every step; the rest of the
         model (embedding, norms, RoPE, attention, the residual stream) float32."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.packable()]
@@ -301,7 +301,7 @@ class Transformer(nn.Module):
                 m.pack()
                 m.to_bdot()
             if head is not None:
-                self.head_qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.pack_panels(head).numpy()))
+                self.head_qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), cpu_kernels.pack_panels(head).numpy()))
                 self.head_qx_kind, self.lm_head = cpu_kernels.QX_KINDS["BDOT"], None
             return len(linears) + (head is not None)
         sizes = [cpu_kernels.panels_size(m.weight) for m in linears] + ([cpu_kernels.panels_size(head)] if head is not None else [])

@@ -127,14 +127,15 @@ class TorchModelRunner:
             torch.set_num_threads(cpu_threads(self.tp_size))
         else:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
-        self.dtype = _DTYPES[resolve_dtype(mc.dtype, dc.platform, capability)]
+        dtype = resolve_dtype(mc.dtype, dc.platform, capability)
+        self.dtype = _DTYPES[dtype]
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16
         # (QX_BDOT: `Transformer.pack_cpu_weights(bdot=True)`); compute_dtype is the activations' (float32 then)
-        self.bdot = (dc.platform == "cpu" and self.dtype == torch.bfloat16 and mc.quantization is None
-                     and self.tp_size == 1 and qx.bdot_ok(cpu_kernels.lib(), model.config))
+        self.bdot = mc.quantization is None and qx.bdot_runs(cpu_kernels.lib, model.config, dc.platform, dtype,
+                                                             self.tp_size)
         self.compute_dtype = torch.float32 if self.bdot else self.dtype
-        if dc.platform == "cpu" and not self.bdot and (note := cpu_dtype_note(str(self.dtype).replace("torch.", ""))):
+        if dc.platform == "cpu" and not self.bdot and (note := cpu_dtype_note(dtype)):
             logger.warning(note)
         self.arch = model.config
         heads, kv_heads = self.arch.num_attention_heads, self.arch.num_key_value_heads
