@@ -216,15 +216,25 @@ def half_panels(lib, what: str, panels: np.ndarray, kind: int) -> np.ndarray | N
     return out
 
 
-def bdot_panels(lib, panels: np.ndarray) -> np.ndarray:
+def bdot_shape(panels_shape: tuple) -> tuple:
+    """float32 panels' shape [..., NP, K, 16] -> their QX_BDOT panels' [..., NP, K / 32, 1024] (bytes)."""
+    *lead, NP, K, _ = panels_shape
+    return (*lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BDOT"]])
+
+
+def bdot_panels(lib, panels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float32 panels [..., NP, K, 16] (panel_gemm's, K % 32 == 0) -> QX_BDOT's [..., NP, K / 32, 1024]: the
     weights rounded to bfloat16 as the KV cache's bfloat16 writes and torch's `.to(torch.bfloat16)` round (to
     nearest even), per pair of k the 16 rows' two values, k even first: the order in which VDPBF16PS multiplies
     them by the activations' pairs (`--dtype bfloat16` on a CPU with AVX512-BF16: `bdot_runs`). Packed by the
-    kernels' library `lib` (`pack_bdot_panels`, on its threads)."""
+    kernels' library `lib` (`pack_bdot_panels`, on its threads), into `out` where given (contiguous uint8 of
+    `bdot_shape`)."""
     *lead, NP, K, _ = panels.shape
     src = np.ascontiguousarray(panels, np.float32)
-    out = np.empty((*lead, NP, K // 32, QX_GROUP_BYTES[QX_KINDS["BDOT"]]), np.uint8)
+    if out is None:
+        out = np.empty(bdot_shape(panels.shape), np.uint8)
+    elif out.shape != bdot_shape(panels.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"bdot_panels: out {out.shape} {out.dtype} for panels {panels.shape}")
     if lib.pack_bdot_panels(src.ctypes.data, src.size // (K * PANEL), K, out.ctypes.data) != 0:
         raise ValueError(f"bdot_panels: panels {panels.shape} (K a multiple of 32 expected)")
     return out

@@ -728,21 +728,30 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache_out, float eps, float scale,
                   int32_t window, int32_t num_heads, int32_t qx_kinds, int32_t qx_rows) {
     const auto xd = x.dimensions(), cd = cache.dimensions(), td = table.dimensions();
-    const auto qd = qkv_w.dimensions(), od = o_w.dimensions(), gd = gate_up_w.dimensions(), dd = down_w.dimensions();
-    if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || qd.size() != 4 || od.size() != 4 || gd.size() != 4 ||
-        dd.size() != 4 || kv_lens.dimensions().size() != 1 || cu_q_lens.dimensions().size() != 1 ||
-        distribution.element_count() != 3 || all_rows.element_count() != 1)
-        return ffi::Error::InvalidArgument("layers: x [T, H], panels [L, NP, K, 16], cache [L NB, bs, 2 Hkv, D], "
-                                           "table [R, W], kv_lens [R], cu_q_lens [R + 1], distribution [3], "
-                                           "keep [R], all_rows [1]");
-    const int64_t T = xd[0], H = xd[1], L = qd[0], bs = cd[1], Hkv = cd[2] / 2, D = cd[3], Hq = num_heads;
-    const int64_t R = td[0], W = td[1], I = dd[2], QKV = (Hq + 2 * Hkv) * D;
-    const auto fits = [](const ffi::Span<const int64_t> &p, int64_t L, int64_t K, int64_t N) {
-        return p[0] == L && p[2] == K && p[3] == 16 && N <= p[1] * 16 && N > (p[1] - 1) * 16;
-    };
+    if (xd.size() != 2 || cd.size() != 4 || td.size() != 2 || kv_lens.dimensions().size() != 1 ||
+        cu_q_lens.dimensions().size() != 1 || distribution.element_count() != 3 || all_rows.element_count() != 1)
+        return ffi::Error::InvalidArgument("layers: x [T, H], cache [L NB, bs, 2 Hkv, D], table [R, W], kv_lens [R], "
+                                           "cu_q_lens [R + 1], distribution [3], keep [R], all_rows [1]");
+    // linear i's weights (qkv, o, gate_up, down): float32 panels [L, NP, K, 16] and/or qx panels [L, NP, K / 32,
+    // group bytes] of kind byte i of qx_kinds, which steps of up to qx_rows tokens (not counting padding) multiply
+    // instead; the float32 ones empty where the qx ones take every step (QX_BDOT's: --dtype bfloat16)
+    const ffi::Buffer<ffi::F32> *f32_b[4] = {&qkv_w, &o_w, &gate_up_w, &down_w};
+    ffi::Buffer<ffi::U8> *qx_b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
+    int64_t pl[4], pnp[4], pk[4];  // each linear's L, NP, K (-1: neither panels of a known shape)
+    for (int i = 0; i < 4; i++) {
+        const bool f = f32_b[i]->element_count() != 0;
+        const auto d = f ? f32_b[i]->dimensions() : qx_b[i]->dimensions();
+        const bool ok = d.size() == 4 && (f ? d[3] == 16 : qx_b[i]->element_count() != 0);
+        pl[i] = ok ? d[0] : -1, pnp[i] = ok ? d[1] : 0, pk[i] = ok ? (f ? d[2] : d[2] * 32) : 0;
+    }
+    const int64_t T = xd[0], H = xd[1], L = pl[0], bs = cd[1], Hkv = cd[2] / 2, D = cd[3], Hq = num_heads;
+    const int64_t R = td[0], W = td[1], I = pk[3], QKV = (Hq + 2 * Hkv) * D;
+    const int64_t lin_k[4] = {H, Hq * D, H, I}, lin_n[4] = {QKV, H, 2 * I, H};
+    bool fit = true;
+    for (int i = 0; i < 4; i++)
+        fit = fit && pl[i] == L && pk[i] == lin_k[i] && lin_n[i] <= pnp[i] * 16 && lin_n[i] > (pnp[i] - 1) * 16;
     if (L <= 0 || H <= 0 || cd[2] % 2 || Hkv == 0 || Hq <= 0 || Hq % Hkv || D <= 0 || D % 2 || D > 1024 ||
-        cd[0] % L || !fits(qd, L, H, QKV) || !fits(od, L, Hq * D, H) || !fits(gd, L, H, 2 * I) ||
-        !fits(dd, L, I, H) || attn_norm.element_count() != (size_t)(L * H) ||
+        cd[0] % L || !fit || attn_norm.element_count() != (size_t)(L * H) ||
         mlp_norm.element_count() != (size_t)(L * H) || (qkv_b.element_count() != 0 && qkv_b.element_count() != (size_t)(L * QKV)) ||
         (q_norm.element_count() != 0 && q_norm.element_count() != (size_t)(L * D)) ||
         k_norm.element_count() != q_norm.element_count() || cos.element_count() != (size_t)(T * D) ||
@@ -750,22 +759,22 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         keep.element_count() != (size_t)R ||
         out->element_count() != (size_t)(T * H) || cache_out->element_count() != cache.element_count())
         return ffi::Error::InvalidArgument("layers: shapes disagree");
-    // linear i's qx panels [L, NP, K / 32, group bytes] (empty: none) of kind byte i of qx_kinds (qkv, o, gate_up,
-    // down), for steps of up to qx_rows tokens (not counting padding)
-    ffi::Buffer<ffi::U8> *qx_b[4] = {&qkv_qx, &o_qx, &gate_up_qx, &down_qx};
-    const int64_t qx_k[4] = {H, Hq * D, H, I}, qx_np[4] = {qd[1], od[1], gd[1], dd[1]};
     const uint8_t *qx_w[4] = {nullptr, nullptr, nullptr, nullptr};
     int qx_kind[4];
     for (int i = 0; i < 4; i++) {
         qx_kind[i] = (int)(((uint32_t)qx_kinds >> (8 * i)) & 0xFF);
         if (qx_b[i]->element_count() == 0) continue;
-        const long pb = qx_panel_bytes(qx_kind[i], (int)qx_k[i]);
-        if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * qx_np[i] * pb))
+        const long pb = qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
+        if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * pnp[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
-        if (qx_kind[i] == kQxBdot && bdot_round(nullptr, 0, (int)qx_k[i], nullptr) != 0)
+        if (qx_kind[i] == kQxBdot && bdot_round(nullptr, 0, (int)lin_k[i], nullptr) != 0)
             return ffi::Error::InvalidArgument("layers: bfloat16 products (QX_BDOT) do not run on this CPU");
         qx_w[i] = qx_b[i]->typed_data();
     }
+    for (int i = 0; i < 4; i++)
+        if (f32_b[i]->element_count() == 0 && T > qx_rows)
+            return ffi::Error::InvalidArgument("layers: a linear without float32 panels in a step its qx panels "
+                                               "do not take");
     const int kv_type = KvType(cache.element_type());
     if (kv_type < 0 || cache_out->element_type() != cache.element_type())
         return ffi::Error::InvalidArgument("layers: the cache must be float32, float16 or bfloat16");
@@ -876,12 +885,15 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
             rms_norm((l == 0 ? residual : y) + a * H, (int)(b - a), (int)H, H, l == 0 ? nullptr : residual + a * H,
                      an, eps, h + a * H);
         });
-        // layer l's qx panels of a linear (K inputs, NP panels), nullptr where none
-        const auto qx_l = [&](int i, int64_t K, int64_t NP) -> const uint8_t * {
-            return qx_w[i] == nullptr || Tr > qx_rows ? nullptr
-                                                      : qx_w[i] + P * NP * qx_panel_bytes(qx_kind[i], (int)K);
+        // layer l's float32 panels of linear i, and its qx panels where this step takes them (else nullptr)
+        const auto f32_l = [&](int i) -> const float * {
+            return f32_b[i]->element_count() == 0 ? nullptr : f32_b[i]->typed_data() + P * pnp[i] * lin_k[i] * 16;
         };
-        linear(0, h, Tr, H, qkv_w.typed_data() + P * qd[1] * H * 16, qx_l(0, H, qd[1]), QKV, qkv);
+        const auto qx_l = [&](int i) -> const uint8_t * {
+            return qx_w[i] == nullptr || Tr > qx_rows
+                       ? nullptr : qx_w[i] + P * pnp[i] * qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
+        };
+        linear(0, h, Tr, H, f32_l(0), qx_l(0), QKV, qkv);
         // bias, q/k norms, RoPE and the cache write, token by token
         rows(Tr, QKV * 4, [=](int64_t a, int64_t b) {
             for (int64_t t = a; t < b; t++) {
@@ -924,13 +936,13 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                 }
             });
         }
-        linear(1, at, M, Hq * D, o_w.typed_data() + P * od[1] * Hq * D * 16, qx_l(1, Hq * D, od[1]), H, y);
+        linear(1, at, M, Hq * D, f32_l(1), qx_l(1), H, y);
         rows(M, H, [=](int64_t a, int64_t b) {
             rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
         });
-        linear(2, h, M, H, gate_up_w.typed_data() + P * gd[1] * H * 16, qx_l(2, H, gd[1]), 2 * I, gu);
+        linear(2, h, M, H, f32_l(2), qx_l(2), 2 * I, gu);
         rows(M, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
-        linear(3, act, M, I, down_w.typed_data() + P * dd[1] * I * 16, qx_l(3, I, dd[1]), H, y);
+        linear(3, act, M, I, f32_l(3), qx_l(3), H, y);
     }
     float *o = out->typed_data();
     rows(gathered ? S : Tr, H, [=](int64_t a, int64_t b) {

@@ -135,20 +135,24 @@ def pack_panels(w):
     return jnp.swapaxes(w.reshape(*lead, NP, PANEL, K), -1, -2)
 
 
-def pack_onto_huge_pages(groups: dict) -> dict:
+def pack_onto_huge_pages(groups: dict, bdot: bool = False, keep: tuple = ()) -> dict:
     """{name: [(w, shape), ...]}, each w a float32 CPU array read as `shape` [..., N_i, K] (a reshape: a group's
     leading dims and K shared) -> {name: `pack_panels` of the group's rows concatenated}, every group in one
     buffer on transparent huge pages where the OS gives them (`enginecore.native.huge_page_array`; each result
     zero-copy over its slice, with its source's sharding). Packed on the host by the kernels'
     `pack_panels_f32`, a leading index at a time: as jnp ops each shape was an XLA program compiled and run at
-    load (~4 s of a start for the embedded model). Each source is deleted once packed, so the extra memory is
-    one group's weights, not the model's. A result jax would copy instead of aliasing keeps its copy (small
-    pages): the same values either way. Traced (`abstract_inputs`' eval_shape of `model.pack_cpu_panels`):
-    `pack_panels`, for the shapes."""
+    load (~4 s of a start for the embedded model). Each source is deleted once packed (but those of the groups
+    named in `keep`), so the extra memory is one group's weights, not the model's. A result jax would copy
+    instead of aliasing keeps its copy (small pages): the same values either way. Traced (`abstract_inputs`'
+    eval_shape of `model.pack_cpu_panels`): `pack_panels`, for the shapes.
+
+    `bdot`: each group's panels rounded to QX_BDOT's bfloat16 ones instead (`enginecore.qx.bdot_panels`: [...,
+    NP, K / 32, 1024] bytes), through float32 panels of its own that are dropped once rounded."""
     from enginecore.native import describe_huge_pages, huge_page_array
 
     if any(isinstance(w, jax.core.Tracer) for ws in groups.values() for w, _ in ws):
-        return {k: pack_panels(jnp.concatenate([w.reshape(s) for w, s in ws], axis=-2)) for k, ws in groups.items()}
+        packed = {k: pack_panels(jnp.concatenate([w.reshape(s) for w, s in ws], axis=-2)) for k, ws in groups.items()}
+        return {k: jnp.zeros(qx.bdot_shape(p.shape), jnp.uint8) for k, p in packed.items()} if bdot else packed
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels do not run here ({why}): nothing runs on panels")
@@ -158,10 +162,12 @@ def pack_onto_huge_pages(groups: dict) -> dict:
         if any(tuple(s[:-2]) != tuple(lead) or s[-1] != K for _, s in ws):
             raise ValueError(f"{k}: weights of different leading shapes or K: {[s for _, s in ws]}")
         shapes[k] = (*lead, -(-sum(s[-2] for _, s in ws) // PANEL), K, PANEL)
-    arena, out, o = huge_page_array(sum(int(np.prod(s)) for s in shapes.values()), np.float32), {}, 0
+    stored = {k: qx.bdot_shape(s) if bdot else s for k, s in shapes.items()}
+    arena, out, o = huge_page_array(sum(int(np.prod(s)) for s in stored.values()), np.uint8 if bdot else np.float32), {}, 0
     for k, ws in groups.items():
         *lead, NP, K, _ = shapes[k]
-        dst = arena[o : o + int(np.prod(shapes[k]))].reshape(shapes[k])
+        dst = arena[o : o + int(np.prod(stored[k]))].reshape(stored[k])
+        f32 = np.empty(shapes[k], np.float32) if bdot else dst
         rows = np.empty((sum(s[-2] for _, s in ws), K), np.float32)  # one leading index's rows, concatenated
         src = [np.asarray(w).reshape(s) for w, s in ws]  # views of the jax arrays' buffers
         for i in np.ndindex(*lead):
@@ -169,16 +175,20 @@ def pack_onto_huge_pages(groups: dict) -> dict:
             for a in src:
                 rows[r : r + a.shape[-2]] = a[i]
                 r += a.shape[-2]
-            out_i = dst[i]
+            out_i = f32[i]
             if lib.pack_panels_f32(rows.ctypes.data, len(rows), K, K, out_i.ctypes.data):
                 raise ValueError(f"{k}: cannot pack rows of {K} floats")
-        del src, a, out_i
+        del src, a, out_i, rows
+        if bdot:
+            qx.bdot_panels(lib, f32, out=dst)
+            del f32
         sharding = ws[0][0].sharding
-        for w, _ in ws:
-            w.delete()
+        if k not in keep:
+            for w, _ in ws:
+                w.delete()
         out[k] = jax.device_put(dst, sharding)
         o += dst.size
-    logger.info("CPU panels in one buffer: %s", describe_huge_pages(arena))
+    logger.info("CPU panels in one buffer%s: %s", " (QX_BDOT's bfloat16)" if bdot else "", describe_huge_pages(arena))
     return out
 
 

@@ -225,25 +225,4 @@ def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) ->
     return dataclasses.replace(params, panels=panels), len(fields)
 
 
-def attach_cpu_bdot(params: ModelParams) -> ModelParams:
-    """`--dtype bfloat16` on a CPU with AVX512-BF16 (`enginecore.qx.bdot_runs`): every linear and the LM head of
-    the float32 CPU panels also in QX_BDOT's bfloat16 panels (`enginecore.qx.bdot_panels`), which every step
-    multiplies (`QX_MAX_ROWS` unbounded): the torch backend's `pack_cpu_weights(bdot=True)` for the jax one, the same
-    bits. The float32 panels stay (the custom calls take their shapes, a tied embedding is looked up in the LM
-    head's)."""
-    import dataclasses
-
-    from enginecore import qx
-
-    from jaxengine import cpu_kernels
-
-    p, lib = params.panels, cpu_kernels.lib()
-    groups = (*_QX_GROUPS, "head")
-    fields = {f"{g}_qx": jax.device_put(qx.bdot_panels(lib, np.asarray(getattr(p, g))), getattr(p, g).sharding)
-              for g in groups}
-    kind = qx.QX_KINDS["BDOT"]
-    panels = dataclasses.replace(p, **fields, qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)
-    return dataclasses.replace(params, panels=panels)
-
-
-__all__ = ["LayerParams", "attach_cpu_bdot", "attach_cpu_qx", "load_params", "param_path"]
+__all__ = ["LayerParams", "attach_cpu_qx", "load_params", "param_path"]

@@ -80,13 +80,14 @@ QX_LINEARS = ("qkv", "o", "gate_up", "down")  # CpuPanels.qx_kinds' order
 @dataclass
 class CpuPanels:
     """The linears' weights packed for `jaxengine.cpu_kernels.panel_linear` (`pack_cpu_panels`), each
-    [L, NP, K, 16]: panels of 16 output rows, k-major. q/k/v are one linear, gate/up another."""
+    [L, NP, K, 16]: panels of 16 output rows, k-major. q/k/v are one linear, gate/up another. None (every one)
+    where QX_BDOT's qx panels take every step (`pack_cpu_panels(bdot=True)`: `--dtype bfloat16`)."""
 
-    qkv: jax.Array  # [L, (Hq + 2 Hkv) D / 16, H, 16]
-    o: jax.Array  # [L, H / 16, Hq D, 16]
-    gate_up: jax.Array  # [L, 2 I / 16, H, 16]
-    down: jax.Array  # [L, H / 16, I, 16]
-    head: jax.Array  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
+    qkv: jax.Array | None  # [L, (Hq + 2 Hkv) D / 16, H, 16]
+    o: jax.Array | None  # [L, H / 16, Hq D, 16]
+    gate_up: jax.Array | None  # [L, 2 I / 16, H, 16]
+    down: jax.Array | None  # [L, H / 16, I, 16]
+    head: jax.Array | None  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
     # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kinds' kind
     # (`enginecore.qx`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
     # steps of up to `QX_MAX_ROWS[kind]` tokens multiply them instead (the same bits, fewer bytes)
@@ -359,7 +360,8 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
 
     present = [k for q, k in zip((p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx), p.qx_kinds) if q is not None]
     rows = min((QX_MAX_ROWS[k] for k in present), default=0)
-    return layers(x, lp.attn_norm, lp.mlp_norm, p.qkv, p.o, p.gate_up, p.down, bias,
+    f32 = [none if w is None else w for w in (p.qkv, p.o, p.gate_up, p.down)]  # (None: QX_BDOT's take every step)
+    return layers(x, lp.attn_norm, lp.mlp_norm, *f32, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
                   kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
                   (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx),  # (the call takes them for steps of <= rows tokens)
@@ -430,12 +432,18 @@ PANEL_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_u
                 "down": ("down_proj",)}
 
 
-def pack_cpu_panels(params: ModelParams) -> ModelParams:
+def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
     """The float32 params of one CPU device with every linear and the LM head packed for
     `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout, all in
     one buffer on huge pages where the OS gives them (a step streams them all). Consumes `params`: each
     weight is dropped from it once packed (the extra memory is one group's weights, not the model's). A tied
-    embedding is then looked up in the LM head's panels (`embed`)."""
+    embedding is then looked up in the LM head's panels (`embed`).
+
+    `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_runs`): every linear and the LM head in QX_BDOT's
+    bfloat16 panels only (`cpu_kernels.pack_onto_huge_pages(bdot=True)`), which every step multiplies (the torch
+    backend's `pack_cpu_weights(bdot=True)`, the same bits); a tied embedding stays the float32 matrix, as the
+    torch backend's does."""
+    from enginecore.qx import QX_KINDS
     from jaxengine.cpu_kernels import pack_onto_huge_pages
 
     lp = params.layers
@@ -452,10 +460,16 @@ def pack_cpu_panels(params: ModelParams) -> ModelParams:
     head = params.embed if tied else params.lm_head
     groups["head"] = [(head, (1, *head.shape))]
     params.lm_head = None
-    if tied:
+    if tied and not bdot:
         params.embed = None
-    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm,
-                       panels=CpuPanels(**pack_onto_huge_pages(groups)))
+    packed = pack_onto_huge_pages(groups, bdot=bdot, keep=("head",) if tied and bdot else ())
+    if bdot:
+        kind = QX_KINDS["BDOT"]
+        panels = CpuPanels(None, None, None, None, None, **{f"{g}_qx": a for g, a in packed.items()},
+                           qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)
+    else:
+        panels = CpuPanels(**packed)
+    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=panels)
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,

@@ -57,7 +57,7 @@ from jaxengine.compilation import (
     use_persistent_cache,
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
-from jaxengine.loader import attach_cpu_bdot, attach_cpu_qx
+from jaxengine.loader import attach_cpu_qx
 from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
 from jaxengine.programs import (
     ModelLayout,
@@ -123,7 +123,7 @@ class JaxModelRunner:
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         opts = dict(dc.compilation_config or {})
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model (self.dtype: the weights' and activations'
-        # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT, attach_cpu_bdot), as
+        # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT, pack_cpu_panels(bdot=True)), as
         # the torch backend runs it; the KV cache as asked
         self.bdot = bool(opts.get("cpu_linears", True)) and qx.bdot_runs(
             _kernels_lib, model.config, self.platform, self.dtype, pc.tensor_parallel_size)
@@ -237,9 +237,8 @@ class JaxModelRunner:
             self.params = load_params(self.source, self.arch, self.dtype, shardings, kv_repeats=self.kv_repeats)
         if self.cpu_linears:
             params, self.params = self.params, None
-            self.params = pack_cpu_panels(params)
+            self.params = pack_cpu_panels(params, bdot=self.bdot)
             if self.bdot:
-                self.params = attach_cpu_bdot(self.params)
                 logger.info("jax: every linear and the LM head in bfloat16 (AVX512-BF16: QX_BDOT), multiplied by their "
                             "inputs rounded to bfloat16; the rest of the model in float32")
             elif qx.enabled():
@@ -331,7 +330,7 @@ class JaxModelRunner:
                               is_leaf=is_spec)
         if self.cpu_linears:  # one device
             params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
-                                  jax.eval_shape(pack_cpu_panels, params))
+                                  jax.eval_shape(functools.partial(pack_cpu_panels, bdot=self.bdot), params))
             if self.params is not None and self.params.panels is not None:  # loaded: its panels, qx ones included
                 params = dataclasses.replace(params, panels=jax.tree.map(
                     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.params.panels))

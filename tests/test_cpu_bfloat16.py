@@ -114,6 +114,11 @@ def test_the_engine_runs_bfloat16_on_the_kernels(tiny_bf16_llama_dir, one_call_v
         assert all(m.qx_kind == BDOT and m.panels is None for m in lins)
         assert runner.model.head_qx_kind == BDOT and runner.model.head_panels is None
         assert runner.model.lm_head is None  # (the checkpoint's untied head: in head_qx)
+        arena = runner.model.cpu_arena  # all of them in one buffer (on huge pages where the OS gives them)
+        lo = arena.data_ptr()
+        assert all(lo <= q.data_ptr() and q.data_ptr() + q.nbytes <= lo + arena.nbytes
+                   for q in [m.qx for m in lins] + [runner.model.head_qx])
+        assert sum(m.qx.nbytes for m in lins) + runner.model.head_qx.nbytes == arena.nbytes
         ps = [{"prompt_token_ids": p} for p in prompts]
         assert one_call_vs_python_layers(llm, ps, sp)
         out = llm.generate(ps, sp, use_tqdm=False)
@@ -168,16 +173,19 @@ def test_without_the_kernel_bfloat16_is_torchs_own(tiny_bf16_llama_dir, monkeypa
 
 
 @needs_bdot
-@pytest.mark.parametrize("cpu_layers", [True, False])
-def test_jax_gives_torchs_bfloat16_bits(cpu_layers, tiny_bf16_llama_dir):
-    """The jax backend runs `--dtype bfloat16` the same way (`jaxengine.loader.attach_cpu_bdot`), in its one-call
-    layers and in the scan over layers (a custom call per linear): the torch backend's tokens and logprobs to the
-    bit, greedy (the head's argmax and the logits) and seeded sampling, a bfloat16 KV cache (the dtype's default)
-    on both."""
+@pytest.mark.parametrize("model,cpu_layers", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_jax_gives_torchs_bfloat16_bits(model, cpu_layers, tiny_bf16_llama_dir, tiny_model_dir):
+    """The jax backend runs `--dtype bfloat16` the same way (`jaxengine.model.pack_cpu_panels(bdot=True)`: QX_BDOT's
+    panels only, no float32 ones), in its one-call layers and in the scan over layers (a custom call per linear):
+    the torch backend's tokens and logprobs to the bit, greedy (the head's argmax and the logits) and seeded
+    sampling, a bfloat16 KV cache (the dtype's default) on both; a bfloat16 checkpoint (the llama) and a float32
+    one with a tied embedding and q/k/v biases (the qwen2: its embedding stays float32 on both backends, not the
+    LM head's rounded panels)."""
     try:
         import jaxengine.runner  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
         pytest.skip(f"jaxengine.runner cannot be imported ({type(e).__name__}: {e})")
+    path = tiny_bf16_llama_dir if model == "llama" else tiny_model_dir(model)
     prompts = [{"prompt_token_ids": list(range(300 + 9 * i, 330 + 14 * i))} for i in range(5)]
     runs = [(prompts[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)),
             (prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
@@ -186,7 +194,7 @@ def test_jax_gives_torchs_bfloat16_bits(cpu_layers, tiny_bf16_llama_dir):
     res = {}
     for backend in ("jax", "torch"):
         kw = {} if cpu_layers or backend == "torch" else {"compilation_config": {"cpu_layers": False}}
-        llm = LLM(model=tiny_bf16_llama_dir, backend=backend, platform="cpu", dtype="bfloat16", max_model_len=128,
+        llm = LLM(model=path, backend=backend, platform="cpu", dtype="bfloat16", max_model_len=128,
                   max_num_seqs=8, max_num_batched_tokens=64, seed=0, **kw)
         try:
             runner = llm.llm_engine.core.runner
@@ -195,6 +203,10 @@ def test_jax_gives_torchs_bfloat16_bits(cpu_layers, tiny_bf16_llama_dir):
                 p = runner.params.panels
                 assert runner.dtype == "float32" and runner.kv_dtype == "bfloat16"
                 assert (*p.qx_kinds, p.head_qx_kind) == (BDOT,) * 5
+                assert (p.qkv, p.o, p.gate_up, p.down, p.head) == (None,) * 5  # no float32 panels kept
+                assert p.head_qx.dtype == np.uint8 and p.head_qx.nbytes == 2 * 49152 * 64
+                if model == "qwen2":  # tied: the float32 embedding, as the torch backend keeps it
+                    assert runner.params.embed.dtype == np.float32 and runner.params.embed.shape == (49152, 64)
             res[backend] = [llm.generate(ps, sp, use_tqdm=False) for ps, sp in runs]
         finally:
             llm.llm_engine.core.shutdown()

@@ -836,3 +836,31 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
     assert not np.array_equal(np.asarray(zeroed[0]), np.asarray(want[0]))  # (the qx panels are what it read)
     with pytest.raises(Exception, match="qx panels of another shape or kind"):
         g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, (halves[0][:1], None, None, None))
+
+
+def test_layers_take_linears_without_float32_panels():
+    """`cpu_kernels.layers` with a linear's float32 panels empty (QX_BDOT's engine keeps none,
+    `model.pack_cpu_panels(bdot=True)`): its shape from its qx panels, the bits of the float32 panels; a step
+    its qx panels do not take (more tokens than qx_rows), or no qx panels at all, is an error, not a read of
+    nothing."""
+    from enginecore import qx
+
+    L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=33)
+    bf = lambda p: jnp.asarray(p).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    args = (*args[:3], *(bf(p) for p in args[3:7]), *args[7:])
+    bf16 = qx.QX_KINDS["BF16"]
+    halves = [qx.half_panels(cpu_kernels.lib(), "w", np.asarray(p), bf16) for p in args[3:6]] + [None]
+    want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
+    empty = np.zeros((0,), np.float32)
+    lean = (*args[:3], empty, empty, empty, *args[6:])  # qkv, o, gate_up: qx panels only
+    layers = functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_kinds=(bf16,) * 4)
+    got = jax.jit(functools.partial(layers, qx_rows=T))(*lean, jnp.asarray(cache), table, lens, cu, dist, None, None,
+                                                          tuple(halves))
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    with pytest.raises(Exception, match="without float32 panels"):
+        jax.jit(functools.partial(layers, qx_rows=T - 1))(*lean, jnp.asarray(cache), table, lens, cu, dist, None,
+                                                            None, tuple(halves))
+    with pytest.raises(Exception, match="shapes disagree"):
+        jax.jit(functools.partial(layers, qx_rows=T))(*lean, jnp.asarray(cache), table, lens, cu, dist, None, None,
+                                                        (None, *halves[1:]))

@@ -102,6 +102,13 @@ class _Head(_Loaded, nn.Linear):
     pass
 
 
+def bdot_panels(panels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 panels [NP, K, 16] -> QX_BDOT's [NP, K / 32, 1024] bytes (`enginecore.qx.bdot_panels`), into `out`
+    (contiguous uint8 of as many bytes) when given."""
+    dst = None if out is None else out.numpy().reshape(qx.bdot_shape(tuple(panels.shape)))
+    return torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), panels.numpy(), dst))
+
+
 class Linear(_Loaded, nn.Linear):
     """nn.Linear; on a CPU with `torchengine.cpu_kernels`, float32, once packed (`pack`, at load): the weight
     in `cpu_kernels.panel_gemm`'s panels, for every step (before that, `cpu_kernels.f32_gemm`).
@@ -132,10 +139,10 @@ class Linear(_Loaded, nn.Linear):
         self.weight = None
         return True
 
-    def to_bdot(self) -> None:
-        """The packed weight rounded to bfloat16 in QX_BDOT's panels (`enginecore.qx.bdot_panels`), which then
-        multiply every step; the float32 panels are dropped."""
-        self.qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), self.panels.numpy()))
+    def to_bdot(self, out: torch.Tensor | None = None) -> None:
+        """The packed weight rounded to bfloat16 in QX_BDOT's panels (`enginecore.qx.bdot_panels`, into the bytes
+        `out` when given), which then multiply every step; the float32 panels are dropped."""
+        self.qx = bdot_panels(self.panels, out)
         self.qx_kind, self.panels = cpu_kernels.QX_KINDS["BDOT"], None
 
     def matrix(self) -> torch.Tensor:
@@ -256,7 +263,7 @@ class Transformer(nn.Module):
         # on a CPU with the kernels, float32: the LM head in `cpu_kernels.panel_gemm`'s panels (pack_lm_head), which
         # then replace the [V, H] matrix (a tied model's embedding lookup reads them too)
         self.head_panels: torch.Tensor | None = None
-        self.cpu_arena: torch.Tensor | None = None  # pack_cpu_weights' one buffer of every panel
+        self.cpu_arena: torch.Tensor | None = None  # pack_cpu_weights' one buffer of every panel (QX_BDOT's: their bytes)
         # [max_positions, D] float32 whatever the model dtype, in apply_rope's form: filled by init_rope()
         self.register_buffer("rope_cos", torch.empty(max_positions, arch.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, arch.head_dim), persistent=False)
@@ -296,20 +303,22 @@ class Transformer(nn.Module):
         if self.head_panels is None and self.head_qx is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
             head = w if cpu_kernels.lib_for(w) is not None else None
-        if bdot:  # each through float32 panels of its own, dropped once converted
-            for m in linears:
-                m.pack()
-                m.to_bdot()
-            if head is not None:
-                self.head_qx = torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), cpu_kernels.pack_panels(head).numpy()))
-                self.head_qx_kind, self.lm_head = cpu_kernels.QX_KINDS["BDOT"], None
-            return len(linears) + (head is not None)
         sizes = [cpu_kernels.panels_size(m.weight) for m in linears] + ([cpu_kernels.panels_size(head)] if head is not None else [])
         if not sizes:
             return 0
-        # one buffer for all of them, on huge pages where the OS gives them (`cpu_kernels.huge_page_buffer`)
-        arena, offsets = cpu_kernels.huge_page_buffer(sum(sizes)), np.cumsum([0] + sizes)
+        # one buffer for all of them, on huge pages where the OS gives them (`cpu_kernels.huge_page_buffer`);
+        # QX_BDOT's panels take 2 bytes a float32 panel's float
+        arena, offsets = cpu_kernels.huge_page_buffer(sum(sizes) // (2 if bdot else 1)), np.cumsum([0] + sizes)
         self.cpu_arena = arena
+        if bdot:  # each through float32 panels of its own, dropped once rounded
+            raw = arena.view(torch.uint8)
+            for m, a, b in zip(linears, offsets, offsets[1:]):
+                m.pack()
+                m.to_bdot(raw[2 * a : 2 * b])
+            if head is not None:
+                self.head_qx = bdot_panels(cpu_kernels.pack_panels(head), raw[2 * offsets[-2] : 2 * offsets[-1]])
+                self.head_qx_kind, self.lm_head = cpu_kernels.QX_KINDS["BDOT"], None
+            return len(sizes)
         for m, a, b in zip(linears, offsets, offsets[1:]):
             m.pack(arena[a:b])
         if head is not None:

@@ -198,7 +198,8 @@ class TorchModelRunner:
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         if self.bdot and (n := model.pack_cpu_weights(bdot=True)):
             logger.info("rank %d: %d weights in bfloat16 (AVX512-BF16: cpu_kernels.qx_gemm's QX_BDOT), multiplied by "
-                        "their inputs rounded to bfloat16; the rest of the model in float32", self.rank, n)
+                        "their inputs rounded to bfloat16; the rest of the model in float32: %s", self.rank, n,
+                        describe_huge_pages(model.cpu_arena.numpy()))
         elif self.device.type == "cpu" and (n := model.pack_cpu_weights()):
             logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
@@ -421,7 +422,7 @@ class TorchModelRunner:
         takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
         nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
         size)."""
-        return (self.model is not None and (self.model.cpu_arena is not None or self.bdot) and self.tp_size == 1
+        return (self.model is not None and self.model.cpu_arena is not None and self.tp_size == 1
                 and self.config.model_config.quantization != "gguf")
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
