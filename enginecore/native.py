@@ -166,6 +166,16 @@ def huge_page_array(count: int, dtype=np.float32) -> np.ndarray:
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim(0)`; elsewhere nothing): after a load
+    has packed a model's weights into new buffers and freed the loaded ones, whose holes in the heap would
+    otherwise stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20, owner=None) -> threading.Event:
     """Commit the pages of [addr, addr + nbytes) from a daemon thread at the lowest priority, `chunk` bytes at a
     time (madvise MADV_POPULATE_WRITE: each page faulted in writable, its contents untouched, so steps may write

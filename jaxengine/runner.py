@@ -40,7 +40,7 @@ from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
-from enginecore.native import populate_in_background
+from enginecore.native import populate_in_background, release_free_heap
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -248,6 +248,8 @@ class JaxModelRunner:
                                 "the same bits, for decode steps of few rows (XLASERVE_Q4X=off: float32 only)", n)
         cos, sin = rope_cos_sin(self.arch, self.config.scheduler_config.max_model_len + 1)
         self.rope = jax.device_put((cos, sin), self._rep)
+        if self.platform == "cpu":
+            release_free_heap()  # (the weights packed above were freed)
         self.load_seconds = time.perf_counter() - t0
         logger.info("jax: weights loaded in %.2fs (%s, dtype %s, tp %d, attention %s)", self.load_seconds,
                     self.source.kind if fmt != "orbax" else "orbax", self.dtype,

@@ -655,6 +655,37 @@ def test_populate_in_background_commits_the_pages_and_keeps_what_steps_write(mon
     stop.set()
 
 
+def test_release_free_heap_returns_freed_chunks_pages():
+    """What both runners call after packing a model's weights (`enginecore.native.release_free_heap`): the pages of
+    chunks freed inside the heap (below a live one, so glibc's free cannot shrink the heap) stop being resident."""
+    import sys
+
+    from enginecore.native import release_free_heap
+    from tests.memory import resident_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's heap")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, n = 64 << 10, 512  # 32 MiB of chunks under glibc's smallest mmap threshold: from the heap
+    chunks = [libc.malloc(size) for _ in range(n)]
+    top = libc.malloc(size)
+    for c in chunks:
+        ctypes.memset(c, 1, size)
+    lo, hi = min(chunks), max(chunks) + size
+    for c in chunks:
+        libc.free(c)
+    before = resident_bytes(lo, hi - lo)
+    if before < 0.9 * n * size:
+        libc.free(top)
+        pytest.skip(f"this allocator returned {n * size - before} of {n * size} bytes on free")
+    release_free_heap()
+    after = resident_bytes(lo, hi - lo)
+    libc.free(top)
+    assert after < 0.1 * n * size, (before, after)
+
+
 def test_huge_page_bytes_sums_the_mappings_that_hold_the_array(tmp_path):
     """What the engines log of their weights' buffer: the AnonHugePages of the mappings overlapping the
     array (/proc/self/smaps' format), capped at its size; this process's own smaps gives a number in range."""

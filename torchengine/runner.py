@@ -40,7 +40,7 @@ from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
-from enginecore.native import describe_huge_pages, huge_page_array, populate_in_background
+from enginecore.native import describe_huge_pages, huge_page_array, populate_in_background, release_free_heap
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -211,6 +211,8 @@ class TorchModelRunner:
                     logger.info("rank %d: %d weights also as stored (a GGUF file's blocks, 16-bit values), "
                                 "the same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: "
                                 "float32 only)", self.rank, n)
+        if self.device.type == "cpu":
+            release_free_heap()  # (the weights packed above were freed)
         self.model = model
         logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
                     self.device, time.perf_counter() - t0)
