@@ -600,10 +600,12 @@ def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
 
 def _in_a_fresh_heap(code: str) -> list[int]:
     """Run `code` in a fresh process whose glibc serves buffers of up to 256 MB from its heap (freed ones are handed
-    back with their old contents, not as fresh zero-filled mappings); -> the integers it prints."""
+    back with their old contents, not as fresh zero-filled mappings), one heap for all threads (else a buffer freed
+    by one of XLA's threads and the next allocated by another come from two arenas: on a busy 2-core machine, 1
+    reuse in 200 tries); -> the integers it prints."""
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 28),
-                            "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})
+                            "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_ARENA_MAX": "1"})
     assert p.returncode == 0, p.stdout + p.stderr
     return [int(v) for v in p.stdout.split()]
 
