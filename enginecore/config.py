@@ -93,6 +93,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap
     max_num_partial_prefills: int = 1
+    # Most prompt tokens (of requests with more than one token to compute) a step takes while more than one request
+    # could share it (0: no cap but max_num_batched_tokens); a request alone gets the whole budget (xlaserve flag)
+    max_shared_prefill_tokens: int = 0
     scheduling_policy: str = "fcfs"
     max_model_len: int = 8192  # copied from the model config once resolved
     # Bound of the waiting queue; beyond it new requests get 503 (xlaserve flag).
@@ -122,6 +125,10 @@ class SchedulerConfig:
             raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}.")
         if self.max_num_partial_prefills < 1:
             raise ConfigError(f"--max-num-partial-prefills must be at least 1, got {self.max_num_partial_prefills}.")
+        if self.max_shared_prefill_tokens < 0:
+            raise ConfigError(f"--max-shared-prefill-tokens must be >= 0, got {self.max_shared_prefill_tokens}.")
+        if self.max_shared_prefill_tokens and not self.enable_chunked_prefill:
+            raise ConfigError("--max-shared-prefill-tokens splits prompts over steps: it needs chunked prefill.")
         if self.max_waiting_requests < 1:
             raise ConfigError(f"--max-waiting-requests must be at least 1, got {self.max_waiting_requests}.")
 
@@ -255,6 +262,13 @@ class EngineConfig:
 # (benchmarks/README.md, bench_peers, session 26). Offline (`LLM`) keeps 2048: there the larger chunks ran
 # 2-5% faster.
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 512
+# ... and its prompt tokens while more than one request could share a step (`SchedulerConfig.
+# max_shared_prefill_tokens`). Prompts that arrive together then get their first tokens one after the other
+# instead of all at the end of one long step, and running requests' next tokens wait for 128 prompt tokens, not
+# 512: median TTFT at concurrency 4 / 16 ~0.6x / ~0.4x, output tok/s 0.92-1.05x (benchmarks/README.md,
+# session 34). A request alone keeps the 512-token steps (a 1500-token prompt's TTFT 4-11% shorter than in
+# 128-token chunks).
+SERVE_CPU_SHARED_PREFILL_TOKENS = 128
 
 
 @dataclass
@@ -283,6 +297,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    max_shared_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 4096
     async_scheduling: bool = True
@@ -319,14 +334,19 @@ class EngineArgs:
     def apply_serving_defaults(self) -> None:
         """The defaults `xlaserve serve` (and `xlaserve warmup`, which compiles what serve will run) changes from
         the offline ones, where the flag was not given: on a CPU, steps of at most SERVE_CPU_MAX_NUM_BATCHED_TOKENS
-        tokens (vLLM 0.32 on a CPU: 2048 for its API server, 4096 for `LLM`)."""
+        tokens (vLLM 0.32 on a CPU: 2048 for its API server, 4096 for `LLM`), and of at most
+        SERVE_CPU_SHARED_PREFILL_TOKENS prompt tokens while requests share them."""
         from enginecore.platform import detect_platform
 
-        if self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
+        if not self.enable_chunked_prefill:
             return
         platform = self.platform if self.platform != "auto" else "tpu" if self.topology else detect_platform()
-        if platform == "cpu":  # (`warmup --topology` compiles for a TPU: jaxengine.aot takes auto as tpu)
+        if platform != "cpu":  # (`warmup --topology` compiles for a TPU: jaxengine.aot takes auto as tpu)
+            return
+        if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(SERVE_CPU_MAX_NUM_BATCHED_TOKENS, self._max_num_seqs(platform))
+        if self.max_shared_prefill_tokens is None:
+            self.max_shared_prefill_tokens = SERVE_CPU_SHARED_PREFILL_TOKENS
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
@@ -381,6 +401,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
+            max_shared_prefill_tokens=self.max_shared_prefill_tokens or 0,
             scheduling_policy=self.scheduling_policy,
             max_model_len=max_model_len,
             max_waiting_requests=self.max_waiting_requests,

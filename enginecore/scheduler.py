@@ -200,20 +200,24 @@ class Scheduler:
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
+    def _num_new_tokens(self, req: Request, step: "_Step") -> int:
         """Tokens to compute for `req` this step (0: nothing to do now)."""
         pending = req.num_output_placeholders
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= self.max_model_len):
             return 0  # the steps in flight already produce its last token
-        n = req.num_tokens + pending - req.num_computed_tokens
+        todo = n = req.num_tokens + pending - req.num_computed_tokens
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget, self.max_model_len - req.num_computed_tokens)
+        return min(step.room(n, todo), self.max_model_len - req.num_computed_tokens)
 
     def schedule(self) -> SchedulerOutput:
-        """One step: running requests first, then waiting ones (vLLM's V1 order, one token budget)."""
-        step = _Step(self.config.max_num_batched_tokens)
+        """One step: running requests first, then waiting ones (vLLM's V1 order, one token budget; while more
+        than one request could share the step, at most max_shared_prefill_tokens of it prompt tokens)."""
+        cfg = self.config
+        admissible = min(len(self.waiting), max(cfg.max_num_seqs - len(self.running), 0))
+        shared = cfg.max_shared_prefill_tokens and len(self.running) + admissible > 1
+        step = _Step(cfg.max_num_batched_tokens, cfg.max_shared_prefill_tokens if shared else cfg.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # when memory just ran out, admitting more would only thrash
             self._schedule_waiting(step)
@@ -223,7 +227,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, step.budget)
+            n = self._num_new_tokens(req, step)
             if n <= 0:
                 i += 1
                 continue
@@ -266,12 +270,14 @@ class Scheduler:
                 self._deferred_outputs.append(self._fail_request(req, ValueError(req.grammar.error)))
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit
+            todo = n = req.num_tokens - num_hit
             if threshold:
                 n = min(n, threshold)
             if not cfg.enable_chunked_prefill and n > step.budget:
                 break
-            n = min(n, step.budget)
+            n = step.room(n, todo)
+            if n == 0:
+                break
             partial = num_hit + n < req.num_tokens
             if partial and partial_prefills >= cfg.max_num_partial_prefills:
                 break
@@ -491,20 +497,32 @@ class Scheduler:
 class _Step:
     """What one schedule() call has decided so far."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, prefill_budget: int):
         self.budget = budget
+        self.prefill_budget = prefill_budget  # of tokens of requests with more than one to compute
         self.num_scheduled: dict[str, int] = {}
+        self.prefill: set[str] = set()  # the requests scheduled against prefill_budget
         self.scheduled: list[tuple[Request, int, list[int] | None]] = []  # (req, tokens, new block ids | None: new)
         self.new_reqs: list[NewRequestData] = []
         self.preempted: set[str] = set()
+
+    def room(self, n: int, todo: int) -> int:
+        """Of the `n` tokens a request with `todo` to compute asks for, those it gets this step (0: none)."""
+        return min(n, self.budget, self.prefill_budget if todo > 1 else n)
 
     def add(self, req: Request, n: int, new_block_ids: list[int] | None) -> None:
         self.num_scheduled[req.request_id] = n
         self.scheduled.append((req, n, new_block_ids))
         self.budget -= n
+        if req.num_tokens + req.num_output_placeholders - req.num_computed_tokens > 1:  # (before the step)
+            self.prefill.add(req.request_id)
+            self.prefill_budget -= n
 
     def unschedule(self, req: Request) -> None:
         n = self.num_scheduled.pop(req.request_id, None)
         if n is not None:
             self.budget += n
+            if req.request_id in self.prefill:
+                self.prefill.discard(req.request_id)
+                self.prefill_budget += n
             self.scheduled = [s for s in self.scheduled if s[0] is not req]

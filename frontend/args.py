@@ -71,6 +71,11 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "long_prefill_token_threshold": ("SchedulerConfig", "Most prompt tokens one request gets per step "
                                      "(0: no cap).", None),
     "max_num_partial_prefills": ("SchedulerConfig", "Most requests partially prefilled at once.", None),
+    "max_shared_prefill_tokens": ("SchedulerConfig", "Most prompt tokens a step takes while more than one request "
+                                  "could share it; a request alone gets the whole --max-num-batched-tokens "
+                                  "(0: no cap; `serve` / `warmup` on CPU: 128). Prompts that arrive together get "
+                                  "their first tokens one after another instead of all at the end of one long "
+                                  "step.", None),
     "scheduling_policy": ("SchedulerConfig", "fcfs, or priority (requests' `priority` field; lower first).",
                           ("fcfs", "priority")),
     "max_waiting_requests": ("SchedulerConfig", "Bound of the waiting queue; beyond it requests get HTTP 503.",

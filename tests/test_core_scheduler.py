@@ -16,12 +16,13 @@ from tests.fake_runner import FakeRunner
 
 
 def make_core(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-              policy="fcfs", prefix=True, chunked=True, threshold=0, partial=4, async_scheduling=True):
+              policy="fcfs", prefix=True, chunked=True, threshold=0, partial=4, async_scheduling=True, shared=None):
     args = EngineArgs(platform="cpu", backend="jax", block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                       scheduling_policy=policy, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
                       long_prefill_token_threshold=threshold, num_gpu_blocks_override=num_blocks,
-                      max_num_partial_prefills=partial, async_scheduling=async_scheduling)
+                      max_num_partial_prefills=partial, async_scheduling=async_scheduling,
+                      max_shared_prefill_tokens=shared)
     cfg = args.create_engine_config()
     return EngineCore(cfg, model=None, runner=FakeRunner(cfg, num_blocks=num_blocks))
 
@@ -91,8 +92,51 @@ def test_long_prefill_threshold_caps_chunks():
     assert so.num_scheduled_tokens == {"a": 8, "b": 8}
 
 
+def test_shared_steps_cap_their_prompt_tokens():
+    """max_shared_prefill_tokens: a request alone gets the whole budget; while more than one could share the
+    step, prompt tokens (of requests with more than one token to compute) are capped, first come first, and the
+    decode tokens are not; one token left is a decode's, and waiting requests that cannot be admitted
+    (max_num_seqs) do not count."""
+    core = make_core(max_num_batched_tokens=32, shared=8, partial=4)
+    core.add_request(req("a", PROMPTS[4]))  # 40 tokens, alone
+    assert core.scheduler.schedule().num_scheduled_tokens == {"a": 32}
+    core.add_request(req("b", PROMPTS[2]))  # 33 tokens
+    core.add_request(req("c", PROMPTS[0]))  # 5
+    assert core.scheduler.schedule().num_scheduled_tokens == {"a": 8}  # a's rest first, b and c wait
+    assert core.scheduler.schedule().num_scheduled_tokens == {"a": 1, "b": 8}  # (async: a's next token)
+    run = make_core(max_num_batched_tokens=32, shared=8, async_scheduling=False)
+    run.add_request(req("a", PROMPTS[3], max_tokens=20))  # 9 tokens
+    run.step()
+    run.add_request(req("b", PROMPTS[2]))
+    run.add_request(req("c", PROMPTS[1]))
+    so = run.scheduler.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 8}  # the decode beside 8 prompt tokens
+    one = make_core(max_num_batched_tokens=32, shared=8, max_num_seqs=1, async_scheduling=False)
+    one.add_request(req("a", PROMPTS[4]))
+    one.add_request(req("b", PROMPTS[2]))  # cannot be admitted beside a: a is alone
+    assert one.scheduler.schedule().num_scheduled_tokens == {"a": 32}
+
+
+def test_shared_prefill_cap_is_a_cpu_servers_default():
+    from enginecore.config import SERVE_CPU_SHARED_PREFILL_TOKENS, ConfigError
+
+    args = EngineArgs(platform="cpu", backend="torch")
+    args.apply_serving_defaults()
+    assert args.create_engine_config().scheduler_config.max_shared_prefill_tokens == SERVE_CPU_SHARED_PREFILL_TOKENS
+    args = EngineArgs(platform="cpu", backend="torch", max_num_batched_tokens=1024, max_shared_prefill_tokens=0)
+    args.apply_serving_defaults()  # (given: kept; 0 turns it off)
+    sc = args.create_engine_config().scheduler_config
+    assert (sc.max_num_batched_tokens, sc.max_shared_prefill_tokens) == (1024, 0)
+    assert EngineArgs(platform="cpu", backend="torch").create_engine_config().scheduler_config \
+        .max_shared_prefill_tokens == 0  # offline (`LLM`): off
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        EngineArgs(platform="cpu", backend="torch", enable_chunked_prefill=False, max_num_batched_tokens=8192,
+                   max_shared_prefill_tokens=64).create_engine_config()
+
+
 @pytest.mark.parametrize("kw", [
     dict(max_num_batched_tokens=8),  # heavy chunking
+    dict(shared=3, max_num_batched_tokens=20),  # shared steps' prompt tokens capped
     dict(num_blocks=24, max_num_seqs=8),  # forces preemption
     dict(prefix=True, max_num_batched_tokens=64),
     dict(threshold=5, max_num_batched_tokens=20),
@@ -258,7 +302,7 @@ def test_rejects_requests_that_cannot_run():
 @example(ops=[("add", 34), ("add", 34)], policy="fcfs", async_scheduling=True)  # same prompt, same step
 def test_property_random_add_step_abort_keeps_block_invariants(ops, policy, async_scheduling):
     core = make_core(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, policy=policy,
-                     async_scheduling=async_scheduling)
+                     async_scheduling=async_scheduling, shared=6)
     rng = random.Random(0)
     n = 0
     for op, x in ops:
