@@ -200,16 +200,16 @@ class Scheduler:
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
-    def _num_new_tokens(self, req: Request, step: "_Step") -> int:
-        """Tokens to compute for `req` this step (0: nothing to do now)."""
+    def _num_new_tokens(self, req: Request, step: "_Step") -> tuple[int, int]:
+        """(tokens to compute for `req` this step (0: nothing to do now), tokens it has left to compute)."""
         pending = req.num_output_placeholders
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= self.max_model_len):
-            return 0  # the steps in flight already produce its last token
+            return 0, 0  # the steps in flight already produce its last token
         todo = n = req.num_tokens + pending - req.num_computed_tokens
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(step.room(n, todo), self.max_model_len - req.num_computed_tokens)
+        return min(step.room(n, todo), self.max_model_len - req.num_computed_tokens), todo
 
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first, then waiting ones (vLLM's V1 order, one token budget; while more
@@ -227,7 +227,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, step)
+            n, todo = self._num_new_tokens(req, step)
             if n <= 0:
                 i += 1
                 continue
@@ -245,7 +245,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue  # req was preempted; self.running[i] is now the next one
-            step.add(req, n, blocks)
+            step.add(req, n, blocks, todo)
             i += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
@@ -291,7 +291,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             partial_prefills += partial
-            step.add(req, n, None)
+            step.add(req, n, None, todo)
             step.new_reqs.append(NewRequestData(
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 sampling_params=req.sampling_params, block_ids=self.kv.get_block_ids(req.request_id),
@@ -510,11 +510,12 @@ class _Step:
         """Of the `n` tokens a request with `todo` to compute asks for, those it gets this step (0: none)."""
         return min(n, self.budget, self.prefill_budget if todo > 1 else n)
 
-    def add(self, req: Request, n: int, new_block_ids: list[int] | None) -> None:
+    def add(self, req: Request, n: int, new_block_ids: list[int] | None, todo: int) -> None:
+        """`n` of `req`'s `todo` tokens left to compute (`room`'s) into this step."""
         self.num_scheduled[req.request_id] = n
         self.scheduled.append((req, n, new_block_ids))
         self.budget -= n
-        if req.num_tokens + req.num_output_placeholders - req.num_computed_tokens > 1:  # (before the step)
+        if todo > 1:
             self.prefill.add(req.request_id)
             self.prefill_budget -= n
 
