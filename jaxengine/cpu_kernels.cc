@@ -64,6 +64,7 @@ void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float
                      int hi, int pf_hi);
 long qx_panel_bytes(int kind, int K);
 int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, void *best, int kind, int p0, int p1);
+int bdot_supported(void);
 int bdot_round(const float *x, int M, int K, uint32_t *xb);
 int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float *y, void *best, int p0, int p1);
 void shares_init(uint64_t *s, int n, int nt);
@@ -767,7 +768,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const long pb = qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
         if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * pnp[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
-        if (qx_kind[i] == kQxBdot && bdot_round(nullptr, 0, (int)lin_k[i], nullptr) != 0)
+        if (qx_kind[i] == kQxBdot && !bdot_supported())
             return ffi::Error::InvalidArgument("layers: bfloat16 products (QX_BDOT) do not run on this CPU");
         qx_w[i] = qx_b[i]->typed_data();
     }
