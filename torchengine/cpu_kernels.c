@@ -2055,14 +2055,13 @@ int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float
 #endif
 }
 
-// this thread's scratch holding x [M, K] rounded (bdot_round): what qx_gemm and qx_gemm_part multiply QX_BDOT's
+// this thread's scratch for x [M, K] rounded (bdot_round), what qx_gemm and qx_gemm_part multiply QX_BDOT's
 // panels by; NULL where QX_BDOT cannot run here, or out of memory
-static const uint32_t *bdot_input(const float *x, int M, int K) {
+static uint32_t *bdot_buffer(int M, int K) {
 #ifdef XLASERVE_BDOT
-    uint32_t *xb = bdot_scratch((size_t)M * K / 2);
-    return xb != NULL && bdot_round(x, M, K, xb) == 0 ? xb : NULL;
+    return bdot_supported() && M >= 0 && K > 0 && K % 32 == 0 ? bdot_scratch((size_t)M * K / 2) : NULL;
 #else
-    (void)x, (void)M, (void)K;
+    (void)M, (void)K;
     return NULL;
 #endif
 }
@@ -2078,8 +2077,8 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
     const uint8_t *wb = (const uint8_t *)w;
     head_best *b = (head_best *)best;
     if (kind == QX_BDOT) {
-        const uint32_t *xb = bdot_input(x, M, K);
-        return xb == NULL ? -1 : bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
+        uint32_t *xb = bdot_buffer(M, K);
+        return xb == NULL || bdot_round(x, M, K, xb) != 0 ? -1 : bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
     }
     switch (kind) {
         case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
@@ -2101,9 +2100,12 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
     if (M < 1 || N <= 0 || qx_panel_bytes(kind, K) < 0 || (y == NULL) == (argmax == NULL)) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     const int NP = (N + 15) / 16, nt = gemm_threads(M, K, N, nthreads, NP);
-    // QX_BDOT: the activations rounded once, here, for every thread's panels
-    const uint32_t *xb = kind == QX_BDOT ? bdot_input(x, M, K) : NULL;
+    // QX_BDOT: the activations rounded once for every thread's panels; from 65536 values on, each thread rounds
+    // its share of the rows (a prefill's on the calling thread alone: 1-2% of its step, the other thread waiting)
+    uint32_t *xb = kind == QX_BDOT ? bdot_buffer(M, K) : NULL;
     if (kind == QX_BDOT && xb == NULL) return -1;
+    const int shared_round = (long)M * K >= 65536;
+    if (xb != NULL && !shared_round) bdot_round(x, M, K, xb);
     head_best *best = argmax == NULL ? NULL : maxima_new(M, nt);
     if (argmax != NULL && best == NULL) return -2;
 #pragma omp parallel num_threads(nt)
@@ -2111,9 +2113,14 @@ int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int p0 = (int)((long)NP * t / T), p1 = (int)((long)NP * (t + 1) / T);
         head_best *own = best == NULL ? NULL : best + (size_t)M * t;
-        if (xb != NULL)
+        if (xb != NULL) {
+            if (shared_round) {
+                const int r0 = (int)((long)M * t / T), r1 = (int)((long)M * (t + 1) / T);
+                bdot_round(x + (size_t)r0 * K, r1 - r0, K, xb + (size_t)r0 * K / 2);
+#pragma omp barrier
+            }
             bdot_gemm_part(xb, M, K, w, N, y, own, p0, p1);
-        else
+        } else
             qx_gemm_part(x, M, K, w, N, y, own, kind, p0, p1);
     }
     if (argmax != NULL) maxima_merge(best, M, nt, argmax);
