@@ -78,22 +78,22 @@ def test_bdot_gemm_is_its_definition_to_the_bit(N, K):
     panels = qx.bdot_panels(lib, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
     assert panels.shape == qx.qx_shape(N, K, BDOT)
     bd = torch.from_numpy(panels)
-    x = rng.standard_normal((40, K)).astype(np.float32)
+    x = rng.standard_normal((120, K)).astype(np.float32)
     x[3, :5] = 0.0
     want = reference(x, w)
-    for M in (1, 2, 5, 12, 13, 25, 40):
+    for M in (1, 2, 5, 12, 13, 25, 40, 120):  # (120 x 576 values and more: each thread rounds its share of the rows)
         xt = torch.from_numpy(x[:M])
         y = cpu_kernels.qx_gemm(lib, xt, bd, N, BDOT)
         assert np.array_equal(y.numpy().view(np.uint32), want[:M].view(np.uint32)), M
         tokens = cpu_kernels.qx_gemm(lib, xt, bd, N, BDOT, greedy=True)
         assert torch.equal(tokens, torch.from_numpy(want[:M]).argmax(-1)), M
     # one thread, and a caller's own split of the panels (jaxengine's custom calls), give the same bits
-    y1 = torch.empty(40, N)
-    assert lib.qx_gemm(x.ctypes.data, 40, K, bd.data_ptr(), N, y1.data_ptr(), None, BDOT, 1) == 0
+    y1 = torch.empty(120, N)
+    assert lib.qx_gemm(x.ctypes.data, 120, K, bd.data_ptr(), N, y1.data_ptr(), None, BDOT, 1) == 0
     assert np.array_equal(y1.numpy().view(np.uint32), want.view(np.uint32))
-    NP, y2 = -(-N // 16), torch.empty(40, N)
+    NP, y2 = -(-N // 16), torch.empty(120, N)
     for p0, p1 in ((0, NP // 3), (NP // 3, NP)):
-        assert lib.qx_gemm_part(x.ctypes.data, 40, K, bd.data_ptr(), N, y2.data_ptr(), None, BDOT, p0, p1) == 0
+        assert lib.qx_gemm_part(x.ctypes.data, 120, K, bd.data_ptr(), N, y2.data_ptr(), None, BDOT, p0, p1) == 0
     assert np.array_equal(y2.numpy().view(np.uint32), want.view(np.uint32))
 
 
