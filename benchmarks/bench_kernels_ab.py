@@ -1,7 +1,7 @@
 """Two builds of the CPU kernels in one process, interleaved: a git revision's `torchengine/cpu_kernels.c`
 against the working tree's.
 
-    python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears]
+    python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears|bdot]
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
@@ -14,7 +14,8 @@ load disturbed, the medians show what a busy minute costs (a change that evens o
 What it times: one decode step's float32 linears of the embedded model
 (SmolLM2-135M: 30 layers of q/k/v, o, gate/up and down, random weights packed in panels as the engines pack
 them, ~425 MB, then the tied LM head's greedy argmax over 49152 rows, 113 MB), so the weights stream from
-memory as in a real step. `--what attention`: one decode step's attention instead, 30 layers of
+memory as in a real step; `--what bdot`: the same as QX_BDOT's bfloat16 panels (`--dtype bfloat16` on a CPU with
+AVX512-BF16; half the bytes). `--what attention`: one decode step's attention instead, 30 layers of
 `decode_attention` over paged caches of the embedded model's shape (9 query heads, 3 KV heads of 64, blocks of
 16 tokens, separate K and V caches as the torch backend keeps them, ~380 MB), every row --context tokens long
 in blocks scattered at random as a long-running server's are (`--layout jax`: jaxengine's one cache a layer,
@@ -82,7 +83,7 @@ def main() -> int:
     ap.add_argument("--base", default="HEAD~1", help="the git revision to compare against (default HEAD~1)")
     ap.add_argument("--rows", default="1,8,32,64", help="tokens a step")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--what", choices=("linears", "attention", "layers", "qx"), default="linears")
+    ap.add_argument("--what", choices=("linears", "bdot", "attention", "layers", "qx"), default="linears")
     ap.add_argument("--context", type=int, default=170, help="--what attention / layers: tokens each row attends")
     ap.add_argument("--layout", default="torch", choices=("torch", "jax"),
                     help="--what attention: torch's separate K and V caches, or jaxengine's one cache a layer")
@@ -95,6 +96,7 @@ def main() -> int:
 
     import torch
 
+    from enginecore import qx
     from enginecore.native import CPU_KERNELS_C
     from enginecore.platform import cpu_kernels_unavailable
     from torchengine import cpu_kernels
@@ -123,13 +125,28 @@ def main() -> int:
         return attention(libs, args, threads)
     if args.what == "layers":
         return decode_step(libs, args, threads)
+    bdot = args.what == "bdot"
+    if bdot and not new.bdot_supported():
+        print("no AVX512-BF16 here: QX_BDOT does not run")
+        return 1
     g = torch.Generator().manual_seed(0)
-    layers = [[cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5) for k, n in SHAPES]
-              for _ in range(LAYERS)]
-    head = cpu_kernels.pack_panels(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN ** 0.5)
 
-    print(f"decode step linears of SmolLM2-135M (float32, weights streamed from memory), {threads} thread(s); "
-          f"base {args.base} vs the working tree, best of {args.reps} interleaved")
+    def panels(w):  # float32 panels, or QX_BDOT's (--what bdot)
+        p = cpu_kernels.pack_panels(w)
+        return torch.from_numpy(qx.bdot_panels(new, p.numpy())) if bdot else p
+
+    def gemm(lib, x, M, K, w, N, y, best):
+        rc = (lib.qx_gemm(x, M, K, w, N, y, best, cpu_kernels.QX_KINDS["BDOT"], threads) if bdot
+              else lib.panel_gemm(x, M, K, w, N, y, best, threads))
+        if rc:
+            raise RuntimeError("the kernel refused its arguments")
+
+    layers = [[panels(torch.randn(n, k, generator=g) / k ** 0.5) for k, n in SHAPES] for _ in range(LAYERS)]
+    head = panels(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN ** 0.5)
+
+    print(f"decode step linears of SmolLM2-135M ({'QX_BDOT, ~270 MB' if bdot else 'float32, ~540 MB'}, weights "
+          f"streamed from memory), {threads} thread(s); base {args.base} vs the working tree, best of {args.reps} "
+          "interleaved")
     print(f"{'rows':>5}  {'base ms':>8}  {'new ms':>8}  {'base GFLOP/s':>12}  {'new GFLOP/s':>11}  {'speedup':>7}  {'median':>7}")
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
@@ -139,11 +156,8 @@ def main() -> int:
             lib, (ys, best) = libs[name], outs[name]
             for l, ws in enumerate(layers):
                 for j, ((k, n), w) in enumerate(zip(SHAPES, ws)):
-                    if lib.panel_gemm(xs[k].data_ptr(), M, k, w.data_ptr(), n, ys[l, j].data_ptr(), None, threads):
-                        raise RuntimeError("panel_gemm refused its arguments")
-            if lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head.data_ptr(), VOCAB, None, best.data_ptr(),
-                              threads):
-                raise RuntimeError("panel_gemm refused its arguments")
+                    gemm(lib, xs[k].data_ptr(), M, k, w.data_ptr(), n, ys[l, j].data_ptr(), None)
+            gemm(lib, xs[HIDDEN].data_ptr(), M, HIDDEN, head.data_ptr(), VOCAB, None, best.data_ptr())
 
         for name in libs:
             step(name)

@@ -1962,9 +1962,9 @@ BDOT_TARGET static inline __attribute__((always_inline)) void bdot_tile(const in
 #define BDOT_TILE(R)                                                                                     \
     case R:                                                                                              \
         if (two)                                                                                         \
-            bdot_tile(R, 2, xm, K2, wp, pw, p * 16, N, ym, bm, pfi, rate, pk);                       \
+            bdot_tile(R, 2, xm, K2, wp, pw, p * 16, N, ym, bm, pfi, rate, pk);                           \
         else                                                                                             \
-            bdot_tile(R, 1, xm, K2, wp, pw, p * 16, N, ym, bm, pfi, rate, pk);                       \
+            bdot_tile(R, 1, xm, K2, wp, pw, p * 16, N, ym, bm, pfi, rate, pk);                           \
         break;
 
 // panels [p0, p1), two at a time, for all M rows in tiles of up to BDOT_ROWS as even as they go (xb:
