@@ -465,8 +465,8 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
     packed = pack_onto_huge_pages(groups, bdot=bdot, keep=("head",) if tied and bdot else ())
     if bdot:
         kind = QX_KINDS["BDOT"]
-        panels = CpuPanels(None, None, None, None, None, **{f"{g}_qx": a for g, a in packed.items()},
-                           qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)
+        panels = CpuPanels(**dict.fromkeys(packed), **{f"{g}_qx": a for g, a in packed.items()},
+                           qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)  # (no float32 panels)
     else:
         panels = CpuPanels(**packed)
     return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=panels)

@@ -2056,10 +2056,11 @@ int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float
 }
 
 // this thread's scratch for x [M, K] rounded (bdot_round), what qx_gemm and qx_gemm_part multiply QX_BDOT's
-// panels by; NULL where QX_BDOT cannot run here, or out of memory
+// panels by (their callers have checked M and K: qx_panel_bytes); NULL where QX_BDOT cannot run here, or out of
+// memory
 static uint32_t *bdot_buffer(int M, int K) {
 #ifdef XLASERVE_BDOT
-    return bdot_supported() && M >= 0 && K > 0 && K % 32 == 0 ? bdot_scratch((size_t)M * K / 2) : NULL;
+    return bdot_supported() ? bdot_scratch((size_t)M * K / 2) : NULL;
 #else
     (void)M, (void)K;
     return NULL;
