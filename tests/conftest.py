@@ -3,13 +3,17 @@
 Environment set here, before any test module imports jax or triton:
 - 8 fake CPU devices for sharding tests (jax reads XLA_FLAGS once);
 - TRITON_INTERPRET=1 when no NVIDIA GPU is present;
-- no hub access, ever.
+- no hub access, ever;
+- the jax backend's XLA compile cache in a folder of this run's own, removed when it ends (nothing written to
+  the user's ~/.cache/xlaserve/xla, nothing left in /tmp to grow run after run).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,10 +24,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 HAS_GPU = bool(glob.glob("/dev/nvidia[0-9]*"))
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+_XLA_CACHE = None if "VLLM_XLA_CACHE_PATH" in os.environ else tempfile.mkdtemp(prefix="xlaserve-test-xla-cache-")
+if _XLA_CACHE:
+    os.environ["VLLM_XLA_CACHE_PATH"] = _XLA_CACHE
 
 import pytest  # noqa: E402
 
 from tests.outputs import assert_same_outputs  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,15 +11,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import numpy as np
+import pytest
 
-os.environ.setdefault("VLLM_XLA_CACHE_PATH", os.path.join(tempfile.gettempdir(), "xlaserve_jax_test_xla_cache"))
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from enginecore import LLM, SamplingParams  # noqa: E402
+from enginecore import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

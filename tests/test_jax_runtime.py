@@ -4,12 +4,9 @@ tensor parallelism on 8 fake CPU devices, orbax round trip, and the Pallas kerne
 from __future__ import annotations
 
 import os
-import tempfile
 
-os.environ.setdefault("VLLM_XLA_CACHE_PATH", os.path.join(tempfile.gettempdir(), "xlaserve_jax_test_xla_cache"))
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 jax = pytest.importorskip("jax")
 
