@@ -33,15 +33,20 @@ QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16
 # scales and offsets per 16)
 GGUF_TYPES = tuple(t for form in GGUF_FORMS for t in form.TYPES)
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
-# ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's); rebuilding the weights for every
-# few rows costs more than streaming float32 from ~10 (Q4) or ~16 (BF16) rows on (a decode step's linears,
-# SmolLM2-135M, 2-core Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x
-# at 8, 0.8x at 12; BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8
-# 2.2x at 1, 1.6x at 4, 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4). BDOT: every step (no float32 panels)
+# ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's), until rebuilding the weights
+# costs more than streaming float32 (`max_rows(lib)` picks the table of the tiles that run). QX_MAX_ROWS: the
+# 256-bit tiles, which rebuild them for every 4 (BF16, F16: 6) rows (a decode step's linears, SmolLM2-135M, 2-core
+# Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x at 8, 0.8x at 12;
+# BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8 2.2x at 1, 1.6x at 4,
+# 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4). QX512_MAX_ROWS: the AVX-512 tiles, which rebuild them once
+# for up to 16 rows (session 36, the same machine: Q4_1, Q4_K, I8 and IQ4 1.8-2.9x at 1 row, 1.9x at 4, 1.35-1.4x
+# at 8, 1.05-1.07x at 12, 1.05-1.12x at 16, 1.01-1.05x at 20, 0.91-0.93x at 24; BF16 and F16 1.2x at 16, 1.15x at
+# 20, 1.03x at 24). BDOT: every step (no float32 panels)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
                QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12, QX_KINDS["IQ4"]: 8,
                QX_KINDS["BDOT"]: 1 << 30}
-MAX_QX_ROWS = max(QX_MAX_ROWS.values())
+QX512_MAX_ROWS = {**{k: 20 for k in QX_MAX_ROWS}, QX_KINDS["BF16"]: 24, QX_KINDS["F16"]: 24,
+                  QX_KINDS["BDOT"]: 1 << 30}
 # bytes of a panel's group of 32 k (the C file's qx_group_bytes): 16 scales and 16 offsets (float16), then 32 k
 # of 16 nibbles; Q8_0 16 scales, then 32 k of 16 bytes; BF16 32 k of 16 bfloat16s; Q4_K Q4_1's with float32
 # scales and offsets; I8 float32 scales and offsets of k 0-15, then of k 16-31, then 32 k of 16 int8s; F16 as BF16;
@@ -62,6 +67,12 @@ def layout_matches(lib) -> bool:
     group in QX_GROUP_BYTES bytes, and no other kind: the packers here and the C reader agree."""
     return (all(lib.qx_panel_bytes(k, 32) == b for k, b in QX_GROUP_BYTES.items())
             and lib.qx_panel_bytes(max(QX_KINDS.values()) + 1, 32) == -1)
+
+
+def max_rows(lib) -> dict[int, int]:
+    """The row limits of the tiles the kernels' library `lib` (either backend's build, or None) runs here: its
+    AVX-512 ones where it has them (`qx512_use`), else the 256-bit ones."""
+    return QX512_MAX_ROWS if lib is not None and lib.qx512_use(-1) else QX_MAX_ROWS
 
 
 def enabled() -> bool:

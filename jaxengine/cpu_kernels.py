@@ -81,6 +81,13 @@ def lib() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=None)
+def qx_max_rows() -> dict[int, int]:
+    """Steps of at most qx_max_rows()[kind] tokens multiply a linear's qx panels of that kind, more its float32
+    ones (`enginecore.qx.max_rows`: the limits of the tiles that run on this CPU)."""
+    return qx.max_rows(lib())
+
+
+@functools.lru_cache(maxsize=None)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the library, its custom calls registered, "") or (None, why not)."""
     why = cpu_kernels_unavailable()
@@ -119,6 +126,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib.qx_panel_bytes.restype = ctypes.c_long
         lib.pack_bdot_panels.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         lib.pack_bdot_panels.restype = ctypes.c_int
+        lib.qx512_use.argtypes = [ctypes.c_int]
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
     if not qx.layout_matches(lib):

@@ -90,7 +90,7 @@ class CpuPanels:
     head: jax.Array | None  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
     # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kinds' kind
     # (`enginecore.qx`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
-    # steps of up to `QX_MAX_ROWS[kind]` tokens multiply them instead (the same bits, fewer bytes)
+    # steps of up to `cpu_kernels.qx_max_rows()[kind]` tokens multiply them instead (the same bits, fewer bytes)
     qkv_qx: jax.Array | None = None
     o_qx: jax.Array | None = None
     gate_up_qx: jax.Array | None = None
@@ -102,11 +102,11 @@ class CpuPanels:
     def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
         """(group's qx panels, their kind) for a step of `rows` tokens, or (None, -1) where the float32 panels
         run it."""
-        from enginecore.qx import QX_MAX_ROWS
+        from jaxengine.cpu_kernels import qx_max_rows
 
         kind = self.head_qx_kind if group == "head" else self.qx_kinds[QX_LINEARS.index(group)]
         qx = getattr(self, f"{group}_qx")
-        return (qx, kind) if qx is not None and kind >= 0 and rows <= QX_MAX_ROWS[kind] else (None, -1)
+        return (qx, kind) if qx is not None and kind >= 0 and rows <= qx_max_rows()[kind] else (None, -1)
 
 
 @jax.tree_util.register_dataclass
@@ -356,10 +356,10 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
     bias = none if lp.q_bias is None else jnp.concatenate(
         [b.reshape(L, -1) for b in (lp.q_bias, lp.k_bias, lp.v_bias)], axis=1)
     R = md.kv_lens.shape[0]
-    from enginecore.qx import QX_MAX_ROWS
+    from jaxengine.cpu_kernels import qx_max_rows
 
     present = [k for q, k in zip((p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx), p.qx_kinds) if q is not None]
-    rows = min((QX_MAX_ROWS[k] for k in present), default=0)
+    rows = min((qx_max_rows()[k] for k in present), default=0)
     f32 = [none if w is None else w for w in (p.qkv, p.o, p.gate_up, p.down)]  # (None: QX_BDOT's take every step)
     return layers(x, lp.attn_norm, lp.mlp_norm, *f32, bias,
                   none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,

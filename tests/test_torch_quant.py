@@ -31,6 +31,22 @@ def source():
     return resolve_model(None)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def qx_tiles(request):
+    """qx_gemm multiplying with its AVX-512 tiles (where the CPU has them) or its 256-bit ones: the same bits."""
+    from torchengine import cpu_kernels
+
+    lib = cpu_kernels.lib()
+    if lib is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    wide = request.param == "avx512"
+    if wide and not lib.qx512_use(-1):
+        pytest.skip("no AVX-512 here (or built without it)")
+    before = lib.qx512_use(int(wide))
+    yield request.param
+    lib.qx512_use(before)
+
+
 def test_int4_groups_equal_the_gguf_dequantizer(source):
     groups = dict(source.iter_quantized_weights(("Q4_0", "Q4_1")))
     assert len(groups) == 7 * source.config.num_hidden_layers  # q k v o gate up down, all Q4_1
@@ -148,11 +164,11 @@ def _loader_weights(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | Non
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (200, 1536)])
-def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind):
+def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind, qx_tiles):
     """A GGUF file's Q4_1 / Q4_0 blocks multiplied as they are stored (qx_gemm) give the bits of panel_gemm
     over the weights the loader serves (enginecore/gguf_dequant.c from the same raw blocks; Int4Groups'
-    numpy form agrees with it): every row count of the kernel's tiles (4-row tiles, 1-3-row tails, two of
-    them), a partial last panel, one group of 32 and many, negative scales (Q4_0's zeros then signed)."""
+    numpy form agrees with it): every row count of the kernel's tiles (256-bit: 4-row tiles, 1-3-row tails, two
+    of them; AVX-512: one to three tiles of up to 16 rows), a partial last panel, one group of 32 and many, negative scales (Q4_0's zeros then signed)."""
     from torchengine import cpu_kernels
 
     lib, why = cpu_kernels.load()
@@ -168,7 +184,7 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind):
         np.testing.assert_array_equal(Int4Groups(q, d, m).dequantize(), w)
     panels = cpu_kernels.pack_panels(torch.from_numpy(w))
     blocks = cpu_kernels.pack_q4x(q, d, None if kind == "Q4_0" else m)
-    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS[kind]),
                            cpu_kernels.panel_gemm(lib, x, panels, N))
@@ -177,7 +193,7 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind):
 
 
 @pytest.mark.parametrize("N,K", [(1003, 576), (40, 64)])
-def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     """An LM head stored as Q8_0 (the embedded model's), multiplied as stored: panel_gemm's logits over the
     weights the loader serves to the bit, and its greedy tokens, ties included (the lowest index, as
     torch.argmax), with a vocabulary that is not a multiple of 16 or 8."""
@@ -197,7 +213,7 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     np.testing.assert_array_equal(g.dequantize(), w)
     panels = cpu_kernels.pack_panels(torch.from_numpy(w))
     blocks = cpu_kernels.pack_q8x(g.q, g.scale)
-    for M in (1, 3, 4, 7, 8):
+    for M in (1, 3, 4, 7, 8, 16, 20):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         logits = cpu_kernels.panel_gemm(lib, x, panels, N)
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"]), logits)
@@ -208,7 +224,7 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
-def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     """A float16-exact float32 weight multiplied as its float16s (qx_gemm's QX_F16 panels: a float16 checkpoint or
     a GGUF file's F16 tensor served in float32) gives panel_gemm's bits, every tile row count, signed zeros and
     subnormal float16s among the weights, and its greedy tokens; half_kind prefers BF16 where both hold."""
@@ -228,7 +244,7 @@ def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     assert qx.half_kind(cpu_kernels.pack_panels(w.bfloat16().float()).numpy()) == cpu_kernels.QX_KINDS["BF16"]
     halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), f16))
     assert lib.qx_mismatches(halves.numpy().ctypes.data, f16, K, N, panels.numpy().ctypes.data) == 0
-    for M in (1, 2, 5, 6, 7, 12, 13):
+    for M in (1, 2, 5, 6, 7, 12, 13, 16, 24):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16), cpu_kernels.panel_gemm(lib, x, panels, N))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16, greedy=True),
@@ -236,7 +252,7 @@ def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
-def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
+def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     """A bfloat16-exact float32 weight multiplied as its high halves (qx_gemm's QX_BF16 panels: a bfloat16
     checkpoint served in float32) gives panel_gemm's bits: every row count of the kernel's tiles (6-row tiles,
     1-5-row tails, two and three tiles), a partial last panel, one group of 32 and many, signed zeros and
@@ -255,7 +271,7 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K):
     panels = cpu_kernels.pack_panels(w)
     halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), cpu_kernels.QX_KINDS["BF16"]))
     bf16 = cpu_kernels.QX_KINDS["BF16"]
-    for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 18):
+    for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 18, 24):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16), cpu_kernels.panel_gemm(lib, x, panels, N))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16, greedy=True),
@@ -385,7 +401,7 @@ def _q4_k_blocks(rng, N: int, K: int) -> np.ndarray:
     return np.concatenate([dd.view(np.uint8), rest], axis=1).reshape(-1)
 
 
-def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits():
+def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(qx_tiles):
     """A GGUF file's Q4_K weight (llama.cpp's Q4_K_M files store most linears so): its groups (Int4Groups.from_gguf:
     scale d * sc, offset -(dmin * mn), float32, not float16s) give the loader's float32 weights (the gguf
     package's dequantization) bit for bit; the qx panels of kind Q4_K (`q4_kind`) rebuild them (qx_mismatches 0)
@@ -415,7 +431,7 @@ def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
     packed, k = qx.gguf_panels(lib, "w", g, panels.numpy())
     assert k == kind and packed.shape == qx.qx_shape(N, K, kind)
     blocks = torch.from_numpy(packed)
-    for M in (1, 2, 3, 4, 5, 8, 9):
+    for M in (1, 2, 3, 4, 5, 8, 9, 16, 17):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
@@ -464,7 +480,7 @@ IQ4_BLOCKS = {"IQ4_NL": (18, 32, (0,)), "IQ4_XS": (136, 256, (0,))}
 
 
 @pytest.mark.parametrize("ty", IQ4_BLOCKS)
-def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty):
+def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty, qx_tiles):
     """llama.cpp's IQ4_NL (d * one of 16 int8 values a nibble indexes; its IQ4_XS files store it where a row is
     not whole super-blocks of 256, as SmolLM2's 576 are not) and IQ4_XS ((d * (sc - 32)) * value, six-bit sc a
     sub-block of 32), read as Iq4Groups from random bytes (every index and scale pattern; d of both signs, some
@@ -504,7 +520,7 @@ WIDE_BLOCKS = {"Q6_K": (210, 256, (208,)), "Q5_K": (176, 256, (0, 2)), "Q3_K": (
 
 
 @pytest.mark.parametrize("ty", [*WIDE_BLOCKS, "Q4_1", "Q4_0", "Q8_0"])
-def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty):
+def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits(ty, qx_tiles):
     """The wide form (WideGroups, QX_I8 panels: int8 weights, float32 scales and offsets per 16): a GGUF file's
     Q6_K, Q5_K, Q3_K, Q2_K and Q5_1 read as it (the gguf package's dequantization bit for bit, random bytes but
     for the float16s: every scale, mask and nibble pattern), and the other forms converted to it
@@ -552,7 +568,7 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
 
 def _check_gguf_panels(lib, g, want: np.ndarray, kind_name: str, rng) -> None:
     """A GGUF weight's groups `g` pack into qx panels of `kind_name` (`gguf_panels`' check passes against the
-    loaded float32 weights `want`) that multiply to panel_gemm's bits, logits and greedy tokens, 1 to 9 rows; two
+    loaded float32 weights `want`) that multiply to panel_gemm's bits, logits and greedy tokens, 1 to 17 rows; two
     weights one ulp off (k 5 and K - 3: in the wide form under a group's first scale and its second) are
     counted."""
     from enginecore import qx
@@ -563,7 +579,7 @@ def _check_gguf_panels(lib, g, want: np.ndarray, kind_name: str, rng) -> None:
     packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
     assert kind == qx.QX_KINDS[kind_name] and packed.shape == qx.qx_shape(N, K, kind)
     blocks = torch.from_numpy(packed)
-    for M in (1, 2, 3, 4, 5, 9):
+    for M in (1, 2, 3, 4, 5, 9, 16, 17):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
         assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
@@ -742,7 +758,7 @@ def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engin
     assert all(m.qx_kind == cpu_kernels.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_qx is not None
     layers = runner._decode_layers()
     assert layers is not None and layers.layers[0].down_qx is not None
-    assert layers.layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[cpu_kernels.QX_KINDS["Q4_1"]]
+    assert layers.layers[0].qx_rows == cpu_kernels.qx_max_rows()[cpu_kernels.QX_KINDS["Q4_1"]]
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 5 * i))} for i in range(3)]
     _same_with_and_without_qx(f, lins, prompts, one_call_vs_python_layers)
 
@@ -778,7 +794,7 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
 def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
         dtype, tiny_bf16_llama_dir, tiny_f16_llama_dir, one_call_vs_python_layers):
     """A bfloat16 (or float16) checkpoint served in float32 (the CPU's default): every linear and the LM head also
-    keep their weights in those 16 bits (attach_qx), which decode steps of up to QX_MAX_ROWS[kind] rows multiply:
+    keep their weights in those 16 bits (attach_qx), which decode steps of up to qx_max_rows()[kind] rows multiply:
     the same tokens and logprobs, to the bit, as the float32 weights alone."""
     from torchengine import cpu_kernels
 
@@ -793,7 +809,7 @@ def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
         assert len(lins) == 4 * runner.model.arch.num_hidden_layers
         kind = cpu_kernels.QX_KINDS["BF16" if dtype == "bfloat16" else "F16"]
         assert all(m.qx_kind == kind for m in lins) and runner.model.head_qx_kind == kind
-        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.QX_MAX_ROWS[kind]
+        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.qx_max_rows()[kind]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
         _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
     finally:

@@ -1996,6 +1996,139 @@ BDOT_TARGET static void bdot_panels(const uint32_t *xb, int M, int K, const uint
         }
     }
 }
+
+// QX kinds other than QX_BDOT on a CPU with AVX-512 (qx512_use): a tile's rows, up to QX512_ROWS, times one panel's
+// 16 columns, one 512-bit sum a row. A k's 16 weights are rebuilt once for all the tile's rows (qx_tile's 256-bit
+// tiles of QX_ROWS rows rebuild them for every 4: at 8-16 rows most of its time), with the same operations lane
+// by lane (q converted, times d, plus m), and each output is the same FMA chain over k in ascending order, so the
+// bits are qx_tile's and panel_gemm's. A decode step's linears and greedy head (`bench_kernels_ab --what qx`,
+// session 36, 2-core Zen 4): Q4_1 6.7 -> 5.7 ms at 1 row, 9.9 -> 7.9 at 4, 19.2 -> 12.5 at 8, 28.0 -> 18.3 at 12,
+// 37.2 -> 22.4 at 16 (~188 GFLOP/s, the FMA peak), so enginecore.qx.QX512_MAX_ROWS keeps them to 20 rows.
+#define QX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define QX512_ROWS 16
+
+static int qx512_state = -1;  // -1: not yet asked
+
+static int qx512_cpu(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+static inline int qx512_on(void) {
+    if (qx512_state < 0) qx512_state = qx512_cpu();
+    return qx512_state;
+}
+
+QX512_TARGET static inline __attribute__((always_inline)) void qx512_scales(const int kind, const uint8_t *b,
+                                                                          __m512 *d, __m512 *m) {
+    if (kind == QX_Q4_K || kind == QX_I8 || kind == QX_IQ4) {  // float32 d, then m
+        *d = _mm512_loadu_ps((const float *)b);
+        *m = kind == QX_IQ4 ? *d : _mm512_loadu_ps((const float *)b + 16);
+        return;
+    }
+    *d = QX_HALVES(kind) ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+    *m = kind == QX_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32))) : *d;
+}
+
+QX512_TARGET static inline __attribute__((always_inline)) __m512 qx512_weights(const int kind, const uint8_t *qs,
+                                                                             int kk, __m512 d, __m512 m) {
+    if (kind == QX_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(qs + kk * 32)));
+    if (kind == QX_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(qs + kk * 32))), 16));
+    __m512i q;
+    if (kind == QX_Q8_0 || kind == QX_I8) {
+        q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + kk * 16)));
+    } else {  // rows 0-7 the low nibbles, 8-15 the high ones
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(qs + kk * 8));
+        const __m128i n = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(15));
+        if (kind == QX_IQ4) {
+            const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                                                 113);
+            q = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(values, n));
+        } else {
+            q = _mm512_cvtepu8_epi32(n);
+            if (kind == QX_Q4_0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
+        }
+    }
+    const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+    return kind == QX_Q4_1 || kind == QX_Q4_K || kind == QX_I8 ? _mm512_add_ps(w, m) : w;
+}
+
+QX512_TARGET static inline __attribute__((always_inline)) void qx512_tile(const int R, const int kind, const float *x,
+                                                                        int K, const uint8_t *panel, float *y, int col0,
+                                                                        int N, head_best *best, const uint8_t *pf) {
+    __m512 a[QX512_ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+    const int gb = qx_group_bytes(kind);
+    for (int g = 0; g < K / 32; g++) {
+        const uint8_t *b = panel + (size_t)g * gb, *qs = qx_qs(kind, b);
+        if (pf != NULL)  // the same group of the next panel
+            for (int off = 0; off < gb; off += 64) _mm_prefetch((const char *)pf + (size_t)g * gb + off, _MM_HINT_T1);
+        __m512 d, m;
+        qx512_scales(kind, b, &d, &m);
+        for (int kk = 0; kk < 32; kk++) {
+            if (kind == QX_I8 && kk == 16) qx512_scales(kind, b + 128, &d, &m);
+            const __m512 w = qx512_weights(kind, qs, kk, d, m);
+            const float *xk = x + g * 32 + kk;
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[(size_t)r * K]), w, a[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        if (best != NULL) {
+            float t[16];
+            _mm512_storeu_ps(t, a[r]);
+            bdot_fold(t, col0, N, best + r);
+        } else {
+            _mm512_mask_storeu_ps(y + (size_t)r * N + col0, col0 + 16 <= N ? 0xFFFF : (1u << (N - col0)) - 1, a[r]);
+        }
+    }
+}
+
+#define QX512_TILE(R) \
+    case R: qx512_tile(R, kind, xm, K, w + p * pb, ym, p * 16, N, bm, pf); break;
+
+// qx_panels on AVX-512: panels [p0, p1) for all M rows in tiles of up to QX512_ROWS as even as they go; the first
+// tile of a panel prefetches the next one into L2, a group at a time
+QX512_TARGET static inline __attribute__((always_inline)) void qx512_panels(const int kind, const float *x, int M,
+                                                                          int K, const uint8_t *w, int N, float *y,
+                                                                          head_best *best, int p0, int p1) {
+    const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
+    const int tiles = (M + QX512_ROWS - 1) / QX512_ROWS;
+    for (int p = p0; p < p1; p++)
+        for (int i = 0, m = 0; i < tiles; i++) {
+            const int m1 = (int)((long)M * (i + 1) / tiles);
+            const float *xm = x + (size_t)m * K;
+            float *ym = y;
+            head_best *bm = best == NULL ? NULL : best + m;
+            if (y != NULL) ym = y + (size_t)m * N;
+            const uint8_t *pf = M >= 2 && i == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
+            switch (m1 - m) {
+                QX512_TILE(1) QX512_TILE(2) QX512_TILE(3) QX512_TILE(4) QX512_TILE(5) QX512_TILE(6)
+                QX512_TILE(7) QX512_TILE(8) QX512_TILE(9) QX512_TILE(10) QX512_TILE(11) QX512_TILE(12)
+                QX512_TILE(13) QX512_TILE(14) QX512_TILE(15) QX512_TILE(16)
+            }
+            m = m1;
+        }
+}
+
+QX512_TARGET static void qx512_gemm_part(const float *x, int M, int K, const uint8_t *w, int N, float *y,
+                                         head_best *b, int kind, int p0, int p1) {
+    switch (kind) {
+        case QX_Q4_0: qx512_panels(QX_Q4_0, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_Q4_1: qx512_panels(QX_Q4_1, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_Q4_K: qx512_panels(QX_Q4_K, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_I8: qx512_panels(QX_I8, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_F16: qx512_panels(QX_F16, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_IQ4: qx512_panels(QX_IQ4, x, M, K, w, N, y, b, p0, p1); break;
+        case QX_Q8_0: qx512_panels(QX_Q8_0, x, M, K, w, N, y, b, p0, p1); break;
+        default: qx512_panels(QX_BF16, x, M, K, w, N, y, b, p0, p1); break;
+    }
+}
 #endif
 
 // float32 panels [npanels, K, 16] (pack_panels_f32's) -> QX_BDOT's [npanels, K / 2, 16, 2] bfloat16s: each weight
@@ -2067,6 +2200,20 @@ static uint32_t *bdot_buffer(int M, int K) {
 #endif
 }
 
+// Whether qx_gemm runs its AVX-512 tiles (qx512_panels): where built with them, on a CPU with AVX-512. `set` 0
+// turns them off, 1 back on where the CPU has them (the tests multiply with both tiles), -1 only asks. Returns
+// the state before. Not for steps in flight: the kernels read it without a lock.
+int qx512_use(int set) {
+#ifdef XLASERVE_BDOT
+    const int before = qx512_on();
+    if (set >= 0) qx512_state = set && qx512_cpu();
+    return before;
+#else
+    (void)set;
+    return 0;
+#endif
+}
+
 // qx_gemm's panels [p0, p1) on the calling thread: y, or with `best` (y NULL) the M rows' running maxima (M
 // head_best, head_best_init'ed). jaxengine's custom calls share the panels between XLA's threads with it.
 // Returns 0, -1 for bad arguments.
@@ -2081,6 +2228,12 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         uint32_t *xb = bdot_buffer(M, K);
         return xb == NULL || bdot_round(x, M, K, xb) != 0 ? -1 : bdot_gemm_part(xb, M, K, w, N, y, best, p0, p1);
     }
+#ifdef XLASERVE_BDOT
+    if (qx512_on()) {
+        qx512_gemm_part(x, M, K, wb, N, y, b, kind, p0, p1);
+        return 0;
+    }
+#endif
     switch (kind) {
         case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
         case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;

@@ -18,7 +18,7 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
   of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
   `torchengine.quant.attach_qx`; the K-quants' forms too), or from a bfloat16-exact (float16-exact) weight's 16
-  bits (`enginecore.qx.half_panels`): a decode step of up to `QX_MAX_ROWS[kind]` rows reads a sixth (Q4) to half
+  bits (`enginecore.qx.half_panels`): a decode step of up to `qx_max_rows()[kind]` rows reads a sixth (Q4) to half
   (BF16, F16) of the bytes;
 - `qx_gemm` of kind QX_BDOT: not a form of the float32 weights but bfloat16 products (`VDPBF16PS`, built with
   a target attribute, run where `bdot_supported()`: a CPU with AVX512-BF16): `--dtype bfloat16` on such a CPU
@@ -50,7 +50,7 @@ import torch
 from enginecore import qx
 from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared, huge_page_array
 from enginecore.platform import cpu_kernels_unavailable
-from enginecore.qx import MAX_QX_ROWS, QX_GROUP_BYTES, QX_KINDS, QX_MAX_ROWS  # noqa: F401 (this module's API too)
+from enginecore.qx import QX_GROUP_BYTES, QX_KINDS  # noqa: F401 (this module's API too)
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -95,6 +95,13 @@ def lib() -> ctypes.CDLL | None:
     return load()[0]
 
 
+@functools.lru_cache(maxsize=None)
+def qx_max_rows() -> dict[int, int]:
+    """Steps of at most qx_max_rows()[kind] rows multiply a weight's qx panels of that kind, more its float32 ones
+    (`enginecore.qx.max_rows`: the limits of the tiles that run on this CPU)."""
+    return qx.max_rows(lib())
+
+
 def lib_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library if every tensor is a float32 CPU tensor (and it runs here), else None. Callers check the
     layouts their kernel needs."""
@@ -136,6 +143,7 @@ _SIGNATURES = {
     "qx_mismatches": "l: p i i i p",
     "qx_panel_bytes": "l: i i",
     "bdot_supported": "",
+    "qx512_use": "i",
     "pack_bdot_panels": "p l i p",
 }
 
@@ -492,13 +500,13 @@ class DecodeLayers:
                 setattr(c, f"{name}_rows", rows)
             # each linear's qx panels (a GGUF file's blocks or a bfloat16 checkpoint's halves of the same float32
             # weights), where it has them, for steps of up to the fewest rows their kinds take
-            c.qx_rows = 0
+            c.qx_rows, limits = 0, qx_max_rows()
             for name, m in mods.items():
                 t = getattr(m, "qx", None)
                 if t is not None and _qx_shape_ok(t, m.out_features, m.in_features, m.qx_kind):
                     setattr(c, f"{name}_qx", ptr(t))
                     setattr(c, f"{name}_qx_kind", m.qx_kind)
-                    c.qx_rows = min(c.qx_rows or MAX_QX_ROWS, QX_MAX_ROWS[m.qx_kind])
+                    c.qx_rows = min(c.qx_rows or limits[m.qx_kind], limits[m.qx_kind])
                     self.qx.append(t)
 
     @classmethod

@@ -122,7 +122,7 @@ class Linear(_Loaded, nn.Linear):
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
     # this float32 weight as a GGUF file's Q4_1 or Q4_0 blocks, or as bfloat16 where every value is one
     # (`torchengine.quant.attach_qx`; qx_kind: cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of
-    # up to cpu_kernels.QX_MAX_ROWS[qx_kind] rows (the same bits). QX_BDOT (`Transformer.pack_cpu_weights(bdot=
+    # up to cpu_kernels.qx_max_rows()[qx_kind] rows (the same bits). QX_BDOT (`Transformer.pack_cpu_weights(bdot=
     # True)`): the weight in bfloat16 for every step, `panels` None
     qx: torch.Tensor | None = None
     qx_kind = cpu_kernels.QX_KINDS["Q4_1"]
@@ -155,7 +155,7 @@ class Linear(_Loaded, nn.Linear):
         if self.panels is not None or self.qx is not None:
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
-            if self.qx is not None and x.shape[0] <= cpu_kernels.QX_MAX_ROWS[self.qx_kind]:
+            if self.qx is not None and x.shape[0] <= cpu_kernels.qx_max_rows()[self.qx_kind]:
                 y = cpu_kernels.qx_gemm(cpu_kernels.lib(), x, self.qx, self.out_features, self.qx_kind)
             else:
                 y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
         self.lm_head_small_rows = 0
         # the LM head as a GGUF file's Q8_0 blocks, or as bfloat16 where every value is one
         # (`torchengine.quant.attach_qx`): `cpu_kernels.qx_gemm`'s panels of the same weights, of head_qx_kind,
-        # for steps of up to cpu_kernels.QX_MAX_ROWS[head_qx_kind] rows (the same bits)
+        # for steps of up to cpu_kernels.qx_max_rows()[head_qx_kind] rows (the same bits)
         self.head_qx: torch.Tensor | None = None
         self.head_qx_kind = cpu_kernels.QX_KINDS["Q8_0"]
         self.embed = _Embedding(arch.vocab_size, arch.hidden_size)
@@ -355,7 +355,7 @@ class Transformer(nn.Module):
 
     def _head_qx(self, rows: int) -> bool:
         """Whether `rows` rows multiply the LM head's qx panels (`head_qx`) instead of its float32 ones."""
-        return self.head_qx is not None and rows <= cpu_kernels.QX_MAX_ROWS[self.head_qx_kind]
+        return self.head_qx is not None and rows <= cpu_kernels.qx_max_rows()[self.head_qx_kind]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
