@@ -5,7 +5,7 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8|iq4]
+    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8|iq4] [--qx-tiles avx2]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -29,14 +29,15 @@ write and attention; random weights, the attention's scattered float32 caches), 
 between the kernels (e.g. fetching the next layer's cache during this one's MLP) is timed as a step sees it.
 `--what qx`: no base; the working tree's decode step linears and greedy head from float32 panels
 (`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
-(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `QX_MAX_ROWS` rows), the same bits
+(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `qx_max_rows()` rows), the same bits
 (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
 `--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
 and linears of mixed types); `--qx-kind iq4`: 4-bit indices into IQ4_NL's 16 values with float32 scales (a GGUF
 file's IQ4_NL and IQ4_XS, kind QX_IQ4);
 `--qx-kind bf16` (f16): bfloat16-exact (float16-exact) weights against the same as those 16 bits (what a bfloat16
 checkpoint served in float32 runs); `--qx-kind bdot`: the same bfloat16 weights multiplied by activations rounded to
-bfloat16 (QX_BDOT, `--dtype bfloat16` on a CPU with AVX512-BF16: other bits, not compared).
+bfloat16 (QX_BDOT, `--dtype bfloat16` on a CPU with AVX512-BF16: other bits, not compared). On a CPU with AVX-512
+`qx_gemm` runs its AVX-512 tiles, `--qx-tiles avx2` its 256-bit ones (a CPU without AVX-512's).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> int:
     ap.add_argument("--qx-kind", default="q4", choices=("q4", "q4k", "i8", "iq4", "bf16", "f16", "bdot"),
                     help="--what qx: a GGUF's Q4_1 (q4k: Q4_K; i8: the wide form) blocks and Q8_0 head, or "
                          "bfloat16-exact weights as bfloat16 (bdot: bfloat16 products, --dtype bfloat16 on AVX512-BF16)")
+    ap.add_argument("--qx-tiles", default="auto", choices=("auto", "avx2"),
+                    help="--what qx: avx2 runs qx_gemm's 256-bit tiles where it would run its AVX-512 ones")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="--what attention: the working tree's cache dtype (the base's is float32)")
     args = ap.parse_args()
@@ -360,6 +363,9 @@ def qx_step(args, threads: int) -> int:
     if args.qx_kind == "bdot" and not lib.bdot_supported():
         print("no AVX512-BF16 here: QX_BDOT does not run")
         return 1
+    if args.qx_tiles == "avx2":
+        lib.qx512_use(0)
+    tiles = "AVX-512" if lib.qx512_use(-1) else "256-bit"
     rng = np.random.default_rng(0)
 
     def f16(shape, s):
@@ -409,7 +415,7 @@ def qx_step(args, threads: int) -> int:
         kinds = cpu_kernels.QX_KINDS[name], cpu_kernels.QX_KINDS["Q8_0"]
         what = f"{name} blocks and a Q8_0 head as stored (qx_gemm, ~{ {'Q4_K': 110, 'I8': 190}.get(name, 100)} MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
-          f"(panel_gemm, ~540 MB) vs {what}, the same weights, best of {args.reps} interleaved")
+          f"(panel_gemm, ~540 MB) vs {what} in {tiles} tiles, the same weights, best of {args.reps} interleaved")
     print(f"{'rows':>5}  {'f32 ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'speedup':>7}  {'median':>7}")
     nbytes = {"f32": 4 * (LAYERS * sum(k * n for k, n in SHAPES) + VOCAB * HIDDEN)}
     nbytes["qx"] = (nbytes["f32"] // 2 if bf16 else
