@@ -1702,6 +1702,22 @@ int panel_gemm(const float *x, int M, int K, const float *wp, int V, float *y, i
 #define QX_ROWS 4  // rows a tile: 2 accumulators a row, the group's d and m, the weights and one activation
 #define QX_BF16_ROWS 6  // (no d and m: 12 accumulators)
 
+// fn(KIND, ...) with `kind` (any but QX_BDOT) as a constant: each kind's own copy of an always-inline fn
+#define QX_BY_KIND(kind, fn, ...)                        \
+    switch (kind) {                                      \
+        case QX_Q4_0: fn(QX_Q4_0, __VA_ARGS__); break;   \
+        case QX_Q4_1: fn(QX_Q4_1, __VA_ARGS__); break;   \
+        case QX_Q4_K: fn(QX_Q4_K, __VA_ARGS__); break;   \
+        case QX_I8: fn(QX_I8, __VA_ARGS__); break;       \
+        case QX_F16: fn(QX_F16, __VA_ARGS__); break;     \
+        case QX_IQ4: fn(QX_IQ4, __VA_ARGS__); break;     \
+        case QX_Q8_0: fn(QX_Q8_0, __VA_ARGS__); break;   \
+        default: fn(QX_BF16, __VA_ARGS__); break;        \
+    }
+
+// IQ4_NL's 16 values, which QX_IQ4's nibbles index (a byte shuffle)
+#define QX_IQ4_VALUES() _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
 static inline int qx_group_bytes(int kind) {
     return QX_HALVES(kind) ? 32 * 32 : kind == QX_Q8_0 ? 32 + 32 * 16 : kind == QX_Q4_K ? 128 + 32 * 8
            : kind == QX_I8 ? 256 + 32 * 16 : 64 + 32 * 8;
@@ -1747,7 +1763,7 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
     __m256i q0, q1;
     if (kind == QX_IQ4) {  // the nibbles index IQ4_NL's values (pshufb), rows 0-7 the low ones
         const __m128i v = _mm_loadl_epi64((const __m128i *)(qs + kk * 8)), f = _mm_set1_epi8(15);
-        const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        const __m128i values = QX_IQ4_VALUES();
         q0 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(values, _mm_and_si128(v, f)));
         q1 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(v, 4), f)));
     } else if (kind == QX_Q8_0 || kind == QX_I8) {
@@ -1885,7 +1901,7 @@ long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
 // 35, the embedded model's decode linears, 16 rows 12.0-12.2 -> 9.8-9.9 ms, 1.16-1.19x at 12 rows, 1.04-1.10x
 // from 24 to 256; at 1-4 rows, memory-bound, no better, and left alone).
 #if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
-#define XLASERVE_BDOT 1
+#define XLASERVE_BDOT 1  // (a compiler that builds AVX-512 code by target attributes: qx512_panels below too)
 #define BDOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define BDOT_ROWS 12
 #define BDOT_PF_ROWS 6
@@ -2044,9 +2060,7 @@ QX512_TARGET static inline __attribute__((always_inline)) __m512 qx512_weights(c
         const __m128i v = _mm_loadl_epi64((const __m128i *)(qs + kk * 8));
         const __m128i n = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(15));
         if (kind == QX_IQ4) {
-            const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                                                 113);
-            q = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(values, n));
+            q = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(QX_IQ4_VALUES(), n));
         } else {
             q = _mm512_cvtepu8_epi32(n);
             if (kind == QX_Q4_0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
@@ -2103,9 +2117,8 @@ QX512_TARGET static inline __attribute__((always_inline)) void qx512_panels(cons
         for (int i = 0, m = 0; i < tiles; i++) {
             const int m1 = (int)((long)M * (i + 1) / tiles);
             const float *xm = x + (size_t)m * K;
-            float *ym = y;
+            float *ym = y == NULL ? NULL : y + (size_t)m * N;
             head_best *bm = best == NULL ? NULL : best + m;
-            if (y != NULL) ym = y + (size_t)m * N;
             const uint8_t *pf = M >= 2 && i == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
             switch (m1 - m) {
                 QX512_TILE(1) QX512_TILE(2) QX512_TILE(3) QX512_TILE(4) QX512_TILE(5) QX512_TILE(6)
@@ -2118,16 +2131,7 @@ QX512_TARGET static inline __attribute__((always_inline)) void qx512_panels(cons
 
 QX512_TARGET static void qx512_gemm_part(const float *x, int M, int K, const uint8_t *w, int N, float *y,
                                          head_best *b, int kind, int p0, int p1) {
-    switch (kind) {
-        case QX_Q4_0: qx512_panels(QX_Q4_0, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_Q4_1: qx512_panels(QX_Q4_1, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_Q4_K: qx512_panels(QX_Q4_K, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_I8: qx512_panels(QX_I8, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_F16: qx512_panels(QX_F16, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_IQ4: qx512_panels(QX_IQ4, x, M, K, w, N, y, b, p0, p1); break;
-        case QX_Q8_0: qx512_panels(QX_Q8_0, x, M, K, w, N, y, b, p0, p1); break;
-        default: qx512_panels(QX_BF16, x, M, K, w, N, y, b, p0, p1); break;
-    }
+    QX_BY_KIND(kind, qx512_panels, x, M, K, w, N, y, b, p0, p1);
 }
 #endif
 
@@ -2234,16 +2238,7 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         return 0;
     }
 #endif
-    switch (kind) {
-        case QX_Q4_0: qx_panels(QX_Q4_0, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_Q4_1: qx_panels(QX_Q4_1, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_Q4_K: qx_panels(QX_Q4_K, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_I8: qx_panels(QX_I8, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_F16: qx_panels(QX_F16, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_IQ4: qx_panels(QX_IQ4, x, M, K, wb, N, y, b, p0, p1); break;
-        case QX_Q8_0: qx_panels(QX_Q8_0, x, M, K, wb, N, y, b, p0, p1); break;
-        default: qx_panels(QX_BF16, x, M, K, wb, N, y, b, p0, p1); break;
-    }
+    QX_BY_KIND(kind, qx_panels, x, M, K, wb, N, y, b, p0, p1);
     return 0;
 }
 
