@@ -157,9 +157,12 @@ def test_decoded_logprobs_equal_prompt_logprobs(tiny_llama):
 def test_the_sampled_rows_alone_through_the_last_layer_give_every_rows_bits(tiny_llama, monkeypatch):
     """A prefill step runs the last layer's o linear and MLP on the rows it samples from alone (the CPU panels
     give a row the same bits whatever the row count); asking for prompt logprobs computes every row. The same
-    tokens and logprob bits either way, through chunked prefill and mixed steps."""
+    tokens and logprob bits either way, through chunked prefill and mixed steps. (The Python layers here; the
+    one-call layers' steps give their bits: test_torch_model.py.)"""
     from torchengine.model import Transformer
+    from torchengine.runner import TorchModelRunner
 
+    monkeypatch.setattr(TorchModelRunner, "_decode_layers", lambda self: None)
     kept = []
     forward = Transformer.forward
 

@@ -195,6 +195,44 @@ def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, promp
             layers(x, torch.tensor([runner.model.rope_cos.shape[0]]), slots, kv, bt)
 
 
+def test_steps_with_prompt_tokens_run_the_layers_in_one_call_too(tiny_model_dir, one_call_vs_python_layers,
+                                                                  monkeypatch):
+    """Prefill steps, and steps where prompt chunks sit beside decodes, run every layer in one C call as well
+    (`DecodeLayers.step`: the attention's decode and prefill groups, the last layer's o linear and MLP on the sampled
+    rows alone): the Python layers' tokens and logprobs to the bit. A step with prompt logprobs keeps the Python
+    layers; groups that do not hold each of the step's tokens once are refused, not read past."""
+    from torchengine import cpu_kernels
+
+    if cpu_kernels.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    llm = torch_llm(tiny_model_dir("llama"), max_num_batched_tokens=16, block_size=8)
+    seen, real = [], cpu_kernels.DecodeLayers.step
+
+    def spy(self, x, positions, slots, decode, prefill, keep):
+        seen.append((0 if decode is None else len(decode[0]), 0 if prefill is None else len(prefill[0]),
+                     x.shape[0], None if keep is None else len(keep)))
+        return real(self, x, positions, slots, decode, prefill, keep)
+
+    monkeypatch.setattr(cpu_kernels.DecodeLayers, "step", spy)
+    reqs = [{"prompt_token_ids": list(range(100 + 7 * i, 100 + 7 * i + n))} for i, n in enumerate((5, 23, 41, 9))]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)):
+        assert one_call_vs_python_layers(llm, reqs, sp)
+    assert any(d > 0 and p > 0 for d, p, _, _ in seen)  # decodes beside prompt chunks
+    assert all(k is not None and k == d + p and k < t for d, p, t, k in seen)  # the sampled rows alone
+    seen.clear()
+    llm.generate(reqs[:2], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert seen == []
+    layers = llm.llm_engine.core.runner._decode_layers()
+    x, pos, slots = torch.zeros(3, 64), torch.arange(3), torch.arange(3)
+    one = (np.array([0]), np.array([1], np.int32), np.zeros((1, 1), np.int32))
+    with pytest.raises(ValueError):  # tokens 1 and 2 in no group
+        real(layers, x, pos, slots, one, None, None)
+    with pytest.raises(ValueError):  # a kept row past the tokens
+        real(layers, x, pos, slots, None, (np.array([0], np.int32), np.array([3], np.int32),
+                                            np.array([3], np.int32), np.zeros((1, 1), np.int32)), np.array([3]))
+
+
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 def test_a_16bit_kv_cache_runs_on_the_kernels(kv_dtype, tiny_model_dir, prompts, one_call_vs_python_layers):
     """--kv-cache-dtype float16 / bfloat16 with float32 weights stays on the CPU kernels, which write and read

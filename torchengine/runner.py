@@ -367,8 +367,8 @@ class TorchModelRunner:
     def _run(self, batch: StepBatch) -> PendingStep:
         T, R = batch.num_tokens, batch.num_reqs
         hidden = None
-        if T == R and not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
-            out = self._decode_on_cpu(batch, layers)
+        if not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
+            out = self._decode_on_cpu(batch, layers) if T == R else self._step_on_cpu(batch, layers)
         else:
             out, hidden = self._forward(batch)
         rows = batch.sample_rows[:R]
@@ -408,6 +408,32 @@ class TorchModelRunner:
         hidden = layers(self.model.embed(torch.from_numpy(ids.astype(np.int64))), torch.from_numpy(positions),
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
+
+    def _step_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput:
+        """Any other step without prompt logprobs (prefill chunks, decodes beside them) on the CPU kernels: every
+        layer in one C call (`DecodeLayers.step`: the Python layers' kernels in their order, their attention
+        groups; the same bits), the last layer's o linear and MLP on the sampled rows alone where
+        `sampled_rows_alone`; then the LM head and sampler as `_decode_on_cpu`'s."""
+        T, R, bs = batch.num_tokens, batch.num_reqs, self.block_size
+        ids = batch.input_ids[:T]
+        src = batch.input_from_row[:T]
+        if (src >= 0).any():
+            ids = np.where(src >= 0, self.last_tokens.numpy()[np.maximum(src, 0)], ids)
+        cu = batch.cu_q_lens[: R + 1].astype(np.int64)
+        q_lens, kv = np.diff(cu), batch.kv_lens[:R].astype(np.int32)
+        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+        tables = lambda idx: i32(batch.block_tables[idx, : -(-int(kv[idx].max()) // bs)])  # noqa: E731
+        dec, pre = np.nonzero(q_lens == 1)[0], np.nonzero(q_lens > 1)[0]
+        decode = (np.ascontiguousarray(cu[dec]), i32(kv[dec]), tables(dec)) if len(dec) else None
+        prefill = (i32(cu[pre]), i32(q_lens[pre]), i32(kv[pre]), tables(pre)) if len(pre) else None
+        rows = np.ascontiguousarray(batch.logits_indices[:R], dtype=np.int64)
+        keep = rows if self.sampled_rows_alone else None
+        hidden = layers.step(self.model.embed(torch.from_numpy(ids.astype(np.int64))),
+                             torch.from_numpy(batch.positions[:T].astype(np.int64)),
+                             torch.from_numpy(self._slot_mapping(batch)[:T]), decode, prefill, keep)
+        if keep is None:
+            hidden = hidden[torch.from_numpy(rows)]
+        return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, R))
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, sampling_tensors) -> SamplerOutput:
         """The LM head and the sampler on `hidden` [R, H] (a row per request): for plain greedy rows the head's
@@ -460,7 +486,8 @@ class TorchModelRunner:
         return self._sample(rows, batch, lambda: st), None
 
     def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
-        """The one-call decode layers for these caches (None off the float32 CPU kernels' path)."""
+        """The one-call layers for these caches (decode steps, and any other without prompt logprobs: `step`), None
+        off the float32 CPU kernels' path."""
         if self.device.type != "cpu":
             return None
         bound = self._decode_layers_bound
