@@ -209,7 +209,7 @@ def test_steps_with_prompt_tokens_run_the_layers_in_one_call_too(tiny_model_dir,
     seen, real = [], cpu_kernels.DecodeLayers.step
 
     def spy(self, x, positions, slots, decode, prefill, keep):
-        seen.append((0 if decode is None else len(decode[0]), 0 if prefill is None else len(prefill[0]),
+        seen.append((0 if decode is None else len(decode.tokens), 0 if prefill is None else len(prefill.q_lens),
                      x.shape[0], None if keep is None else len(keep)))
         return real(self, x, positions, slots, decode, prefill, keep)
 
@@ -223,14 +223,16 @@ def test_steps_with_prompt_tokens_run_the_layers_in_one_call_too(tiny_model_dir,
     seen.clear()
     llm.generate(reqs[:2], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
     assert seen == []
+    from torchengine.attention import DecodeGroup, PrefillGroup
+
     layers = llm.llm_engine.core.runner._decode_layers()
     x, pos, slots = torch.zeros(3, 64), torch.arange(3), torch.arange(3)
-    one = (np.array([0]), np.array([1], np.int32), np.zeros((1, 1), np.int32))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    table = torch.zeros((1, 1), dtype=torch.int32)
     with pytest.raises(ValueError):  # tokens 1 and 2 in no group
-        real(layers, x, pos, slots, one, None, None)
+        real(layers, x, pos, slots, DecodeGroup(torch.tensor([0]), i32(1), table), None, None)
     with pytest.raises(ValueError):  # a kept row past the tokens
-        real(layers, x, pos, slots, None, (np.array([0], np.int32), np.array([3], np.int32),
-                                            np.array([3], np.int32), np.zeros((1, 1), np.int32)), np.array([3]))
+        real(layers, x, pos, slots, None, PrefillGroup(i32(0), i32(3), i32(3), table), np.array([3]))
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])

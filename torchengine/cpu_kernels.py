@@ -560,23 +560,25 @@ class DecodeLayers:
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode, prefill,
              keep: np.ndarray | None) -> torch.Tensor:
-        """Any step (`step_layers`): x [T, H] the embeddings, positions / slots [T] int64; `decode` (token rows
-        int64, kv_lens int32, block tables [n, P] int32) and `prefill` (q_start, q_lens, kv_lens int32, block
-        tables) as TorchAttention's C groups hold them (numpy, contiguous; None: no such rows); keep [S] int64
-        (None: every row) -> hidden [S or T, H], before the final norm."""
+        """Any step (`step_layers`): x [T, H] the embeddings, positions / slots [T] int64; `decode` and `prefill`
+        the attention's C groups (`torchengine.attention.DecodeGroup`, `PrefillGroup`: CPU tensors, contiguous;
+        None: no such rows); keep [S] int64 (numpy; None: every row) -> hidden [S or T, H], before the final
+        norm."""
         T = x.shape[0]
         H, Hq, Hkv, D, I = self.dims
         assert x.is_contiguous() and positions.dtype == slots.dtype == torch.int64
-        dec_tok, dec_kv, dec_bt = decode if decode is not None else (None, None, np.zeros((0, 1), np.int32))
-        pre_q, pre_n, pre_kv, pre_bt = prefill if prefill is not None else (None, None, None, np.zeros((0, 1), np.int32))
-        ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        dec = (None,) * 3 if decode is None else (decode.tokens, decode.kv_lens, decode.block_tables)
+        pre = (None,) * 4 if prefill is None else (prefill.q_start, prefill.q_lens, prefill.kv_lens,
+                                                    prefill.block_tables)
         ws = torch.empty(self.lib.decode_workspace(T, H, Hq, Hkv, D, I), dtype=torch.float32)
         out = torch.empty((T if keep is None else len(keep), H), dtype=torch.float32)
         _check(self.lib.step_layers(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(),
             self.model.rope_cos.shape[0], self.model.rope_cos.data_ptr(), self.model.rope_sin.data_ptr(),
-            slots.data_ptr(), dec_bt.shape[0], ptr(dec_tok), ptr(dec_kv), ptr(dec_bt), dec_bt.shape[1],
-            pre_bt.shape[0], ptr(pre_q), ptr(pre_n), ptr(pre_kv), ptr(pre_bt), pre_bt.shape[1], ptr(keep),
+            slots.data_ptr(), 0 if decode is None else dec[0].shape[0], *map(ptr, dec),
+            1 if decode is None else dec[2].shape[1], 0 if prefill is None else pre[0].shape[0], *map(ptr, pre),
+            1 if prefill is None else pre[3].shape[1], None if keep is None else keep.ctypes.data,
             0 if keep is None else len(keep), self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
             self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(), KV_TYPES[self.kv_caches[0][0].dtype]),
             "step_layers")

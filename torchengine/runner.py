@@ -48,7 +48,7 @@ from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, Samp
 from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from torchengine import cpu_kernels
-from torchengine.attention import AttentionMetadata, PagedAttention, make_attention_backend
+from torchengine.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillGroup, make_attention_backend
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
 
@@ -367,9 +367,10 @@ class TorchModelRunner:
     def _run(self, batch: StepBatch) -> PendingStep:
         T, R = batch.num_tokens, batch.num_reqs
         hidden = None
+        out = None
         if not batch.prompt_logprobs and (layers := self._decode_layers()) is not None:
             out = self._decode_on_cpu(batch, layers) if T == R else self._step_on_cpu(batch, layers)
-        else:
+        if out is None:
             out, hidden = self._forward(batch)
         rows = batch.sample_rows[:R]
         if self.device.type == "cpu":  # the tokens the next step may read before this step's results are read
@@ -409,28 +410,27 @@ class TorchModelRunner:
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
 
-    def _step_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput:
+    def _step_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput | None:
         """Any other step without prompt logprobs (prefill chunks, decodes beside them) on the CPU kernels: every
-        layer in one C call (`DecodeLayers.step`: the Python layers' kernels in their order, their attention
-        groups; the same bits), the last layer's o linear and MLP on the sampled rows alone where
-        `sampled_rows_alone`; then the LM head and sampler as `_decode_on_cpu`'s."""
-        T, R, bs = batch.num_tokens, batch.num_reqs, self.block_size
+        layer in one C call (`DecodeLayers.step`: the Python layers' kernels in their order, their attention's
+        decode and prefill groups; the same bits), the last layer's o linear and MLP on the sampled rows alone
+        where `sampled_rows_alone`; then the LM head and sampler as `_decode_on_cpu`'s. None where the attention
+        plans other groups (the Python layers run the step)."""
+        T, R = batch.num_tokens, batch.num_reqs
+        groups = self.attn_backend.plan(batch, self.device, self.block_size, self.compute_dtype)
+        if not all(isinstance(g, (DecodeGroup, PrefillGroup)) for g in groups):
+            return None
         ids = batch.input_ids[:T]
         src = batch.input_from_row[:T]
         if (src >= 0).any():
             ids = np.where(src >= 0, self.last_tokens.numpy()[np.maximum(src, 0)], ids)
-        cu = batch.cu_q_lens[: R + 1].astype(np.int64)
-        q_lens, kv = np.diff(cu), batch.kv_lens[:R].astype(np.int32)
-        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-        tables = lambda idx: i32(batch.block_tables[idx, : -(-int(kv[idx].max()) // bs)])  # noqa: E731
-        dec, pre = np.nonzero(q_lens == 1)[0], np.nonzero(q_lens > 1)[0]
-        decode = (np.ascontiguousarray(cu[dec]), i32(kv[dec]), tables(dec)) if len(dec) else None
-        prefill = (i32(cu[pre]), i32(q_lens[pre]), i32(kv[pre]), tables(pre)) if len(pre) else None
         rows = np.ascontiguousarray(batch.logits_indices[:R], dtype=np.int64)
         keep = rows if self.sampled_rows_alone else None
         hidden = layers.step(self.model.embed(torch.from_numpy(ids.astype(np.int64))),
                              torch.from_numpy(batch.positions[:T].astype(np.int64)),
-                             torch.from_numpy(self._slot_mapping(batch)[:T]), decode, prefill, keep)
+                             torch.from_numpy(self._slot_mapping(batch)[:T]),
+                             next((g for g in groups if isinstance(g, DecodeGroup)), None),
+                             next((g for g in groups if isinstance(g, PrefillGroup)), None), keep)
         if keep is None:
             hidden = hidden[torch.from_numpy(rows)]
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, R))
