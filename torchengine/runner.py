@@ -400,13 +400,9 @@ class TorchModelRunner:
         inputs stay numpy until the C calls (a torch op costs several numpy ones; at batch 1 the step is mostly
         such glue); no attention metadata, no sampling tensors unless a row needs them."""
         T = batch.num_tokens
-        ids = batch.input_ids[:T]
-        src = batch.input_from_row[:T]
-        if (src >= 0).any():  # tokens the previous step sampled (already in last_tokens on a CPU)
-            ids = np.where(src >= 0, self.last_tokens.numpy()[src], ids)
         positions = batch.positions[:T].astype(np.int64)
         slots = self._slot_mapping(batch)[:T]
-        hidden = layers(self.model.embed(torch.from_numpy(ids.astype(np.int64))), torch.from_numpy(positions),
+        hidden = layers(self._cpu_embeddings(batch), torch.from_numpy(positions),
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
 
@@ -420,13 +416,9 @@ class TorchModelRunner:
         groups = self.attn_backend.plan(batch, self.device, self.block_size, self.compute_dtype)
         if not all(isinstance(g, (DecodeGroup, PrefillGroup)) for g in groups):
             return None
-        ids = batch.input_ids[:T]
-        src = batch.input_from_row[:T]
-        if (src >= 0).any():
-            ids = np.where(src >= 0, self.last_tokens.numpy()[np.maximum(src, 0)], ids)
         rows = np.ascontiguousarray(batch.logits_indices[:R], dtype=np.int64)
         keep = rows if self.sampled_rows_alone else None
-        hidden = layers.step(self.model.embed(torch.from_numpy(ids.astype(np.int64))),
+        hidden = layers.step(self._cpu_embeddings(batch),
                              torch.from_numpy(batch.positions[:T].astype(np.int64)),
                              torch.from_numpy(self._slot_mapping(batch)[:T]),
                              next((g for g in groups if isinstance(g, DecodeGroup)), None),
@@ -434,6 +426,16 @@ class TorchModelRunner:
         if keep is None:
             hidden = hidden[torch.from_numpy(rows)]
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, R))
+
+    def _cpu_embeddings(self, batch: StepBatch) -> torch.Tensor:
+        """The step's T token embeddings [T, H] for the one-call layers, the tokens the previous step sampled
+        taken from last_tokens (already there on a CPU)."""
+        T = batch.num_tokens
+        ids = batch.input_ids[:T]
+        src = batch.input_from_row[:T]
+        if (src >= 0).any():
+            ids = np.where(src >= 0, self.last_tokens.numpy()[np.maximum(src, 0)], ids)
+        return self.model.embed(torch.from_numpy(ids.astype(np.int64)))
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, sampling_tensors) -> SamplerOutput:
         """The LM head and the sampler on `hidden` [R, H] (a row per request): for plain greedy rows the head's
