@@ -1830,8 +1830,9 @@ static inline __attribute__((always_inline)) void qx_tile(const int R, const int
 // panels [p0, p1) for all M rows, QX_ROWS (16-bit kinds: QX_BF16_ROWS) at a time (y, or the rows' running maxima
 // `best`); the first tile of a panel prefetches the next one into L2, a group at a time (BF16 1.4-1.7x at 4-12
 // rows, Q4 1.0-1.06x)
-static void qx_panels(const int kind, const float *x, int M, int K, const uint8_t *w, int N, float *y,
-                      head_best *best, int p0, int p1) {
+static inline __attribute__((always_inline)) void qx_panels(const int kind, const float *x, int M, int K,
+                                                           const uint8_t *w, int N, float *y, head_best *best, int p0,
+                                                           int p1) {
     const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
     const int rows = QX_HALVES(kind) ? QX_BF16_ROWS : QX_ROWS;
     for (int p = p0; p < p1; p++)
@@ -1854,6 +1855,19 @@ static void qx_panels(const int kind, const float *x, int M, int K, const uint8_
             }
         }
 }
+
+// qx_panels of each kind its own function, `kind` a constant in it. Left to the compiler (GCC 12: one clone of a
+// `static` qx_panels for one kind), the others tested `kind` and jumped through a table at every k of every tile:
+// a decode step's Q4_1 linears and Q8_0 head (`bench_kernels_ab --what qx`, session 37, a 2-core Zen 3 without
+// AVX-512) took 20 ms at 1 row against 8.7 now, 19 at 4 against 12.8. (qx512_panels was always inlined by kind.)
+#define QX_PANELS_FN(KIND)                                                                                      \
+    static __attribute__((noinline)) void qx_panels_##KIND(const float *x, int M, int K, const uint8_t *w, int N, \
+                                                           float *y, head_best *best, int p0, int p1) {        \
+        qx_panels(KIND, x, M, K, w, N, y, best, p0, p1);                                                        \
+    }
+QX_PANELS_FN(QX_Q4_0) QX_PANELS_FN(QX_Q4_1) QX_PANELS_FN(QX_Q4_K) QX_PANELS_FN(QX_I8) QX_PANELS_FN(QX_F16)
+QX_PANELS_FN(QX_IQ4) QX_PANELS_FN(QX_Q8_0) QX_PANELS_FN(QX_BF16)
+#define QX_PANELS_OF(KIND, ...) qx_panels_##KIND(__VA_ARGS__)
 
 // bytes of one panel of qx_gemm's of `kind` over K (K / 32 groups), -1 for a bad kind or K
 long qx_panel_bytes(int kind, int K) {
@@ -2238,7 +2252,7 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
         return 0;
     }
 #endif
-    QX_BY_KIND(kind, qx_panels, x, M, K, wb, N, y, b, p0, p1);
+    QX_BY_KIND(kind, QX_PANELS_OF, x, M, K, wb, N, y, b, p0, p1);
     return 0;
 }
 
