@@ -41,7 +41,8 @@ GGUF_TYPES = tuple(t for form in GGUF_FORMS for t in form.TYPES)
 # 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4). QX512_MAX_ROWS: the AVX-512 tiles, which rebuild them once
 # for up to 16 rows (session 36, the same machine: Q4_1, Q4_K, I8 and IQ4 1.8-2.9x at 1 row, 1.9x at 4, 1.35-1.4x
 # at 8, 1.05-1.07x at 12, 1.05-1.12x at 16, 1.01-1.05x at 20, 0.91-0.93x at 24; BF16 and F16 1.2x at 16, 1.15x at
-# 20, 1.03x at 24). BDOT: every step (no float32 panels)
+# 20, 1.03x at 24). On a 2-core Zen 3 (session 37) the 256-bit tiles: Q4 2.15x at 1 row, 1.7x at 4, 1.13x at 8, 0.92x
+# at 12; BF16 1.5x at 1 and 4, 0.96x at 8-16; I8 1.2-1.3x at 1-4, 0.93x at 8. BDOT: every step (no float32 panels)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 12,
                QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 8, QX_KINDS["F16"]: 12, QX_KINDS["IQ4"]: 8,
                QX_KINDS["BDOT"]: 1 << 30}
