@@ -287,8 +287,8 @@ struct PanelCall {
 };
 
 // Parts a slice of panel_gemm_plan's split where its parts are not claimed (parts of 4 panels, below
-// COMPUTE_BOUND_ROWS rows), for XLA's threads: one contiguous slice of ceil(parts / nt) a thread, much as the
-// torch backend's OpenMP threads split them (a thread that finds its slice taken takes the next, so one that
+// panel_gemm's blocked_rows() rows), for XLA's threads: one contiguous slice of ceil(parts / nt) a thread, much
+// as the torch backend's OpenMP threads split them (a thread that finds its slice taken takes the next, so one that
 // starts late leaves its slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower
 // (session 30: each slice's first panel is not prefetched, head_rows prefetching within its range, and a
 // thread's panels were not contiguous). All of them where one thread runs the call.
@@ -316,7 +316,7 @@ ffi::Error PlanPanelCall(ffi::ThreadPool &pool, ffi::Buffer<ffi::F32> &x, ffi::B
 }
 
 // fn(lo, hi, pe, set) over PanelCall's parts on the calling thread and XLA's: where panel_gemm_plan claims them
-// (from COMPUTE_BOUND_ROWS rows), nt tasks each work from a share of their own (shares_claim: a task XLA starts
+// (from blocked_rows() rows), nt tasks each work from a share of their own (shares_claim: a task XLA starts
 // late finds its share taken from the back, or empty), set = the task; else slices of c.per parts, set = the
 // slice. pe: where the thread's next parts likely start (panel_gemm_part's prefetch past hi).
 bool Claims(const PanelCall &c) { return c.claim > 0 && c.nt > 1; }

@@ -127,6 +127,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib.pack_bdot_panels.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         lib.pack_bdot_panels.restype = ctypes.c_int
         lib.qx512_use.argtypes = [ctypes.c_int]
+        lib.panel_blocked_rows.argtypes = [ctypes.c_int]
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
     if not qx.layout_matches(lib):

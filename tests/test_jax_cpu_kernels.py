@@ -90,13 +90,26 @@ def test_bits_equal_the_torch_backends_panel_gemm(T):
     assert np.array_equal(np.asarray(jax.jit(linear)(x, w, jnp.int32(2))), y.numpy())
 
 
+@pytest.fixture(params=[19, 6], ids=["blocked_from_19", "blocked_from_6"])
+def blocked_from(request):
+    """panel_gemm's k-blocked loop order from 19 rows (a CPU with AVX-512's start) or from 6 (one without), in
+    this backend's library and the torch backend's: both orders on any CPU (`panel_blocked_rows`)."""
+    from torchengine import cpu_kernels as torch_kernels
+
+    libs = [lib for lib in (cpu_kernels.lib(), torch_kernels.lib()) if lib is not None]
+    before = [lib.panel_blocked_rows(request.param) for lib in libs]
+    yield request.param
+    for lib, b in zip(libs, before):
+        lib.panel_blocked_rows(b)
+
+
 @pytest.mark.parametrize("T", [1, 7, 18, 19, 29, 32, 300])
-def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T):
+def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T, blocked_from):
     """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the sets of
-    running maxima XLA's threads fold into, by slice or by claim from 19 rows, and within one lane of a set; NaN
-    counting as the largest), the torch
-    backend's panel_gemm greedy tokens. Both loop orders: the unblocked tiles below 19 rows, the k-blocked ones
-    from 19 (29: its 5-row tail; 32: a batch-32 decode step's 2-row tail)."""
+    running maxima XLA's threads fold into, by slice or by claim from `blocked_from` rows, and within one lane of
+    a set; NaN counting as the largest), the torch backend's panel_gemm greedy tokens. Both loop orders: the
+    unblocked tiles below `blocked_from` rows, the k-blocked ones from there (29: its 5-row tail; 32: a batch-32
+    decode step's 2-row tail; 7 and 19 from 6: a tail of 1)."""
     import torch
 
     from torchengine import cpu_kernels as torch_kernels

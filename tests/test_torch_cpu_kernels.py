@@ -25,6 +25,15 @@ def lib():
     return lib
 
 
+@pytest.fixture(params=[19, 6], ids=["blocked_from_19", "blocked_from_6"])
+def blocked_from(lib, request):
+    """panel_gemm's k-blocked loop order from 19 rows (a CPU with AVX-512's start) or from 6 (one without): both
+    orders' bits at every row count on any CPU (`panel_blocked_rows`)."""
+    before = lib.panel_blocked_rows(request.param)
+    yield request.param
+    lib.panel_blocked_rows(before)
+
+
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -164,11 +173,11 @@ def test_pack_panels_kernel_gives_the_reference_layout(lib):
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 18, 19, 23, 32, 70])
 @pytest.mark.parametrize("V,K", [(1000, 64), (203, 8), (1021, 576)])
-def test_panel_gemm(lib, M, V, K):
+def test_panel_gemm(lib, M, V, K, blocked_from):
     """Logits against float64, every tile (6..1 rows; 1-4 panels), a vocabulary that is not a multiple of 16
-    or 8, two threads, both loop orders (the unblocked one below 19 rows, in row blocks of 6 at K 576; the
-    k-blocked one from 19, in row blocks of 48: 70 rows is two; 32 is a batch-32 decode step: five row tiles
-    and a 2-row tail); greedy is torch.argmax of the same logits."""
+    or 8, two threads, both loop orders (the unblocked one below `blocked_from` rows, in row blocks of 6 at K
+    576; the k-blocked one from there, in row blocks of 48: 70 rows is two; 32 is a batch-32 decode step: five
+    row tiles and a 2-row tail; 7 and 13 rows a tail of 1); greedy is torch.argmax of the same logits."""
     x, w = randn(M, K), randn(V, K, seed=1)
     panels = cpu_kernels.pack_panels(w)
     logits = cpu_kernels.panel_gemm(lib, x, panels, V)
@@ -190,9 +199,9 @@ def test_panel_gemm(lib, M, V, K):
     (256, 576, 960, 2),  # a prefill's q/k/v linear: 60 panels, 30 / 30
 ])
 def test_panel_gemm_many_rows(lib, M, K, V, threads):
-    """From 19 rows panel_gemm shares single panels between the threads and blocks k (partial sums through
-    y between blocks of 576): the same bits as a row computed alone (one row never blocks), whatever the
-    shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary with a partial last
+    """From 19 rows (6 on a CPU without AVX-512) panel_gemm shares single panels between the threads and blocks
+    k (partial sums through y between blocks of 576): the same bits as a row computed alone (one row never
+    blocks), whatever the shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary with a partial last
     panel; the greedy head's argmax over the same split is the logits' argmax."""
     x, w = randn(M, K, seed=5), randn(V, K, seed=6)
     panels = cpu_kernels.pack_panels(w)
@@ -256,17 +265,17 @@ def test_shares_hand_out_every_part_once_the_owner_in_order(lib, n, nt, least):
 
 
 @pytest.mark.parametrize("M,K,V", [(30, 1100, 203), (8, 600, 203), (25, 576, 40)])
-def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V):
+def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V, blocked_from):
     """panel_gemm_part over the panels cut into random ranges (as claims cut them: starting anywhere, not at
     multiples of 4), each allowed to prefetch past its end up to a random bound (beyond the last panel too):
     the same bits as one panel_gemm call; k blocks of 576 + 524 (the prefetch into the next range's first
-    k block), a partial last panel, the unblocked order at 8 rows (parts of 4 panels)."""
+    k block), a partial last panel, at 8 rows the unblocked order (parts of 4 panels) or the blocked one."""
     import numpy as np
 
     x, w = randn(M, K, seed=7), randn(V, K, seed=8)
     panels = cpu_kernels.pack_panels(w)
     want = cpu_kernels.panel_gemm(lib, x, panels, V)
-    unit = 1 if M >= 19 else 4  # panel_gemm_plan's unit (COMPUTE_BOUND_ROWS)
+    unit = 1 if M >= blocked_from else 4  # panel_gemm_plan's unit
     parts = -(-(-(-V // 16)) // unit)
     rng = np.random.default_rng(M)
     for _ in range(20):
@@ -290,8 +299,8 @@ def test_shares_under_contention_hand_out_every_part_once(lib, n, nt, least, thr
         assert (counts == 1).all(), np.flatnonzero(counts != 1)[:10]
 
 
-@pytest.mark.parametrize("M", [8, 30])  # the unblocked order and the k-blocked one (from 19 rows)
-def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M):
+@pytest.mark.parametrize("M", [8, 30])  # the unblocked order (at 8 from 19) and the k-blocked one
+def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M, blocked_from):
     """A set of running maxima folded from the panels in any order (a claim takes them from the back of another
     thread's share) gives the first maximum: among equal values a lane keeps the lowest column."""
     V, K = 1003, 64
@@ -313,8 +322,9 @@ def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M):
         assert got == want.tolist()
 
 
-@pytest.mark.parametrize("M", [8, 25, 27, 29])  # 8: the unblocked order; 25 / 27 / 29: the k-blocked one (19 rows on), tails of 1 / 3 / 5 rows
-def test_panel_gemm_greedy_ties_nan_and_padding(lib, M):
+@pytest.mark.parametrize("M", [8, 25, 27, 29])  # 8: the unblocked order from 19, the blocked one from 6 (a 2-row
+# tail); 25 / 27 / 29: the k-blocked one, tails of 1 / 3 / 5 rows
+def test_panel_gemm_greedy_ties_nan_and_padding(lib, M, blocked_from):
     """torch.argmax's answer in the corner cases: the first of tied maxima (within a lane, across lanes and
     across the two threads' halves of the vocabulary), a NaN logit (the first NaN wins), a row of equal logits
     (index 0), and the padding columns of the last panel never win."""

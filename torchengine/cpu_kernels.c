@@ -1307,8 +1307,8 @@ static inline __attribute__((always_inline)) void head_rows(
     }
 }
 
-// From COMPUTE_BOUND_ROWS rows on (a prefill's linears, and a decode step's from batch 19), panel_gemm_part
-// changes its loop order, where the unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
+// From blocked_rows() rows on (a prefill's linears, and a decode step's from batch 19, or 6: below),
+// panel_gemm_part changes its loop order, where the unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
 // stream all the activations past every block of its panels, and a long k (K > 1024: the down projection's
 // panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of L1 too. kblock_part takes blocks of
 // ROW_BLOCK rows (110 KiB of activations at K = 576: L2) past one panel's KBLOCK k values at a time (36
@@ -1323,7 +1323,34 @@ static inline __attribute__((always_inline)) void head_rows(
 // head 1.07-1.14x as fast as the unblocked order (bench_kernels_ab, 24-64 rows); at 8 rows 0.87-0.92x, at 16
 // even. Session 26 (a 2-core Zen 4): once head_rows prefetched into L2 (below), the blocked order ran 19-23
 // rows 1.02-1.12x as fast and 12-16 rows 0.83-0.87x, so it starts at 19 (18 rows are three whole tiles of 6).
-#define COMPUTE_BOUND_ROWS 19
+// Session 38 (a 2-core Zen 3 without AVX-512): there the blocked order wins from 6 rows, the same bits
+// (`bench_kernels_ab --what linears --rows 4,8,12,16 --reps 20`: 1.11x / 1.06x / 1.25x medians at 8 / 12 / 16
+// rows, 0.98-0.99x at 1-4; `--what layers --rows 6,10,15,16`: 1.08x / 0.99x / 1.26x / 1.24x), not because the
+// unblocked order's L2 blocks overflow its 512 KiB L2 (blocks of 3 panels instead of 7: 1.01-1.03x) nor its
+// prefetch hint (T0: 0.95-1.02x). Only those two machines were measured, so the start goes by the one thing
+// telling them apart that the kernels already ask: the CPU's AVX-512 (QX512's test).
+#define COMPUTE_BOUND_ROWS 19  // with AVX-512 (the Zen 4s)
+#define COMPUTE_BOUND_ROWS_AVX2 6  // without (the Zen 3s)
+static int blocked_rows_state;  // 0: not yet chosen (panel_blocked_rows)
+
+static int blocked_rows_default(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? COMPUTE_BOUND_ROWS : COMPUTE_BOUND_ROWS_AVX2;
+}
+
+static inline int blocked_rows(void) {
+    if (blocked_rows_state == 0) blocked_rows_state = blocked_rows_default();
+    return blocked_rows_state;
+}
+
+// The rows from which panel_gemm blocks k (see COMPUTE_BOUND_ROWS): `set` > 0 makes it that, 0 this CPU's own
+// again, -1 only asks; returns the value before. For the tests (each order's bits on any CPU); not for calls in
+// flight.
+int panel_blocked_rows(int set) {
+    const int before = blocked_rows();
+    if (set >= 0) blocked_rows_state = set > 0 ? set : blocked_rows_default();
+    return before;
+}
 #define KBLOCK 576
 #define ROW_BLOCK 48  // a multiple of HEAD_ROWS
 
@@ -1461,7 +1488,7 @@ int pack_panels_f32(const float *w, int V, int K, long ld, float *out) {
     return 0;
 }
 
-// How panel_gemm splits its work between threads: parts of 4 panels, or, from COMPUTE_BOUND_ROWS rows on
+// How panel_gemm splits its work between threads: parts of 4 panels, or, from blocked_rows() rows on
 // (kblock_part: each share streams all the rows past its panels), parts of one panel, so the threads' shares are
 // even (a prefill's q/k/v linear, 60 panels, is 8 / 7 chunks of 4 between 2 threads, 30 / 30 panels). Tiles of
 // rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o)
@@ -1473,7 +1500,7 @@ int pack_panels_f32(const float *w, int V, int K, long ld, float *out) {
 // parts). jaxengine's custom call splits the same parts between XLA's threads.
 int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *claim) {
     const int NP = (V + 15) / 16;
-    *unit = M >= COMPUTE_BOUND_ROWS ? 1 : 4;
+    *unit = M >= blocked_rows() ? 1 : 4;
     *claim = *unit == 1 ? 4 : 0;
     const int parts = (NP + *unit - 1) / *unit;
     *nt = gemm_threads(M, K, V, nthreads, parts);
@@ -1487,7 +1514,7 @@ int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *
 void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, head_best *best, int unit,
                      int lo, int hi, int pf_hi) {
     const int NP = (V + 15) / 16, a = lo * unit, b = hi * unit < NP ? hi * unit : NP;
-    if (M >= COMPUTE_BOUND_ROWS && (best == NULL || K <= KBLOCK)) {  // see COMPUTE_BOUND_ROWS
+    if (M >= blocked_rows() && (best == NULL || K <= KBLOCK)) {  // see COMPUTE_BOUND_ROWS
         kblock_part(x, M, K, wp, V, y, best, a, b, pf_hi * unit);
         return;
     }

@@ -132,6 +132,7 @@ _SIGNATURES = {
     "f32_gemm": "p i i p i p i",
     "panel_gemm": "p i i p i p p i",
     "panel_gemm_part": "v: p i i p i p p i i i i",
+    "panel_blocked_rows": "i",
     "head_best_bytes": "",
     "head_best_init": "v: p l",
     "shares_init": "v: p i i",
