@@ -201,8 +201,8 @@ def test_panel_gemm(lib, M, V, K, blocked_from):
 def test_panel_gemm_many_rows(lib, M, K, V, threads):
     """From 19 rows (6 on a CPU without AVX-512) panel_gemm shares single panels between the threads and blocks
     k (partial sums through y between blocks of 576): the same bits as a row computed alone (one row never
-    blocks), whatever the shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary with a partial last
-    panel; the greedy head's argmax over the same split is the logits' argmax."""
+    blocks), whatever the shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary
+    with a partial last panel; the greedy head's argmax over the same split is the logits' argmax."""
     x, w = randn(M, K, seed=5), randn(V, K, seed=6)
     panels = cpu_kernels.pack_panels(w)
     n = torch.get_num_threads()

@@ -1308,13 +1308,13 @@ static inline __attribute__((always_inline)) void head_rows(
 }
 
 // From blocked_rows() rows on (a prefill's linears, and a decode step's from batch 19, or 6: below),
-// panel_gemm_part changes its loop order, where the unblocked one leans on L3 and memory: with threads split by panels (panel_gemm_plan), each thread would
-// stream all the activations past every block of its panels, and a long k (K > 1024: the down projection's
-// panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of L1 too. kblock_part takes blocks of
-// ROW_BLOCK rows (110 KiB of activations at K = 576: L2) past one panel's KBLOCK k values at a time (36
-// KiB). In this machine's fast minutes both orders run gate / up and down at its peak (~175 GFLOP/s at 2048
-// rows); when its shared caches and memory are busy, the blocked one holds up better: 1.13-1.37x at 512-2048
-// rows.
+// panel_gemm_part changes its loop order, where the unblocked one leans on L3 and memory: with threads split by
+// panels (panel_gemm_plan), each thread would stream all the activations past every block of its panels, and a
+// long k (K > 1024: the down projection's panel, K * 64 bytes, is 96 KiB) pushes the 6-row activation tile out of
+// L1 too. kblock_part takes blocks of ROW_BLOCK rows (110 KiB of activations at K = 576: L2) past one panel's
+// KBLOCK k values at a time (36 KiB). In this machine's fast minutes both orders run gate / up and down at its
+// peak (~175 GFLOP/s at 2048 rows); when its shared caches and memory are busy, the blocked one holds up better:
+// 1.13-1.37x at 512-2048 rows.
 // A tile's accumulators start at zero (k0 == 0) or at the partial sums the previous k block left in y, and
 // go back to y (the next tile's prefetched meanwhile): each output is still one FMA chain over k in
 // ascending order (a float32 store and load in between change nothing), so the bits are those of the
@@ -1327,8 +1327,8 @@ static inline __attribute__((always_inline)) void head_rows(
 // (`bench_kernels_ab --what linears --rows 4,8,12,16 --reps 20`: 1.11x / 1.06x / 1.25x medians at 8 / 12 / 16
 // rows, 0.98-0.99x at 1-4; `--what layers --rows 6,10,15,16`: 1.08x / 0.99x / 1.26x / 1.24x), not because the
 // unblocked order's L2 blocks overflow its 512 KiB L2 (blocks of 3 panels instead of 7: 1.01-1.03x) nor its
-// prefetch hint (T0: 0.95-1.02x). Only those two machines were measured, so the start goes by the one thing
-// telling them apart that the kernels already ask: the CPU's AVX-512 (QX512's test).
+// prefetch hint (T0: 0.95-1.02x). Only those two machines were measured, so the start goes by what tells them
+// apart: whether the CPU has AVX-512 (avx512f).
 #define COMPUTE_BOUND_ROWS 19  // with AVX-512 (the Zen 4s)
 #define COMPUTE_BOUND_ROWS_AVX2 6  // without (the Zen 3s)
 static int blocked_rows_state;  // 0: not yet chosen (panel_blocked_rows)
