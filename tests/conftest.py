@@ -62,6 +62,23 @@ def _xlaserve_logging_restored():
     log.setLevel(saved[1])  # (setLevel, not an assignment: it clears the child loggers' cached levels)
 
 
+@pytest.fixture(params=[19, 6], ids=["blocked_from_19", "blocked_from_6"])
+def blocked_from(request):
+    """panel_gemm's k-blocked loop order from 19 rows (a CPU with AVX-512's start) or from 6 (one without), so
+    both orders run on any CPU (`panel_blocked_rows`): in the torch backend's library, and in jax's where a test
+    module has imported it (the torch tests never import jax)."""
+    import sys
+
+    from torchengine import cpu_kernels
+
+    jax_kernels = sys.modules.get("jaxengine.cpu_kernels")
+    libs = [lib for lib in (cpu_kernels.lib(), jax_kernels and jax_kernels.lib()) if lib is not None]
+    before = [lib.panel_blocked_rows(request.param) for lib in libs]
+    yield request.param
+    for lib, b in zip(libs, before):
+        lib.panel_blocked_rows(b)
+
+
 @pytest.fixture(scope="session")
 def smollm2_source():
     """The embedded default model (GGUF), resolved once."""

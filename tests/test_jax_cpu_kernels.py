@@ -90,19 +90,6 @@ def test_bits_equal_the_torch_backends_panel_gemm(T):
     assert np.array_equal(np.asarray(jax.jit(linear)(x, w, jnp.int32(2))), y.numpy())
 
 
-@pytest.fixture(params=[19, 6], ids=["blocked_from_19", "blocked_from_6"])
-def blocked_from(request):
-    """panel_gemm's k-blocked loop order from 19 rows (a CPU with AVX-512's start) or from 6 (one without), in
-    this backend's library and the torch backend's: both orders on any CPU (`panel_blocked_rows`)."""
-    from torchengine import cpu_kernels as torch_kernels
-
-    libs = [lib for lib in (cpu_kernels.lib(), torch_kernels.lib()) if lib is not None]
-    before = [lib.panel_blocked_rows(request.param) for lib in libs]
-    yield request.param
-    for lib, b in zip(libs, before):
-        lib.panel_blocked_rows(b)
-
-
 @pytest.mark.parametrize("T", [1, 7, 18, 19, 29, 32, 300])
 def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy_token(T, blocked_from):
     """panel_argmax: the first index of each row's maximum of panel_linear's product (ties across the sets of

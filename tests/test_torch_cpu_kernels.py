@@ -25,15 +25,6 @@ def lib():
     return lib
 
 
-@pytest.fixture(params=[19, 6], ids=["blocked_from_19", "blocked_from_6"])
-def blocked_from(lib, request):
-    """panel_gemm's k-blocked loop order from 19 rows (a CPU with AVX-512's start) or from 6 (one without): both
-    orders' bits at every row count on any CPU (`panel_blocked_rows`)."""
-    before = lib.panel_blocked_rows(request.param)
-    yield request.param
-    lib.panel_blocked_rows(before)
-
-
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -275,8 +266,10 @@ def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V, 
     x, w = randn(M, K, seed=7), randn(V, K, seed=8)
     panels = cpu_kernels.pack_panels(w)
     want = cpu_kernels.panel_gemm(lib, x, panels, V)
-    unit = 1 if M >= blocked_from else 4  # panel_gemm_plan's unit
-    parts = -(-(-(-V // 16)) // unit)
+    unit, nt, claim = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    parts = lib.panel_gemm_plan(M, K, V, 2, ctypes.byref(unit), ctypes.byref(nt), ctypes.byref(claim))
+    assert unit.value == (1 if M >= blocked_from else 4)  # single panels where the order blocks k
+    unit = unit.value
     rng = np.random.default_rng(M)
     for _ in range(20):
         cuts = sorted({0, parts, *rng.integers(1, parts, size=rng.integers(0, parts)).tolist()})

@@ -133,6 +133,7 @@ _SIGNATURES = {
     "panel_gemm": "p i i p i p p i",
     "panel_gemm_part": "v: p i i p i p p i i i i",
     "panel_blocked_rows": "i",
+    "panel_gemm_plan": "i i i i p p p",
     "head_best_bytes": "",
     "head_best_init": "v: p l",
     "shares_init": "v: p i i",
