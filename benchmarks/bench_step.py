@@ -98,7 +98,7 @@ def _device_time(llm, batch: int, reps: int = 20) -> float:
         model = runner._program(ProgramKey("model", b.padded_num_tokens))
         samp = runner._program(ProgramKey("sample", b.padded_num_reqs, "greedy"))
         m_in = runner._model_layout(b.padded_num_tokens).pack(b)
-        s_in = SampleLayout(b.padded_num_reqs).pack(b.sampling, np.full(b.padded_num_reqs, -1, np.int32))
+        s_in = SampleLayout(b.padded_num_reqs).pack(b.sampling, b.sample_rows)  # every row samples: the head runs
 
         def once():
             _, rows, runner.kv_cache = model(runner.params, runner.kv_cache, runner.last_tokens, runner.rope, m_in)
