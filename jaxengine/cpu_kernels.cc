@@ -13,7 +13,8 @@
 // - XlaserveCpuQxLinear, XlaserveCpuQxArgmax: the same from the weights as stored (qx_gemm's panels of a GGUF
 //   file's blocks or a bfloat16 checkpoint's halves, enginecore/qx.py), the same bits from fewer bytes.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
-//   (decode_attention_tasks with the interleaved cache's strides).
+//   (decode_attention_tasks with the interleaved cache's strides, or decode_split_phase's two phases for rows too
+//   few for XLA's threads).
 // - XlaserveCpuRmsNorm, XlaserveCpuSiluMul, XlaserveCpuRope: RMSNorm of each row (XLA's reduction order
 //   depends on the row count), the MLP's activation and RoPE as the torch backend computes them, so the
 //   two backends' logits have the same bits on a CPU.
@@ -70,6 +71,12 @@ int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float
 void shares_init(uint64_t *s, int n, int nt);
 int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
+int decode_split(int n, int Hkv, int nthreads);
+long decode_split_tasks(int phase, int n, const int32_t *kv_lens, int window, int Hq, int Hkv, int D, long *bytes);
+int decode_split_phase(int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                       const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
+                       long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale, int window,
+                       void *buf, float *out, int n, int t0, int t1, int kv_type);
 int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
 int prefill_attention_bq(void);
 int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
@@ -609,10 +616,27 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     int64_t work = 0;  // multiply-adds of the scores
     for (int64_t i = 0; i < n; i++) work += (int64_t)lens[i] * Hq * D;
     const int64_t threads = work < kParallelWork ? 1 : std::max<int64_t>(1, pool.num_threads());
-    const int hs = decode_heads_per_task((int)n, (int)Hq, (int)Hkv, (int)threads);
-    const int64_t ntasks = n * (Hq / hs);
     std::atomic<int> rc{0};
     const char *c = static_cast<const char *>(cache.untyped_data());
+    if (decode_split((int)n, (int)Hkv, (int)threads)) {  // two phases, the buffer they share zeroed once
+        long bytes = 0;
+        std::vector<char> buf;
+        for (int phase = 0; phase < 2; phase++) {
+            const int64_t ntasks = decode_split_tasks(phase, (int)n, lens, window, (int)Hq, (int)Hkv, (int)D, &bytes);
+            if (phase == 0) buf.assign((size_t)bytes, 0);
+            char *b0 = buf.data();
+            parallel_for(pool, ntasks, std::min(threads, ntasks), 1, [&, c, o, b0, phase](int64_t a, int64_t b) {
+                if (decode_split_phase(phase, q.typed_data(), Hq * D, nullptr, lens, bt, (int)W, c, c + D * KvBytes(kv),
+                                       2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, b0, o,
+                                       (int)n, (int)a, (int)b, kv))
+                    rc.store(1);
+            });
+        }
+        if (rc.load()) return ffi::Error::Internal("decode attention: out of memory");
+        return ffi::Error::Success();
+    }
+    const int hs = decode_heads_per_task((int)n, (int)Hq, (int)Hkv, (int)threads);
+    const int64_t ntasks = n * (Hq / hs);
     parallel_for(pool, ntasks, std::min(threads, ntasks), 1, [&, c, o](int64_t a, int64_t b) {
         if (decode_attention_tasks(q.typed_data(), Hq * D, nullptr, lens, bt, (int)W, c, c + D * KvBytes(kv),
                                    2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, o, hs,
@@ -867,8 +891,18 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     };
     int64_t dec_work = 0;  // multiply-adds of the decode rows' scores
     for (int64_t r = 0; r < d0; r++) dec_work += (int64_t)lens[r] * Hq * D;
-    const int hs = decode_heads_per_task((int)d0, (int)Hq, (int)Hkv, dec_work < kParallelWork ? 1 : (int)threads);
-    const int64_t d_tasks = d0 * (Hq / hs), a_tasks = d_tasks + p_tasks;
+    const int dec_threads = dec_work < kParallelWork ? 1 : (int)threads;
+    const int hs = decode_heads_per_task((int)d0, (int)Hq, (int)Hkv, dec_threads);
+    // the decode rows in cpu_kernels.c's split order (few of them for the threads): its phase 0 with the
+    // prefill tasks, then its phase 1, a layer, in a buffer zeroed once (each layer leaves its counts at zero)
+    const bool split = decode_split((int)d0, (int)Hkv, dec_threads);
+    long split_bytes = 0;
+    const auto split_tasks = [&](int phase, long *bytes) -> int64_t {
+        return split ? decode_split_tasks(phase, (int)d0, lens, window, (int)Hq, (int)Hkv, (int)D, bytes) : 0;
+    };
+    const int64_t split0 = split_tasks(0, &split_bytes), split1 = split_tasks(1, nullptr);
+    std::vector<char> split_buf((size_t)split_bytes);
+    const int64_t d_tasks = split ? split0 : d0 * (Hq / hs), a_tasks = d_tasks + p_tasks;
     const bool att_alone = p_tasks == 0 && dec_work < kParallelWork;
     const float *cs = cos.typed_data(), *sn = sin.typed_data(), *bias = qkv_b.typed_data();
     const float *qn = q_norm.typed_data(), *kn = k_norm.typed_data();
@@ -909,9 +943,15 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                 if (slot[t] >= 0) TokenKv(row + Hq * D, row + (Hq + Hkv) * D, slot[t], Hkv, D, kvc, kv_type);
             }
         });
+        const auto split_phase = [&, kvc](int phase, int64_t a, int64_t b) {
+            return decode_split_phase(phase, qkv, QKV, dec_tok.data(), lens, bt, (int)W, kvc, kvc + D * es,
+                                      2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window,
+                                      split_buf.data(), att, (int)d0, (int)a, (int)b, kv_type);
+        };
         team->run(a_tasks, att_alone ? a_tasks : 1, [&, kvc](int64_t a, int64_t b) {
             int e = 0;
-            if (a < d_tasks)
+            if (a < d_tasks && split) e |= split_phase(0, a, std::min(b, d_tasks));
+            if (a < d_tasks && !split)
                 e |= decode_attention_tasks(qkv, QKV, dec_tok.data(), lens, bt, (int)W, kvc, kvc + D * es, 2 * Hkv * D,
                                             2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, att, hs, (int)a,
                                             (int)std::min(b, d_tasks), kv_type);
@@ -921,6 +961,9 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                                              window, att, Hq * D, np, bq, (int)(std::max(a, d_tasks) - d_tasks),
                                              (int)(b - d_tasks), kv_type);
             if (e) rc.store(1);
+        });
+        team->run(split1, 1, [&](int64_t a, int64_t b) {
+            if (split_phase(1, a, b)) rc.store(1);
         });
         const bool gather = l == L - 1 && gathered;
         const int64_t M = gather ? S : Tr;

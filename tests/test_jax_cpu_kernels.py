@@ -268,8 +268,9 @@ def test_decode_attention_rows_do_not_depend_on_their_neighbours():
 
 
 def test_decode_attention_on_several_threads_gives_a_rows_bits_of_one_thread():
-    """Long contexts: enough work for XLA's threads, and a task per query head for one row (too few rows)
-    but per kv head for four; either way a row's bits are the same, and match XLA's path."""
+    """Long contexts: enough work for XLA's threads, and the split order for one row (too few rows for a task a
+    kv head: its keys' scores split between the threads, then its outputs' dims) but a task per kv head for four;
+    either way a row's bits are the same, and match XLA's path."""
     from jaxengine.attention import _decode_attention
 
     lens = [500, 377, 512, 260]
@@ -415,12 +416,12 @@ def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the
         np.asarray(f(q, cache, table, lens, np.asarray([0, 20, 99], np.int32), dist, base))
 
 
-def layers_step(L, q_lens, kv_lens, seed):
-    """A ragged step (one decode row first) for `cpu_kernels.layers` on L random layers (H 32, 4 q heads, 2 kv
-    heads of 8, I 40, blocks of 4): (L, T, the jitted call, one layer's cache, the L layers' cache, table,
+def layers_step(L, q_lens, kv_lens, seed, decodes=1):
+    """A ragged step (`decodes` decode rows first) for `cpu_kernels.layers` on L random layers (H 32, 4 q heads,
+    2 kv heads of 8, I 40, blocks of 4): (L, T, the jitted call, one layer's cache, the L layers' cache, table,
     kv_lens, cu_q_lens, distribution, the arguments before the cache)."""
     H, Hq, Hkv, D, I = 32, 4, 2, 8, 40
-    _, cache1, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, 4, decodes=1, seed=seed)
+    _, cache1, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, 4, decodes=decodes, seed=seed)
     rng = np.random.default_rng(seed + 1)
     T = int(cu[-1]) + 3
     cache = np.concatenate([cache1] * L)  # [L * NB, bs, 2 Hkv, D]: layer l's block b at row l * NB + b
@@ -493,6 +494,21 @@ def test_layers_run_the_last_layers_mlp_on_the_kept_rows_alone_with_the_same_bit
                                         np.asarray(keep, np.int32), np.asarray([a], np.int32))[0])
     last = (cu[1:] - 1).astype(np.int32)
     assert np.array_equal(one(last, 0)[last], one(last, 1)[last])
+
+
+def test_layers_give_a_long_decode_row_the_same_bits_alone_or_beside_another():
+    """A decode row alone in a step with enough attention work for XLA's threads runs decode attention's split
+    order (cpu_kernels.c: its keys' scores split between the threads, then its outputs' dims); beside a second
+    decode row, a task a kv head. Here the second row is a decode row (dist [2, ...]) or a one-token prefill row
+    (dist [1, ...]: prefill attention, which gives a query decode attention's bits): every row's hidden state and
+    the caches are the same bits either way, through two layers (each leaves the split order's counts at zero
+    for the next)."""
+    L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 1, 5], [1500, 1300, 5], seed=31, decodes=2)
+    assert dist[0] == 2
+    two_out, two_cache = f(*args, jnp.asarray(cache), table, lens, cu, dist)
+    one_out, one_cache = f(*args, jnp.asarray(cache), table, lens, cu, np.asarray([1, *dist[1:]], np.int32))
+    assert np.array_equal(np.asarray(one_out), np.asarray(two_out))
+    assert np.array_equal(np.asarray(one_cache), np.asarray(two_cache))
 
 
 def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_torch_backend():

@@ -474,9 +474,10 @@ def test_attention_over_a_16bit_cache_is_float32_attention_over_its_values(lib, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the per-key loop and the tiles
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 32), (4, 1, 24), (12, 3, 20)])
 def test_decode_attention_rows_do_not_depend_on_the_batch(lib, Hq, Hkv, D, dtype):
-    """A request's decode attention has the same bits alone (its heads split between two threads: one head or
-    one kv head's a task), with one other request and among many (a request a task): the tasks' tiles of
-    heads and keys never change a head's arithmetic."""
+    """A request's decode attention has the same bits alone (the split order on two threads: its keys' scores,
+    then its outputs' dims, split between them), with one other request (the split order or a kv head's heads a
+    task) and among many (a request a task): the tasks' tiles of heads and keys never change a head's
+    arithmetic."""
     bs, lens = 16, [300, 171, 1, 64, 0, 250, 90]  # long enough to use both threads; a row with no cached token
     n, P = len(lens), max(-(-x // bs) for x in lens)
     kc, vc = randn(n * P + 1, bs, Hkv, D).to(dtype), randn(n * P + 1, bs, Hkv, D, seed=1).to(dtype)

@@ -21,8 +21,9 @@
 #include <immintrin.h>
 #ifdef XLASERVE_NO_OPENMP
 // jaxengine/cpu_kernels.cc links this file for its single-threaded entry points (panel_gemm_plan and
-// panel_gemm_part, decode_heads_per_task and decode_attention_tasks) and splits the work between XLA's
-// threads itself: no OpenMP runtime in the jax process. The pragmas are ignored and the multi-threaded entry points run on one thread.
+// panel_gemm_part, decode_heads_per_task, decode_attention_tasks and decode_split_phase) and splits the work
+// between XLA's threads itself: no OpenMP runtime in the jax process. The pragmas are ignored and the
+// multi-threaded entry points run on one thread.
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
@@ -487,8 +488,9 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 // `q_stride` floats apart) attends its kv_lens[i] cached tokens (the last `window` only if window > 0),
 // whose blocks are block_tables[i, :], from caches [blocks, block_size, Hkv, D]; query head h reads kv head
 // h / (Hq / Hkv). out [T, Hq, D] (contiguous) gets the rows of those tokens. Exact softmax in float32.
-// A task is one request's query heads, one kv head's, or a single query head when there are too few of
-// those tasks to keep the threads busy; it reads each cached row once for all of its heads (decode_tasks).
+// A task is one request's query heads or one kv head's; it reads each cached row once for all of its heads
+// (decode_tasks). When there are too few of those tasks to keep the threads busy, the split order below splits a
+// request's keys and dims between the threads instead (decode_split).
 // Every head gets dot()'s and axpy's arithmetic, in tiles (each tile's chains are theirs), so the same bits
 // for the same values however the tasks and tiles fall.
 
@@ -504,7 +506,8 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 #define DECODE_KEYS 16  // keys a block of the output loop (their V rows stay in L1)
 
 // query heads per task for n requests on nthreads threads: all of a request's (its token rows read whole, in
-// order) when there are requests enough to share out, else one KV head's group, else one
+// order) when there are requests enough to share out, else one KV head's group, else one (where decode_split
+// does not take them: one thread)
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
 }
@@ -514,110 +517,284 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
     for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
+// the heads in the tile from head h0 + g on, g < hs: those of its kv head (G query heads a kv head), at most 3
+static inline void head_tiles(int h0, int hs, int G, int *tile) {
+    for (int g = 0; g < hs; g++) {
+        const int left = ((h0 + g) / G + 1) * G - (h0 + g);
+        tile[g] = left < 3 ? left : 3;
+        if (tile[g] > hs - g) tile[g] = hs - g;
+    }
+}
+
+// a request's keys [j0, j1) of its kv_len - start: their rows' byte offsets in the caches (each key's block
+// looked up once, not five times with a division each)
+static inline void key_offsets(size_t *ro, const int32_t *bt, int start, int j0, int j1, int block_size, long row) {
+    for (int j = j0, b = (start + j0) / block_size, o = (start + j0) % block_size; j < j1; j++) {
+        ro[j - j0] = ((size_t)bt[b] * block_size + o) * row;
+        if (++o == block_size) o = 0, b++;
+    }
+}
+
+// Scores of keys 0 .. nkeys of ro (row offsets, nro of them) for the hs query heads from h0 (queries qr, tiles
+// `tile`): S[g * s_stride + j] = dot(qr[g], K_j) * scale, KS keys a tile (KS is 4 over a 16-bit cache: prefill
+// attention's tiles, its conversions make the loop compute-bound (session 14); 1 over a float32 one: 4 keys'
+// tiles ask for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache
+// (docs/design-notes.md, session 22)). Each key `ahead` keys on is fetched into L2 meanwhile, pf_bytes of its
+// K row from pf_off and (pf_v) of its V row.
+static inline __attribute__((always_inline)) void decode_scores(
+    const int T, const size_t *ro, int nkeys, int nro, const char *kcache, const char *vcache, int pf_v,
+    long pf_off, int pf_bytes, int ahead, const float *const *qr, const int *tile, int hs, int h0, int G,
+    long head_bytes, int D, float scale, float *S, long s_stride) {
+    const int KS = T == KV_F32 ? 1 : 4;  // keys a score tile
+    for (int j = 0; j < nkeys; j += KS) {
+        const int nk = nkeys - j < KS ? nkeys - j : KS;
+        for (int c = ahead; c < ahead + KS && j + c < nro; c++) {
+            prefetch_bytes(kcache + ro[j + c] + pf_off, pf_bytes);
+            if (pf_v) prefetch_bytes(vcache + ro[j + c] + pf_off, pf_bytes);
+        }
+        const char *kp[4];
+        for (int c = 0; c < nk; c++) kp[c] = kcache + ro[j + c];
+        for (int g = 0; g < hs; g += tile[g]) {
+            const long off = (long)((h0 + g) / G) * head_bytes;
+            const char *kb[4];
+            for (int c = 0; c < nk; c++) kb[c] = kp[c] + off;
+            float *y = S + (size_t)g * s_stride + j;
+            if (nk == 4)
+                TILE_R(tile[g], dots_tile(T, 3, 4, qr + g, kb, D, scale, y, s_stride),
+                       dots_tile(T, 2, 4, qr + g, kb, D, scale, y, s_stride),
+                       dots_tile(T, 1, 4, qr + g, kb, D, scale, y, s_stride));
+            else
+                for (int c = 0; c < nk; c++)
+                    TILE_R(tile[g], dots_tile(T, 3, 1, qr + g, kb + c, D, scale, y + c, s_stride),
+                           dots_tile(T, 2, 1, qr + g, kb + c, D, scale, y + c, s_stride),
+                           dots_tile(T, 1, 1, qr + g, kb + c, D, scale, y + c, s_stride));
+        }
+    }
+}
+
+// the softmax of hs rows of scores (row g at S + g * s_stride, len of them) in place, without the division:
+// exp(s - max) and inv[g] = 1 / their sum (0 for an empty row: zeros, not NaN)
+static inline void softmax_rows(float *S, long s_stride, int hs, int len, float *inv) {
+    for (int g = 0; g < hs; g++) {
+        float *sr = S + (size_t)g * s_stride;
+        const float sum = exp_shift_sum(sr, len, row_max(sr, len));
+        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+}
+
+// Outputs [d_lo, d_hi) of the hs heads from h0 (rows orow, weights P [hs, p_stride] from softmax_rows):
+// orow[g][d] = inv[g] * sum over the len keys of ro, in order, of P[g][j] V_j[d], DECODE_KEYS keys at a time in
+// tiles of 3 heads x 32 dims held in registers (D % 32 == 0, d_lo and d_hi multiples of 32), else one axpy a
+// head and key (all of D). The first tile of a block fetches the rows of the DECODE_KEYS keys `ahead` keys on,
+// pf_bytes from pf_off.
+static inline __attribute__((always_inline)) void decode_outputs(
+    const int T, const size_t *ro, int len, const char *vcache, long pf_off, int pf_bytes, int ahead,
+    const float *P, long p_stride, const float *inv, float *const *orow, const int *tile, int hs, int h0, int G,
+    long head_bytes, int D, int d_lo, int d_hi) {
+    for (int g = 0; g < hs; g++) memset(orow[g] + d_lo, 0, sizeof(float) * (d_hi - d_lo));
+    for (int j0 = 0; j0 < len; j0 += DECODE_KEYS) {
+        const int nkeys = len - j0 < DECODE_KEYS ? len - j0 : DECODE_KEYS;
+        const int pfn = len - j0 - ahead < DECODE_KEYS ? len - j0 - ahead : DECODE_KEYS;
+        const char *vp[DECODE_KEYS], *pfr[DECODE_KEYS];  // this block's rows, the next ones' parts
+        for (int c = 0; c < nkeys; c++) vp[c] = vcache + ro[j0 + c];
+        for (int c = 0; c < pfn; c++) pfr[c] = vcache + ro[j0 + ahead + c] + pf_off;
+        for (int g = 0; g < hs; g += tile[g]) {
+            const long off = (long)((h0 + g) / G) * head_bytes;
+            const char *vb[DECODE_KEYS];
+            const float *pg[3];
+            for (int c = 0; c < nkeys; c++) vb[c] = vp[c] + off;
+            for (int r = 0; r < tile[g]; r++) pg[r] = P + (size_t)(g + r) * p_stride + j0;
+            if (D % 32 == 0) {
+                for (int d0 = d_lo; d0 < d_hi; d0 += 32) {
+                    const int n = g == 0 && d0 == d_lo ? pfn : 0;  // the first tile fetches
+                    TILE_R(tile[g], pv_tile(T, 3, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
+                           pv_tile(T, 2, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
+                           pv_tile(T, 1, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes));
+                }
+            } else {
+                for (int r = 0; r < tile[g]; r++)
+                    for (int c = 0; c < nkeys; c++) axpy(T, orow[g + r], pg[r][c], vb[c], D);
+            }
+        }
+    }
+    for (int g = 0; g < hs; g++)
+        for (int d = d_lo; d < d_hi; d++) orow[g][d] *= inv[g];
+}
+
 // The tasks over a cache of type T, each key's row read once for the task's heads in the score pass (its V
-// part fetched with it, KV_PREFETCH keys ahead) and once in the output pass, DECODE_KEYS keys at a time (the
-// next block's V rows fetched by its first tile, for rows too long to stay in cache between the passes). The
-// scores in tiles of up to 3 heads of one kv head x KS keys, the outputs (D % 32 == 0) in tiles of 3 heads x
-// 32 dims held in registers, else one axpy a head and key. KS is 4 over a 16-bit cache (prefill attention's
-// tiles: its conversions make the loop compute-bound; session 14) and 1 over a float32 one: 4 keys' tiles ask
-// for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache (docs/design-notes.md,
-// session 22).
+// part fetched with it, KV_PREFETCH keys ahead: on a Zen 3 the V rows then come from L3, its victim cache, in
+// the output pass even where they outgrow L2; not fetching them there ran 0.78-0.94x at 1024 tokens) and once
+// in the output pass (the next DECODE_KEYS keys' V rows fetched by a block's first tile).
 static inline __attribute__((always_inline)) int decode_tasks(
     const int T, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
     const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
     int block_size, int Hq, int Hkv, int D, float scale, int window, float *out, int hs, int t0, int t1) {
-    const int G = Hq / Hkv, per_req = Hq / hs, es = KV_BYTES(T), KS = T == KV_F32 ? 1 : 4;  // KS: keys a score tile
-    const long row = kv_row * es;  // bytes
+    const int G = Hq / Hkv, per_req = Hq / hs, es = KV_BYTES(T);
+    const long row = kv_row * es, head_bytes = kv_head * es;  // bytes
     int rc = 0;
     for (int task = t0; task < t1; task++) {
         const int i = task / per_req, h0 = task % per_req * hs, hk0 = h0 / G, hk1 = (h0 + hs - 1) / G;
-        const long pf_off = hk0 * kv_head * es;  // the task's part of a row: bytes [pf_off, + pf_bytes)
-        const int pf_bytes = (int)(((hk1 - hk0) * kv_head + D) * es);
+        const long pf_off = hk0 * head_bytes;  // the task's part of a row: bytes [pf_off, + pf_bytes)
+        const int pf_bytes = (int)((hk1 - hk0) * head_bytes + D * es);
         const int64_t tok = tokens ? tokens[i] : i;
         const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
-        // the keys' row offsets in bytes (each key's block looked up once, not five times with a division each),
-        // then scores [hs, len] and the inverse sums
+        // the keys' row offsets, then scores [hs, len] and the inverse sums
         size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)len + sizeof(float) * (size_t)hs * (len + 1));
         if (!ro) {
             rc = -2;
             continue;
         }
         float *S = (float *)(ro + len), *inv = S + (size_t)hs * len;
-        const int32_t *bt = block_tables + (size_t)i * bt_stride;
-        for (int j = 0, b = start / block_size, o = start % block_size; j < len; j++) {
-            ro[j] = ((size_t)bt[b] * block_size + o) * row;
-            if (++o == block_size) o = 0, b++;
-        }
+        key_offsets(ro, block_tables + (size_t)i * bt_stride, start, 0, len, block_size, row);
         const float *qr[hs];
         float *orow[hs];
-        int tile[hs];  // heads in the tile from head g on: those of g's kv head, at most 3
+        int tile[hs];
         for (int g = 0; g < hs; g++) {
             qr[g] = q + tok * q_stride + (size_t)(h0 + g) * D;
             orow[g] = out + (size_t)tok * Hq * D + (size_t)(h0 + g) * D;
-            const int left = ((h0 + g) / G + 1) * G - (h0 + g);
-            tile[g] = left < 3 ? left : 3;
-            if (tile[g] > hs - g) tile[g] = hs - g;
         }
-        for (int j = 0; j < len; j += KS) {
-            const int nkeys = len - j < KS ? len - j : KS;
-            for (int c = KV_PREFETCH; c < KV_PREFETCH + KS && j + c < len; c++) {  // K and V: V read from cache later
-                prefetch_bytes(kcache + ro[j + c] + pf_off, pf_bytes);
-                prefetch_bytes(vcache + ro[j + c] + pf_off, pf_bytes);
-            }
-            const char *kp[4];
-            for (int c = 0; c < nkeys; c++) kp[c] = kcache + ro[j + c];
-            for (int g = 0; g < hs; g += tile[g]) {
-                const long off = (long)((h0 + g) / G) * kv_head * es;
-                const char *kb[4];
-                for (int c = 0; c < nkeys; c++) kb[c] = kp[c] + off;
-                float *y = S + (size_t)g * len + j;
-                if (nkeys == 4)
-                    TILE_R(tile[g], dots_tile(T, 3, 4, qr + g, kb, D, scale, y, len),
-                           dots_tile(T, 2, 4, qr + g, kb, D, scale, y, len), dots_tile(T, 1, 4, qr + g, kb, D, scale, y, len));
-                else
-                    for (int c = 0; c < nkeys; c++)
-                        TILE_R(tile[g], dots_tile(T, 3, 1, qr + g, kb + c, D, scale, y + c, len),
-                               dots_tile(T, 2, 1, qr + g, kb + c, D, scale, y + c, len),
-                               dots_tile(T, 1, 1, qr + g, kb + c, D, scale, y + c, len));
-            }
-        }
-        for (int g = 0; g < hs; g++) {
-            float *sr = S + (size_t)g * len;
-            const float mx = row_max(sr, len);
-            const float sum = exp_shift_sum(sr, len, mx);
-            inv[g] = sum > 0.f ? 1.f / sum : 0.f;  // no cached token (len 0): zeros, not NaN
-            memset(orow[g], 0, sizeof(float) * D);
-        }
-        for (int j0 = 0; j0 < len; j0 += DECODE_KEYS) {
-            const int nkeys = len - j0 < DECODE_KEYS ? len - j0 : DECODE_KEYS;
-            const int pfn = len - j0 - DECODE_KEYS < DECODE_KEYS ? len - j0 - DECODE_KEYS : DECODE_KEYS;
-            const char *vp[DECODE_KEYS], *pfr[DECODE_KEYS];  // this block's rows, the next block's parts
-            for (int c = 0; c < nkeys; c++) vp[c] = vcache + ro[j0 + c];
-            for (int c = 0; c < pfn; c++) pfr[c] = vcache + ro[j0 + DECODE_KEYS + c] + pf_off;
-            for (int g = 0; g < hs; g += tile[g]) {
-                const long off = (long)((h0 + g) / G) * kv_head * es;
-                const char *vb[DECODE_KEYS];
-                const float *pg[3];
-                for (int c = 0; c < nkeys; c++) vb[c] = vp[c] + off;
-                for (int r = 0; r < tile[g]; r++) pg[r] = S + (size_t)(g + r) * len + j0;
-                if (D % 32 == 0) {
-                    for (int d0 = 0; d0 < D; d0 += 32) {
-                        const int n = g == 0 && d0 == 0 ? pfn : 0;  // the first tile fetches the next block
-                        TILE_R(tile[g], pv_tile(T, 3, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
-                               pv_tile(T, 2, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes),
-                               pv_tile(T, 1, orow + g, pg, vb, 0, nkeys, d0, pfr, n, pf_bytes));
-                    }
-                } else {
-                    for (int r = 0; r < tile[g]; r++)
-                        for (int c = 0; c < nkeys; c++) axpy(T, orow[g + r], pg[r][c], vb[c], D);
-                }
-            }
-        }
-        for (int g = 0; g < hs; g++)
-            for (int d = 0; d < D; d++) orow[g][d] *= inv[g];
+        head_tiles(h0, hs, G, tile);
+        decode_scores(T, ro, len, len, kcache, vcache, 1, pf_off, pf_bytes, KV_PREFETCH, qr, tile, hs, h0, G,
+                      head_bytes, D, scale, S, len);
+        softmax_rows(S, len, hs, len, inv);
+        decode_outputs(T, ro, len, vcache, pf_off, pf_bytes, DECODE_KEYS, S, len, inv, orow, tile, hs, h0, G,
+                       head_bytes, D, 0, D);
         free(ro);
     }
     return rc;
+}
+
+// ---- decode attention in the split order: too few requests for the threads ----
+// With fewer requests than the threads can share out by kv head (n * Hkv < 2 * nthreads: batch 1 on 2 threads,
+// batch <= 10 of SmolLM2's 3 kv heads on 16), the tasks above take one query head each: the G query heads of a
+// kv head read its rows G times (from L2 or L3 after the first) in parts of a quarter row, and a row's keys
+// stay on one thread. Batch 1 at 1024 tokens read ~7-9 GB/s. The split order reads each row once, whole, with
+// every thread busy, in two phases: phase 0, tasks of (request, split_keys keys), writes every query head's
+// scores of those keys into a buffer the phases share (fetching each key's K and V rows SPLIT_AHEAD keys
+// ahead, whole: V then comes from L2 or L3 in phase 1), and the task that finishes a request's last keys takes
+// its softmax (an atomic count of the finished chunks); phase 1, tasks of (request, kv head, 32 dims), sums its
+// dims of the kv head's G outputs over every key's V row, in order. A head gets decode_tasks' arithmetic (dot's
+// chains a score, exp_shift_sum over the whole row, one FMA chain a dim over the keys in order, the same final
+// scale), so the same bits; the tests hold the two orders to each other. Batch 1 (bench_kernels_ab --what
+// attention, session 39, a Zen 3): 1.6x at 170 tokens, 1.6-1.9x at 1024, 1.8x at 4096 (17.7 GB/s). Chunks of 32
+// or 128 keys and 8 or 32 ahead ran within 10% of these; phase 0 by (request, kv head, keys), reading a third of
+// each row, 0.8x.
+#define SPLIT_KEYS 64  // keys a phase-0 task
+#define SPLIT_AHEAD 16  // keys the split order fetches ahead
+
+int decode_split(int n, int Hkv, int nthreads) { return nthreads > 1 && n * Hkv < 2 * nthreads; }
+
+// the first of a request's L cached tokens its query attends (all but the last `window` ones if window > 0)
+static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
+
+// keys a phase-0 task of a row of len: SPLIT_KEYS, or a quarter of a short row (at least 16)
+static inline int split_keys(int len) {
+    const int quarter = (len / 4 + 15) & ~15;
+    return quarter < 16 ? 16 : quarter < SPLIT_KEYS ? quarter : SPLIT_KEYS;
+}
+
+// phase 0's tasks of a row of len: one for an empty row too (its softmax writes its inverse sums, zeros)
+static inline int split_chunks(int len) { return len > 0 ? (len + split_keys(len) - 1) / split_keys(len) : 1; }
+
+// The split order's tasks of phase 0 or 1 for n requests, and (bytes != NULL) the bytes of the buffer its
+// phases share (zeroed when allocated: it starts with the counts, which every call leaves at zero again)
+long decode_split_tasks(int phase, int n, const int32_t *kv_lens, int window, int Hq, int Hkv, int D, long *bytes) {
+    long t = 0, keys = 0;
+    for (int i = 0; i < n; i++) {
+        const int len = kv_lens[i] - window_start(kv_lens[i], window);
+        keys += len;
+        t += phase == 0 ? split_chunks(len) : (long)Hkv * (D % 32 ? 1 : D / 32);
+    }
+    if (bytes) *bytes = sizeof(int) * (long)n + sizeof(float) * ((long)n * Hq + keys * Hq);
+    return t;
+}
+
+// Tasks [t0, t1) of phase 0 or 1 of the split order on the calling thread (request by request, then its keys,
+// or its kv heads and dims), buf: decode_split_tasks' (counts [n], inverse sums [n, Hq], then each request's
+// scores [Hq, len]). Returns 0, or -2 if a task's key offsets could not be allocated.
+static inline __attribute__((always_inline)) int decode_split_run(
+    const int T, int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+    const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
+    int block_size, int Hq, int Hkv, int D, float scale, int window, void *buf, float *out, int n, int t0, int t1) {
+    const int G = Hq / Hkv, es = KV_BYTES(T), parts = D % 32 ? 1 : D / 32;
+    const long row = kv_row * es, head_bytes = kv_head * es, row_bytes = Hkv * head_bytes;  // a token's K (V) bytes
+    int *count = (int *)buf;
+    float *inv = (float *)(count + n), *S = inv + (size_t)n * Hq;  // request i's scores from S
+    int rc = 0, task = 0;
+    for (int i = 0; i < n && task < t1; S += (size_t)Hq * (kv_lens[i] - window_start(kv_lens[i], window)), i++) {
+        const int L = kv_lens[i], start = window_start(L, window), len = L - start;
+        const int K = split_keys(len), chunks = split_chunks(len), ntasks = phase == 0 ? chunks : Hkv * parts;
+        if (task + ntasks <= t0) {
+            task += ntasks;
+            continue;
+        }
+        const int32_t *bt = block_tables + (size_t)i * bt_stride;
+        const int64_t tok = tokens ? tokens[i] : i;
+        for (int c = 0; c < ntasks; c++, task++) {
+            if (task < t0 || task >= t1) continue;
+            if (phase == 0) {  // keys [j0, j0 + nk) of every head
+                const int j0 = c * K, nk = len - j0 < K ? len - j0 : K;
+                const int nro = len - j0 < K + SPLIT_AHEAD ? len - j0 : K + SPLIT_AHEAD;
+                size_t ro[SPLIT_KEYS + SPLIT_AHEAD];
+                key_offsets(ro, bt, start, j0, j0 + nro, block_size, row);
+                for (int k = 0; k < nk && k < SPLIT_AHEAD; k++) {  // the first keys, not fetched ahead
+                    prefetch_bytes(kcache + ro[k], row_bytes);
+                    prefetch_bytes(vcache + ro[k], row_bytes);
+                }
+                const float *qr[Hq];
+                int tile[Hq];
+                for (int g = 0; g < Hq; g++) qr[g] = q + tok * q_stride + (size_t)g * D;
+                head_tiles(0, Hq, G, tile);
+                decode_scores(T, ro, nk, nro, kcache, vcache, 1, 0, row_bytes, SPLIT_AHEAD, qr, tile, Hq, 0, G,
+                              head_bytes, D, scale, S + j0, len);
+                // the request's last chunk takes the softmax (acq_rel: it sees the others' scores; phase 1, after
+                // the caller's barrier, sees its results) and puts the count back to zero for the next call
+                if (__atomic_add_fetch(count + i, 1, __ATOMIC_ACQ_REL) == chunks) {
+                    softmax_rows(S, len, Hq, len, inv + (size_t)i * Hq);
+                    __atomic_store_n(count + i, 0, __ATOMIC_RELAXED);
+                }
+                continue;
+            }
+            const int hk = c / parts, h0 = hk * G;  // kv head hk's query heads, dims [d_lo, d_hi)
+            const int d_lo = parts == 1 ? 0 : 32 * (c % parts), d_hi = parts == 1 ? D : d_lo + 32;
+            const long pf_off = hk * head_bytes + (long)d_lo * es;
+            const int pf_bytes = (d_hi - d_lo) * es;
+            size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)(len > 0 ? len : 1));
+            if (!ro) {
+                rc = -2;
+                continue;
+            }
+            key_offsets(ro, bt, start, 0, len, block_size, row);
+            for (int k = 0; k < len && k < SPLIT_AHEAD; k++) prefetch_bytes(vcache + ro[k] + pf_off, pf_bytes);
+            float *orow[G];
+            int tile[G];
+            for (int g = 0; g < G; g++) orow[g] = out + (size_t)tok * Hq * D + (size_t)(h0 + g) * D;
+            head_tiles(h0, G, G, tile);
+            decode_outputs(T, ro, len, vcache, pf_off, pf_bytes, SPLIT_AHEAD, S + (size_t)h0 * len, len,
+                           inv + (size_t)i * Hq + h0, orow, tile, G, h0, G, head_bytes, D, d_lo, d_hi);
+            free(ro);
+        }
+    }
+    return rc;
+}
+
+// Tasks [t0, t1) of phase `phase` of decode attention's split order (decode_split_tasks) on the calling thread:
+// decode_attention_tasks' arguments and the phases' buffer. Returns 0, -1 for an unknown kv_type, -2 if out of
+// memory.
+int decode_split_phase(int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
+                       const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
+                       long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale, int window,
+                       void *buf, float *out, int n, int t0, int t1, int kv_type) {
+#define SPLIT_RUN(T)                                                                                              \
+    decode_split_run(T, phase, q, q_stride, tokens, kv_lens, block_tables, bt_stride, (const char *)kcache,     \
+                     (const char *)vcache, kv_row, kv_head, block_size, Hq, Hkv, D, scale, window, buf, out, n, t0, t1)
+    switch (kv_type) {
+        case KV_F32: return SPLIT_RUN(KV_F32);
+        case KV_F16: return SPLIT_RUN(KV_F16);
+        case KV_BF16: return SPLIT_RUN(KV_BF16);
+    }
+#undef SPLIT_RUN
+    return -1;
 }
 
 // Tasks [t0, t1) of decode attention on the calling thread (task t: request t / (Hq / hs), query heads from
@@ -653,9 +830,27 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
     long work = 0;  // multiply-adds of the scores
     for (int i = 0; i < n; i++) work += (long)kv_lens[i] * Hq * D;
     if (work < PARALLEL_WORK) nthreads = 1;  // less than waking a sleeping thread costs
-    const int hs = decode_heads_per_task(n, Hq, Hkv, nthreads);
     const long W = (long)Hkv * D;  // elements per cached token
     int rc = 0;
+    if (decode_split(n, Hkv, nthreads)) {
+        long bytes;
+        const long t0 = decode_split_tasks(0, n, kv_lens, window, Hq, Hkv, D, &bytes);
+        const long t1 = decode_split_tasks(1, n, kv_lens, window, Hq, Hkv, D, NULL);
+        void *buf = calloc(1, bytes);
+        if (!buf) return -2;
+#pragma omp parallel num_threads(nthreads)
+        for (int phase = 0; phase < 2; phase++) {
+#pragma omp for schedule(dynamic, 1)
+            for (long task = 0; task < (phase ? t1 : t0); task++)
+                if (decode_split_phase(phase, q, q_stride, tokens, kv_lens, block_tables, bt_stride, kcache, vcache, W,
+                                       D, block_size, Hq, Hkv, D, scale, window, buf, out, n, (int)task,
+                                       (int)task + 1, kv_type))
+                    rc = -2;
+        }
+        free(buf);
+        return rc;
+    }
+    const int hs = decode_heads_per_task(n, Hq, Hkv, nthreads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int task = 0; task < n * (Hq / hs); task++)
         if (decode_attention_tasks(q, q_stride, tokens, kv_lens, block_tables, bt_stride, kcache, vcache, W, D,
