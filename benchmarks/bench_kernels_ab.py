@@ -20,7 +20,8 @@ AVX512-BF16; half the bytes). `--what attention`: one decode step's attention in
 16 tokens, separate K and V caches as the torch backend keeps them, ~380 MB), every row --context tokens long
 in blocks scattered at random as a long-running server's are (`--layout jax`: jaxengine's one cache a layer,
 each token's K and V rows interleaved by kv head, `decode_attention_tasks` as its custom call runs it, the
-tasks split between Python threads). Both builds must give the same bits (checked
+tasks split between Python threads; rows too few for the threads, which the custom call gives the split order
+(`decode_split_phase`), still take those tasks here: the split order is timed in torch's layout). Both builds must give the same bits (checked
 first): the kernels' outputs do not depend on how they are tiled. `--kv-dtype float16` (or bfloat16): the
 working tree's build reads a cache of that dtype (the same values rounded, half the bytes), the base's a float32
 one; their outputs then differ by that rounding, so the bits are not compared. `--what layers`: one whole

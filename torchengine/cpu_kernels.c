@@ -833,15 +833,15 @@ int decode_attention(const float *q, long q_stride, int n, const int64_t *tokens
     const long W = (long)Hkv * D;  // elements per cached token
     int rc = 0;
     if (decode_split(n, Hkv, nthreads)) {
-        long bytes;
-        const long t0 = decode_split_tasks(0, n, kv_lens, window, Hq, Hkv, D, &bytes);
-        const long t1 = decode_split_tasks(1, n, kv_lens, window, Hq, Hkv, D, NULL);
+        long bytes, ntasks[2];  // each phase's
+        for (int phase = 0; phase < 2; phase++)
+            ntasks[phase] = decode_split_tasks(phase, n, kv_lens, window, Hq, Hkv, D, &bytes);
         void *buf = calloc(1, bytes);
         if (!buf) return -2;
 #pragma omp parallel num_threads(nthreads)
         for (int phase = 0; phase < 2; phase++) {
 #pragma omp for schedule(dynamic, 1)
-            for (long task = 0; task < (phase ? t1 : t0); task++)
+            for (long task = 0; task < ntasks[phase]; task++)
                 if (decode_split_phase(phase, q, q_stride, tokens, kv_lens, block_tables, bt_stride, kcache, vcache, W,
                                        D, block_size, Hq, Hkv, D, scale, window, buf, out, n, (int)task,
                                        (int)task + 1, kv_type))
