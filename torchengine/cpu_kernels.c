@@ -506,10 +506,10 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 #define DECODE_KEYS 16  // keys a block of the output loop (their V rows stay in L1)
 
 // query heads per task for n requests on nthreads threads: all of a request's (its token rows read whole, in
-// order) when there are requests enough to share out, else one KV head's group, else one (where decode_split
-// does not take them: one thread)
+// order) on one thread or with requests enough to share out, else one KV head's group (fewer requests still:
+// decode_split's order instead)
 int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
-    return n >= 2 * nthreads ? Hq : n * Hkv >= 2 * nthreads ? Hq / Hkv : 1;
+    return nthreads <= 1 || n >= 2 * nthreads ? Hq : Hq / Hkv;
 }
 
 // bytes [0, nbytes) from p into L2
