@@ -5,7 +5,8 @@ against the working tree's.
     python -m benchmarks.bench_kernels_ab --what attention [--context 170] [--rows 1,8,32,64] [--kv-dtype float16]
                                           [--layout jax]
     python -m benchmarks.bench_kernels_ab --what layers [--context 170] [--rows 1,8,32,64]
-    python -m benchmarks.bench_kernels_ab --what qx [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8|iq4] [--qx-tiles avx2]
+    python -m benchmarks.bench_kernels_ab --what qx [--base HEAD~1] [--rows 1,2,4,8,12] [--qx-kind bf16|f16|q4k|i8|iq4]
+                                          [--qx-tiles avx2]
 
 This machine's speed drifts by up to 2x between minutes (its memory bandwidth is shared), so kernels timed in
 separate runs tell little; here every repetition runs both builds back to back on the same weights, and the
@@ -28,10 +29,10 @@ one; their outputs then differ by that rounding, so the bits are not compared. `
 `decode_layers` call (what the torch backend runs for a decode step: every layer's norms, linears, RoPE, KV
 write and attention; random weights, the attention's scattered float32 caches), so a change that moves work
 between the kernels (e.g. fetching the next layer's cache during this one's MLP) is timed as a step sees it.
-`--what qx`: no base; the working tree's decode step linears and greedy head from float32 panels
+`--what qx`: the working tree's decode step linears and greedy head from float32 panels
 (`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
-(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `qx_max_rows()` rows), the same bits
-(checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
+(`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `qx_max_rows()` rows), in the working
+tree's build and in the base's (the blocks packed as the working tree packs them), the same bits (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
 `--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
 and linears of mixed types); `--qx-kind iq4`: 4-bit indices into IQ4_NL's 16 values with float32 scales (a GGUF
 file's IQ4_NL and IQ4_XS, kind QX_IQ4);
@@ -65,6 +66,18 @@ def build(source: str, name: str):
     if lib is None:
         raise SystemExit(f"cannot build {source}: {why}")
     return lib
+
+
+def base_build(rev: str):
+    """The CPU kernels of git revision `rev`, built."""
+    from enginecore.native import CPU_KERNELS_C
+
+    rel = os.path.relpath(CPU_KERNELS_C, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "cpu_kernels.c")
+        with open(src, "wb") as f:
+            f.write(subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout)
+        return build(src, "cpu_kernels_ab")
 
 
 def best_of(libs, step, reps: int) -> tuple[dict[str, float], float]:
@@ -101,7 +114,6 @@ def main() -> int:
     import torch
 
     from enginecore import qx
-    from enginecore.native import CPU_KERNELS_C
     from enginecore.platform import cpu_kernels_unavailable
     from torchengine import cpu_kernels
 
@@ -113,12 +125,7 @@ def main() -> int:
     torch.set_num_threads(threads)
     if args.what == "qx":
         return qx_step(args, threads)
-    rel = os.path.relpath(CPU_KERNELS_C, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "cpu_kernels.c")
-        with open(src, "wb") as f:
-            f.write(subprocess.run(["git", "show", f"{args.base}:{rel}"], check=True, capture_output=True).stdout)
-        base = build(src, "cpu_kernels_ab")
+    base = base_build(args.base)
     new = cpu_kernels.lib()
     if new is None:
         print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
@@ -349,7 +356,8 @@ def decode_step(libs, args, threads: int) -> int:
 
 
 def qx_step(args, threads: int) -> int:
-    """--what qx: float32 panels against GGUF blocks multiplied as stored, the same weights, one build."""
+    """--what qx: float32 panels against GGUF blocks multiplied as stored, the same weights, and the blocks in the
+    base's build (its packing the working tree's)."""
     import numpy as np
     import torch
 
@@ -364,8 +372,9 @@ def qx_step(args, threads: int) -> int:
     if args.qx_kind == "bdot" and not lib.bdot_supported():
         print("no AVX512-BF16 here: QX_BDOT does not run")
         return 1
+    base = base_build(args.base)
     if args.qx_tiles == "avx2":
-        lib.qx512_use(0)
+        lib.qx512_use(0), base.qx512_use(0)
     tiles = "AVX-512" if lib.qx512_use(-1) else "256-bit"
     rng = np.random.default_rng(0)
 
@@ -416,41 +425,44 @@ def qx_step(args, threads: int) -> int:
         kinds = cpu_kernels.QX_KINDS[name], cpu_kernels.QX_KINDS["Q8_0"]
         what = f"{name} blocks and a Q8_0 head as stored (qx_gemm, ~{ {'Q4_K': 110, 'I8': 190}.get(name, 100)} MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
-          f"(panel_gemm, ~540 MB) vs {what} in {tiles} tiles, the same weights, best of {args.reps} interleaved")
-    print(f"{'rows':>5}  {'f32 ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'speedup':>7}  {'median':>7}")
+          f"(panel_gemm, ~540 MB) vs {what} in {tiles} tiles, the same weights, and the blocks in {args.base}'s "
+          f"build; best of {args.reps} interleaved (medians: the last column)")
+    print(f"{'rows':>5}  {'f32 ms':>8}  {'base ms':>8}  {'qx ms':>8}  {'f32 GB/s':>8}  {'qx GB/s':>8}  {'vs f32':>7}  "
+          f"{'vs base':>7}  {'median':>7}")
     nbytes = {"f32": 4 * (LAYERS * sum(k * n for k, n in SHAPES) + VOCAB * HIDDEN)}
     nbytes["qx"] = (nbytes["f32"] // 2 if bf16 else
                     LAYERS * sum(k * n for k, n in SHAPES) * (24 if q4k else 48 if i8 else 20) // 32
                     + VOCAB * HIDDEN * 34 // 32)
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(M, k) for k in (576, 1536)}
-        outs = {name: step_outputs(M) for name in ("f32", "qx")}
+        outs = {name: step_outputs(M) for name in ("f32", "base", "new")}
 
         def step(name: str) -> None:
             ys, best = outs[name]
+            qlib = base if name == "base" else lib
             for l, ws in enumerate(layers):
                 for j, ((k, n), (wf, wq)) in enumerate(zip(SHAPES, ws)):
                     y = ys[l, j].data_ptr()
                     rc = (lib.panel_gemm(xs[k].data_ptr(), M, k, wf.data_ptr(), n, y, None, threads) if name == "f32"
-                          else lib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, y, None, kinds[0], threads))
+                          else qlib.qx_gemm(xs[k].data_ptr(), M, k, wq.data_ptr(), n, y, None, kinds[0], threads))
                     if rc:
                         raise RuntimeError(f"{name}: the kernel refused its arguments")
             rc = (lib.panel_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[0].data_ptr(), VOCAB, None, best.data_ptr(),
                                  threads) if name == "f32" else
-                  lib.qx_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[1].data_ptr(), VOCAB, None, best.data_ptr(),
-                              kinds[1], threads))
+                  qlib.qx_gemm(xs[HIDDEN].data_ptr(), M, HIDDEN, head[1].data_ptr(), VOCAB, None, best.data_ptr(),
+                               kinds[1], threads))
             if rc:
                 raise RuntimeError(f"{name}: the kernel refused its arguments")
 
         for name in outs:
             step(name)
-        if not bdot and not same_outputs(outs["f32"], outs["qx"]):  # (bfloat16 products: other bits)
-            print(f"{M:>5}  the two give different outputs")
+        if not same_outputs(outs["base"], outs["new"]) or not bdot and not same_outputs(outs["f32"], outs["new"]):
+            print(f"{M:>5}  they give different outputs")  # (bfloat16 products: other bits than float32's)
             return 1
-        best, med = best_of({"base": None, "new": None},
-                            lambda name: step("f32" if name == "base" else "qx"), args.reps)
-        print(f"{M:>5}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  {nbytes['f32'] / best['base'] / 1e9:>8.1f}  "
-              f"{nbytes['qx'] / best['new'] / 1e9:>8.1f}  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
+        best, med = best_of(outs, step, args.reps)
+        print(f"{M:>5}  {best['f32'] * 1e3:>8.1f}  {best['base'] * 1e3:>8.1f}  {best['new'] * 1e3:>8.1f}  "
+              f"{nbytes['f32'] / best['f32'] / 1e9:>8.1f}  {nbytes['qx'] / best['new'] / 1e9:>8.1f}  "
+              f"{best['f32'] / best['new']:>6.2f}x  {best['base'] / best['new']:>6.2f}x  {med:>6.2f}x", flush=True)
     return 0
 
 

@@ -1997,8 +1997,11 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
         const __m256i eight = _mm256_set1_epi32(8);
         if (kind == QX_Q4_0) q0 = _mm256_sub_epi32(q0, eight), q1 = _mm256_sub_epi32(q1, eight);
     }
+    if (kind == QX_Q4_1 || kind == QX_Q4_K || kind == QX_I8) {  // (d * q exact: one FMA rounds as mul, add would)
+        *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), d0, m0), *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, m1);
+        return;
+    }
     *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d0), *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d1);
-    if (kind == QX_Q4_1 || kind == QX_Q4_K || kind == QX_I8) *w0 = _mm256_add_ps(*w0, m0), *w1 = _mm256_add_ps(*w1, m1);
 }
 
 // the q bytes of a group `b` of `kind`: past the scales
@@ -2006,74 +2009,102 @@ static inline const uint8_t *qx_qs(const int kind, const uint8_t *b) {
     return b + (QX_HALVES(kind) ? 0 : kind == QX_Q8_0 ? 32 : kind == QX_Q4_K ? 128 : kind == QX_I8 ? 256 : 64);
 }
 
-static inline __attribute__((always_inline)) void qx_tile(const int R, const int kind, const float *x, int K,
-                                                        const uint8_t *panel, float *y, long ldy, int col0, int N,
-                                                        head_best *best, const uint8_t *pf) {
+// R rows times P (1 or 2) adjacent panels (pb bytes apart) from `panel`, y and col0 the first panel's; pf: P panels
+// to fetch into L2 meanwhile. A row of one panel has 2 FMA chains, which wait on the FMA's latency at every k; two
+// panels give it 4 (a decode step's linears at 1 row, with the fetch 2 panels ahead: 1.2x, Zen 3).
+static inline __attribute__((always_inline)) void qx_tile(const int R, const int P, const int kind, const float *x,
+                                                        int K, const uint8_t *panel, size_t pb, float *y, long ldy,
+                                                        int col0, int N, head_best *best, const uint8_t *pf) {
     __m256 a[2 * QX_BF16_ROWS];  // (loops over `a` unrolled: an indexed one would keep it in memory)
 #pragma GCC unroll 12
-    for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
+    for (int i = 0; i < 2 * R * P; i++) a[i] = _mm256_setzero_ps();
     const int gb = qx_group_bytes(kind);
     for (int g = 0; g < K / 32; g++) {
-        const uint8_t *b = panel + (size_t)g * gb, *qs = qx_qs(kind, b);
-        if (pf != NULL)  // the same group of the next panel
-            for (int off = 0; off < gb; off += 64) _mm_prefetch((const char *)pf + (size_t)g * gb + off, _MM_HINT_T1);
-        __m256 d0, d1, m0, m1;
-        qx_scales(kind, b, &d0, &d1, &m0, &m1);
+        if (pf != NULL)  // the same group of the panels to fetch
+#pragma GCC unroll 2
+            for (int j = 0; j < P; j++)
+                for (int off = 0; off < gb; off += 64)
+                    _mm_prefetch((const char *)pf + j * pb + (size_t)g * gb + off, _MM_HINT_T1);
+        const uint8_t *b[2], *qs[2];
+        __m256 d0[2], d1[2], m0[2], m1[2];
+#pragma GCC unroll 2
+        for (int j = 0; j < P; j++) {
+            b[j] = panel + j * pb + (size_t)g * gb, qs[j] = qx_qs(kind, b[j]);
+            qx_scales(kind, b[j], &d0[j], &d1[j], &m0[j], &m1[j]);
+        }
         for (int kk = 0; kk < 32; kk++) {
-            __m256 w0, w1;
-            if (kind == QX_I8 && kk == 16) qx_scales(kind, b + 128, &d0, &d1, &m0, &m1);
-            qx_weights(kind, qs, kk, d0, d1, m0, m1, &w0, &w1);
+            __m256 w0[2], w1[2];
             const int k = g * 32 + kk;
+#pragma GCC unroll 2
+            for (int j = 0; j < P; j++) {
+                if (kind == QX_I8 && kk == 16) qx_scales(kind, b[j] + 128, &d0[j], &d1[j], &m0[j], &m1[j]);
+                qx_weights(kind, qs[j], kk, d0[j], d1[j], m0[j], m1[j], &w0[j], &w1[j]);
+            }
 #pragma GCC unroll 6
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
-                a[2 * r] = _mm256_fmadd_ps(xv, w0, a[2 * r]);
-                a[2 * r + 1] = _mm256_fmadd_ps(xv, w1, a[2 * r + 1]);
+#pragma GCC unroll 2
+                for (int j = 0; j < P; j++) {
+                    a[2 * (r * P + j)] = _mm256_fmadd_ps(xv, w0[j], a[2 * (r * P + j)]);
+                    a[2 * (r * P + j) + 1] = _mm256_fmadd_ps(xv, w1[j], a[2 * (r * P + j) + 1]);
+                }
             }
         }
     }
 #pragma GCC unroll 6
-    for (int r = 0; r < R; r++) {
-        if (best != NULL) {
-            head_fold(a[2 * r], col0, N, best + r);
-            head_fold(a[2 * r + 1], col0 + 8, N, best + r);
-        } else if (col0 + 16 <= N) {
-            _mm256_storeu_ps(y + r * ldy, a[2 * r]);
-            _mm256_storeu_ps(y + r * ldy + 8, a[2 * r + 1]);
-        } else {
-            float t[16];
-            _mm256_storeu_ps(t, a[2 * r]);
-            _mm256_storeu_ps(t + 8, a[2 * r + 1]);
-            for (int j = 0; j < N - col0; j++) y[r * ldy + j] = t[j];
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int j = 0; j < P; j++) {
+            const int c = col0 + 16 * j;
+            float *yr = y == NULL ? NULL : y + r * ldy + 16 * j;
+            if (best != NULL) {
+                head_fold(a[2 * (r * P + j)], c, N, best + r);
+                head_fold(a[2 * (r * P + j) + 1], c + 8, N, best + r);
+            } else if (c + 16 <= N) {
+                _mm256_storeu_ps(yr, a[2 * (r * P + j)]);
+                _mm256_storeu_ps(yr + 8, a[2 * (r * P + j) + 1]);
+            } else {
+                float t[16];
+                _mm256_storeu_ps(t, a[2 * (r * P + j)]);
+                _mm256_storeu_ps(t + 8, a[2 * (r * P + j) + 1]);
+                for (int i = 0; i < N - c; i++) yr[i] = t[i];
+            }
         }
-    }
 }
 
 // panels [p0, p1) for all M rows, QX_ROWS (16-bit kinds: QX_BF16_ROWS) at a time (y, or the rows' running maxima
 // `best`); the first tile of a panel prefetches the next one into L2, a group at a time (BF16 1.4-1.7x at 4-12
-// rows, Q4 1.0-1.06x)
+// rows, Q4 1.0-1.06x). One row: two panels a tile, fetching the two after them.
 static inline __attribute__((always_inline)) void qx_panels(const int kind, const float *x, int M, int K,
                                                            const uint8_t *w, int N, float *y, head_best *best, int p0,
                                                            int p1) {
     const size_t pb = (size_t)K / 32 * qx_group_bytes(kind);
     const int rows = QX_HALVES(kind) ? QX_BF16_ROWS : QX_ROWS;
+    if (M == 1) {
+        int p = p0;
+        for (; p + 2 <= p1; p += 2)
+            qx_tile(1, 2, kind, x, K, w + p * pb, pb, y == NULL ? NULL : y + p * 16, N, p * 16, N, best,
+                    p + 6 <= p1 ? w + (p + 4) * pb : NULL);
+        if (p < p1) qx_tile(1, 1, kind, x, K, w + p * pb, pb, y == NULL ? NULL : y + p * 16, N, p * 16, N, best, NULL);
+        return;
+    }
     for (int p = p0; p < p1; p++)
         for (int m = 0; m < M; m += rows) {
             const float *xm = x + (size_t)m * K;
             float *ym = y == NULL ? NULL : y + (size_t)m * N + p * 16;
             head_best *bm = best == NULL ? NULL : best + m;
-            const uint8_t *pf = M >= 2 && m == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
+            const uint8_t *pf = m == 0 && p + 1 < p1 ? w + (p + 1) * pb : NULL;
             switch (M - m < rows ? M - m : rows) {
                 case 6:
-                    if (QX_HALVES(kind)) qx_tile(6, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    if (QX_HALVES(kind)) qx_tile(6, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf);
                     break;
                 case 5:
-                    if (QX_HALVES(kind)) qx_tile(5, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf);
+                    if (QX_HALVES(kind)) qx_tile(5, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf);
                     break;
-                case 4: qx_tile(4, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
-                case 3: qx_tile(3, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
-                case 2: qx_tile(2, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
-                default: qx_tile(1, kind, xm, K, w + p * pb, ym, N, p * 16, N, bm, pf); break;
+                case 4: qx_tile(4, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf); break;
+                case 3: qx_tile(3, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf); break;
+                case 2: qx_tile(2, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf); break;
+                default: qx_tile(1, 1, kind, xm, K, w + p * pb, pb, ym, N, p * 16, N, bm, pf); break;
             }
         }
 }
