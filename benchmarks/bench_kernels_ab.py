@@ -32,7 +32,8 @@ between the kernels (e.g. fetching the next layer's cache during this one's MLP)
 `--what qx`: the working tree's decode step linears and greedy head from float32 panels
 (`panel_gemm`) against the same weights as a GGUF file's Q4_1 blocks and Q8_0 head multiplied as stored
 (`qx_gemm`, what a GGUF model served in float32 runs for steps of up to `qx_max_rows()` rows), in the working
-tree's build and in the base's (the blocks packed as the working tree packs them), the same bits (checked first); `--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
+tree's build and in the base's (the blocks packed as the working tree packs them), the same bits (checked first);
+`--qx-kind q4k`: the linears' blocks with float32 scales (a GGUF file's Q4_K, kind QX_Q4_K);
 `--qx-kind i8`: the same Q4_1 weights in the wide form (QX_I8: int8, float32 scales and offsets per 16: Q6_K, Q5_K
 and linears of mixed types); `--qx-kind iq4`: 4-bit indices into IQ4_NL's 16 values with float32 scales (a GGUF
 file's IQ4_NL and IQ4_XS, kind QX_IQ4);
@@ -374,7 +375,8 @@ def qx_step(args, threads: int) -> int:
         return 1
     base = base_build(args.base)
     if args.qx_tiles == "avx2":
-        lib.qx512_use(0), base.qx512_use(0)
+        lib.qx512_use(0)
+        base.qx512_use(0)
     tiles = "AVX-512" if lib.qx512_use(-1) else "256-bit"
     rng = np.random.default_rng(0)
 
