@@ -512,6 +512,9 @@ int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads) {
     return nthreads <= 1 || n >= 2 * nthreads ? Hq : Hq / Hkv;
 }
 
+// the first of the L cached tokens a query at position L - 1 attends (the last `window` only if window > 0)
+static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
+
 // bytes [0, nbytes) from p into L2
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int nbytes) {
     for (int b = 0; b < nbytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
@@ -637,7 +640,7 @@ static inline __attribute__((always_inline)) int decode_tasks(
         const long pf_off = hk0 * head_bytes;  // the task's part of a row: bytes [pf_off, + pf_bytes)
         const int pf_bytes = (int)((hk1 - hk0) * head_bytes + D * es);
         const int64_t tok = tokens ? tokens[i] : i;
-        const int L = kv_lens[i], start = window > 0 && L > window ? L - window : 0, len = L - start;
+        const int L = kv_lens[i], start = window_start(L, window), len = L - start;
         // the keys' row offsets, then scores [hs, len] and the inverse sums
         size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)len + sizeof(float) * (size_t)hs * (len + 1));
         if (!ro) {
@@ -670,7 +673,7 @@ static inline __attribute__((always_inline)) int decode_tasks(
 // kv head read its rows G times (from L2 or L3 after the first) in parts of a quarter row, and a row's keys
 // stay on one thread. Batch 1 at 1024 tokens read ~7-9 GB/s. The split order reads each row once, whole, with
 // every thread busy, in two phases: phase 0, tasks of (request, split_keys keys), writes every query head's
-// scores of those keys into a buffer the phases share (fetching each key's K and V rows SPLIT_AHEAD keys
+// scores of those keys and the keys' row offsets into a buffer the phases share (fetching each key's K and V rows SPLIT_AHEAD keys
 // ahead, whole: V then comes from L2 or L3 in phase 1), and the task that finishes a request's last keys takes
 // its softmax (an atomic count of the finished chunks); phase 1, tasks of (request, kv head, 32 dims), sums its
 // dims of the kv head's G outputs over every key's V row, in order. A head gets decode_tasks' arithmetic (dot's
@@ -684,9 +687,6 @@ static inline __attribute__((always_inline)) int decode_tasks(
 
 int decode_split(int n, int Hkv, int nthreads) { return nthreads > 1 && n * Hkv < 2 * nthreads; }
 
-// the first of a request's L cached tokens its query attends (all but the last `window` ones if window > 0)
-static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
-
 // keys a phase-0 task of a row of len: SPLIT_KEYS, or a quarter of a short row (at least 16)
 static inline int split_keys(int len) {
     const int quarter = (len / 4 + 15) & ~15;
@@ -697,7 +697,7 @@ static inline int split_keys(int len) {
 static inline int split_chunks(int len) { return len > 0 ? (len + split_keys(len) - 1) / split_keys(len) : 1; }
 
 // The split order's tasks of phase 0 or 1 for n requests, and (bytes != NULL) the bytes of the buffer its
-// phases share (zeroed when allocated: it starts with the counts, which every call leaves at zero again)
+// phases share (zeroed when allocated: it holds the counts, which every call leaves at zero again)
 long decode_split_tasks(int phase, int n, const int32_t *kv_lens, int window, int Hq, int Hkv, int D, long *bytes) {
     long t = 0, keys = 0;
     for (int i = 0; i < n; i++) {
@@ -705,24 +705,28 @@ long decode_split_tasks(int phase, int n, const int32_t *kv_lens, int window, in
         keys += len;
         t += phase == 0 ? split_chunks(len) : (long)Hkv * (D % 32 ? 1 : D / 32);
     }
-    if (bytes) *bytes = sizeof(int) * (long)n + sizeof(float) * ((long)n * Hq + keys * Hq);
+    if (bytes) *bytes = sizeof(size_t) * keys + sizeof(int) * (long)n + sizeof(float) * ((long)n * Hq + keys * Hq);
     return t;
 }
 
 // Tasks [t0, t1) of phase 0 or 1 of the split order on the calling thread (request by request, then its keys,
-// or its kv heads and dims), buf: decode_split_tasks' (counts [n], inverse sums [n, Hq], then each request's
-// scores [Hq, len]). Returns 0, or -2 if a task's key offsets could not be allocated.
+// or its kv heads and dims), buf: decode_split_tasks' (each request's keys' row offsets [len], counts [n], inverse
+// sums [n, Hq], then each request's scores [Hq, len]).
 static inline __attribute__((always_inline)) int decode_split_run(
     const int T, int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
     const int32_t *block_tables, int bt_stride, const char *kcache, const char *vcache, long kv_row, long kv_head,
     int block_size, int Hq, int Hkv, int D, float scale, int window, void *buf, float *out, int n, int t0, int t1) {
     const int G = Hq / Hkv, es = KV_BYTES(T), parts = D % 32 ? 1 : D / 32;
     const long row = kv_row * es, head_bytes = kv_head * es, row_bytes = Hkv * head_bytes;  // a token's K (V) bytes
-    int *count = (int *)buf;
-    float *inv = (float *)(count + n), *S = inv + (size_t)n * Hq;  // request i's scores from S
-    int rc = 0, task = 0;
-    for (int i = 0; i < n && task < t1; S += (size_t)Hq * (kv_lens[i] - window_start(kv_lens[i], window)), i++) {
-        const int L = kv_lens[i], start = window_start(L, window), len = L - start;
+    long keys = 0;
+    for (int i = 0; i < n; i++) keys += kv_lens[i] - window_start(kv_lens[i], window);
+    size_t *ro = (size_t *)buf;  // request i's keys' offsets from ro, its scores from S
+    int *count = (int *)(ro + keys);
+    float *inv = (float *)(count + n), *S = inv + (size_t)n * Hq;
+    int task = 0;
+    for (int i = 0, len; i < n && task < t1; S += (size_t)Hq * len, ro += len, i++) {
+        const int L = kv_lens[i], start = window_start(L, window);
+        len = L - start;
         const int K = split_keys(len), chunks = split_chunks(len), ntasks = phase == 0 ? chunks : Hkv * parts;
         if (task + ntasks <= t0) {
             task += ntasks;
@@ -735,17 +739,18 @@ static inline __attribute__((always_inline)) int decode_split_run(
             if (phase == 0) {  // keys [j0, j0 + nk) of every head
                 const int j0 = c * K, nk = len - j0 < K ? len - j0 : K;
                 const int nro = len - j0 < K + SPLIT_AHEAD ? len - j0 : K + SPLIT_AHEAD;
-                size_t ro[SPLIT_KEYS + SPLIT_AHEAD];
-                key_offsets(ro, bt, start, j0, j0 + nro, block_size, row);
+                size_t kro[SPLIT_KEYS + SPLIT_AHEAD];  // (and the keys fetched ahead: the next task writes theirs)
+                key_offsets(kro, bt, start, j0, j0 + nro, block_size, row);
+                memcpy(ro + j0, kro, sizeof(size_t) * nk);  // for phase 1
                 for (int k = 0; k < nk && k < SPLIT_AHEAD; k++) {  // the first keys, not fetched ahead
-                    prefetch_bytes(kcache + ro[k], row_bytes);
-                    prefetch_bytes(vcache + ro[k], row_bytes);
+                    prefetch_bytes(kcache + kro[k], row_bytes);
+                    prefetch_bytes(vcache + kro[k], row_bytes);
                 }
                 const float *qr[Hq];
                 int tile[Hq];
                 for (int g = 0; g < Hq; g++) qr[g] = q + tok * q_stride + (size_t)g * D;
                 head_tiles(0, Hq, G, tile);
-                decode_scores(T, ro, nk, nro, kcache, vcache, 1, 0, row_bytes, SPLIT_AHEAD, qr, tile, Hq, 0, G,
+                decode_scores(T, kro, nk, nro, kcache, vcache, 1, 0, row_bytes, SPLIT_AHEAD, qr, tile, Hq, 0, G,
                               head_bytes, D, scale, S + j0, len);
                 // the request's last chunk takes the softmax (acq_rel: it sees the others' scores; phase 1, after
                 // the caller's barrier, sees its results) and puts the count back to zero for the next call
@@ -759,12 +764,6 @@ static inline __attribute__((always_inline)) int decode_split_run(
             const int d_lo = parts == 1 ? 0 : 32 * (c % parts), d_hi = parts == 1 ? D : d_lo + 32;
             const long pf_off = hk * head_bytes + (long)d_lo * es;
             const int pf_bytes = (d_hi - d_lo) * es;
-            size_t *ro = (size_t *)malloc(sizeof(size_t) * (size_t)(len > 0 ? len : 1));
-            if (!ro) {
-                rc = -2;
-                continue;
-            }
-            key_offsets(ro, bt, start, 0, len, block_size, row);
             for (int k = 0; k < len && k < SPLIT_AHEAD; k++) prefetch_bytes(vcache + ro[k] + pf_off, pf_bytes);
             float *orow[G];
             int tile[G];
@@ -772,15 +771,13 @@ static inline __attribute__((always_inline)) int decode_split_run(
             head_tiles(h0, G, G, tile);
             decode_outputs(T, ro, len, vcache, pf_off, pf_bytes, SPLIT_AHEAD, S + (size_t)h0 * len, len,
                            inv + (size_t)i * Hq + h0, orow, tile, G, h0, G, head_bytes, D, d_lo, d_hi);
-            free(ro);
         }
     }
-    return rc;
+    return 0;
 }
 
 // Tasks [t0, t1) of phase `phase` of decode attention's split order (decode_split_tasks) on the calling thread:
-// decode_attention_tasks' arguments and the phases' buffer. Returns 0, -1 for an unknown kv_type, -2 if out of
-// memory.
+// decode_attention_tasks' arguments and the phases' buffer. Returns 0, or -1 for an unknown kv_type.
 int decode_split_phase(int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
                        const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
                        long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale, int window,
@@ -911,7 +908,7 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 if (task < t0 || task >= t1) continue;
                 const int q0 = qb * bq, nq = ql - q0 < bq ? ql - q0 : bq, M = nq * G;
                 const int p_lo = first + q0, p_hi = first + q0 + nq - 1;  // positions of the block's queries
-                const int k_lo = window > 0 && p_lo + 1 > window ? p_lo + 1 - window : 0, nk = p_hi + 1 - k_lo;
+                const int k_lo = window_start(p_lo + 1, window), nk = p_hi + 1 - k_lo;
                 // scores [M, nk] (row m: query m / G, head hk * G + m % G), then M query, M output and nk key
                 // and value row pointers, then (a 16-bit cache) the task's K and V rows in float32: each row
                 // converted once, not once for every tile of queries that reads it
@@ -974,7 +971,7 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 }
                 // per query: its G rows' softmax over its own run of keys
                 for (int qi = 0; qi < nq; qi++) {
-                    const int pos = p_lo + qi, start = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                    const int pos = p_lo + qi, start = window_start(pos + 1, window);
                     const int a = start - k_lo, len = pos + 1 - start;
                     for (int g = 0; g < G; g++) {
                         float *sr = S + (size_t)(qi * G + g) * nk;
@@ -990,7 +987,7 @@ int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_star
                 for (int c0 = 0; c0 < nk; c0 += PREFILL_KEYS) {
                     const int c1 = c0 + PREFILL_KEYS < nk ? c0 + PREFILL_KEYS : nk;
                     for (int qi = 0; qi < nq; qi++) {
-                        const int pos = p_lo + qi, start = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                        const int pos = p_lo + qi, start = window_start(pos + 1, window);
                         const int a = (start - k_lo > c0 ? start - k_lo : c0), b = pos + 1 - k_lo < c1 ? pos + 1 - k_lo : c1;
                         if (a >= b) continue;
                         float *const *og = orow + (size_t)qi * G;
