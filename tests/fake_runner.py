@@ -67,8 +67,17 @@ class FakeRunner:
         assert b.padded_num_tokens >= T and b.padded_num_reqs >= R
         assert b.cu_q_lens[0] == 0 and (np.diff(b.cu_q_lens) >= 0).all() and (b.cu_q_lens[R:] == T).all()
         assert (b.kv_lens[R:] == 0).all() and (b.sample_rows[R:] == -1).all()
-        d = b.distribution
-        assert d[0] <= d[1] <= d[2] == R
+        # requests decode-only (one token), prefill-only (nothing cached before), mixed, in that order
+        q = np.diff(b.cu_q_lens[: R + 1])
+        cached = b.kv_lens[:R] - q
+        cls = np.where(q == 1, 0, np.where(cached == 0, 1, 2))
+        assert (q >= 1).all() and (np.diff(cls) >= 0).all(), "requests out of the decode/prefill/mixed order"
+        assert b.distribution.tolist() == [int((cls == 0).sum()), int((cls <= 1).sum()), R]
+        assert (b.logits_indices[:R] == b.cu_q_lens[1 : R + 1] - 1).all()
+        assert (b.input_ids[T:] == 0).all() and (b.input_from_row[T:] == -1).all() and (b.positions[T:] == 0).all()
+        assert (b.block_tables[R:] == 0).all()
+        samples = np.flatnonzero(b.sample_rows[:R] >= 0)
+        assert (b.sample_index == samples).all() and (b.sample_rows[samples] == b.rows[samples]).all()
         sampled = np.zeros(b.padded_num_reqs, np.int32)
         for i in range(R):
             s, e = b.cu_q_lens[i], b.cu_q_lens[i + 1]
@@ -76,6 +85,7 @@ class FakeRunner:
             assert ib.req_row[b.req_ids[i]] == row
             nb = ib.num_blocks[row]
             own = set(ib.block_table[row, :nb].tolist())
+            assert (b.positions[s:e] == np.arange(cached[i], b.kv_lens[i])).all()
             for t in range(s, e):
                 pos = int(b.positions[t])
                 blk = int(b.block_tables[i, pos // self.block_size])

@@ -45,6 +45,7 @@ from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestD
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
     finish_step
+from enginecore.sampling_batch import filled
 from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from torchengine import cpu_kernels
@@ -504,7 +505,7 @@ class TorchModelRunner:
         cu = batch.cu_q_lens
         tok_req = np.arange(R) if T == R else np.repeat(np.arange(R), np.diff(cu[: R + 1]))
         pos = batch.positions[:T]
-        slot = np.full(batch.padded_num_tokens, -1, np.int64)
+        slot = filled(batch.padded_num_tokens, -1, np.int64)
         slot[:T] = batch.block_tables[tok_req, pos // bs].astype(np.int64) * bs + pos % bs
         return slot
 
