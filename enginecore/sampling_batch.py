@@ -84,7 +84,7 @@ def make_sampling_batch(ib, rows: np.ndarray, kv: np.ndarray, Rp: int, req_ids: 
         uniform = filled(Rp, 0.5, np.float32)
         needs_filtering = False
     else:
-        uniform = _pad(seeded_uniform(ib.seed[rows], ib.sample_index[rows], kv), Rp, 0.5, np.float32)
+        uniform = _pad(seeded_uniform(ib.seed.take(rows), ib.sample_index.take(rows), kv), Rp, 0.5, np.float32)
         needs_filtering = bool(np.any(~greedy & ((top_k[:R] > 0) | (top_p[:R] < 1.0) | (min_p[:R] > 0.0))))
     num_logprobs = -1
     if ib.wants_logprobs.take(rows).any():
