@@ -3,8 +3,9 @@
 The loop blocks on its input socket while there is nothing to do, drains every
 pending message before each step (adds, aborts, utility calls), steps the
 `EngineCore` while it has work, and pushes one message per iteration with
-the new outputs, the acks of the adds and fresh scheduler stats. So a token is
-on its way to the API process as soon as the step that made it returns.
+the new outputs, the acks of the adds and the scheduler stats when they
+changed. So a token is on its way to the API process as soon as the step
+that made it returns.
 """
 
 from __future__ import annotations
@@ -118,9 +119,10 @@ class EngineCoreLoop:
 
     def _publish(self, outputs) -> None:
         stats = wire.encode_stats(self.core.get_stats())
-        if not outputs and not self._acks and not self._results and stats == self._last_stats:
+        fresh = stats != self._last_stats  # (unchanged stats are not sent again: most decode steps')
+        if not outputs and not self._acks and not self._results and not fresh:
             return
-        msg: dict = {"stats": stats}
+        msg: dict = {"stats": stats} if fresh else {}
         if outputs:
             msg["outputs"] = [wire.encode_output(o) for o in outputs]
         if self._acks:

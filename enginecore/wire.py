@@ -11,7 +11,7 @@ Engine -> API messages (dicts, every key optional):
     outputs: [engine core output, ...]
     acks: [(parent_id, None | (error kind, message)), ...]
     results: [(call_id, ok, value), ...]
-    stats: {SchedulerStats fields}
+    stats: {SchedulerStats fields}    when they changed since the last message
     dead: str                         the step loop failed; the engine is gone
 """
 

@@ -127,6 +127,33 @@ def test_generate_stop_string_aborts_and_frees_blocks(parts):
     asyncio.run(main())
 
 
+def test_stats_sent_only_when_changed(parts):
+    """The engine sends its scheduler stats only when they changed (most decode steps' messages carry outputs
+    alone), and the client's copy still ends equal to the engine's own."""
+    async def main():
+        client, runner = await start_client(parts)
+        seen = []
+        handle = client._handle
+
+        def record(msg):
+            seen.append(("outputs" in msg, "stats" in msg))
+            handle(msg)
+
+        client._handle = record
+        try:
+            await final_output(await client.add_request("a", "Hello there", params(max_tokens=12, ignore_eos=True)))
+            await asyncio.sleep(0.2)
+            outputs_only = sum(1 for has_out, has_stats in seen if has_out and not has_stats)
+            assert outputs_only >= 5, seen  # 12 decode steps, the stats changing in few of them
+            assert any(has_stats for _, has_stats in seen)
+            engine = wire.decode_stats(await client.call("get_stats"))
+            assert client.stats == engine and engine.num_running_reqs == 0 and engine.num_used_blocks == 0
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+
+
 def test_overload_exactly_at_max_waiting_requests(parts):
     """2 running (--max-num-seqs 2), 2 waiting (--max-waiting-requests 2), the 5th and 6th get 503."""
 
