@@ -403,7 +403,9 @@ class AsyncEngineClient:
                         break
                     self._handle(wire.unpack(data))
                 wake.clear()
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                if sock.getsockopt(_EVENTS) & _POLLIN:
+                    await asyncio.sleep(0)  # (more came meanwhile: the streams send this drain's outputs first)
+                else:
                     await wake.wait()
         except asyncio.CancelledError:
             raise
