@@ -120,7 +120,7 @@ class AsyncEngineClient:
         self._thread: threading.Thread | None = None
         self._ipc_dir: str | None = None
         self._reader_task: asyncio.Task | None = None
-        self._sync_ctx: zmq.Context | None = None  # (one context: inproc needs it)
+        self._ctx: zmq.Context | None = None  # one for both sockets and the engine thread (inproc needs that)
         self._in: zmq.Socket | None = None  # PUSH, API -> engine (sync: sends never block, HWM 0)
         self._out: zmq.Socket | None = None  # PULL, engine -> API (read without blocking: _read_loop)
 
@@ -146,18 +146,18 @@ class AsyncEngineClient:
         `core_factory(config, model)` builds the in-process core (a custom runner); default: EngineCore.
         """
         loop = asyncio.get_running_loop()
-        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.Context()
         if multiprocess:
             self._ipc_dir = tempfile.mkdtemp(prefix="xlaserve-")
             in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         else:
             tag = f"{os.getpid()}-{id(self)}"
             in_addr, out_addr = f"inproc://xlaserve-in-{tag}", f"inproc://xlaserve-out-{tag}"
-        self._in = self._sync_ctx.socket(zmq.PUSH)
+        self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(in_addr)
-        self._out = self._sync_ctx.socket(zmq.PULL)
+        self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(out_addr)
         self._ready = loop.create_future()
@@ -198,7 +198,7 @@ class AsyncEngineClient:
         def main() -> None:
             code = 1
             try:
-                code = serve_engine_core(factory, self._sync_ctx, in_addr, out_addr)
+                code = serve_engine_core(factory, self._ctx, in_addr, out_addr)
             finally:
                 if not loop.is_closed():
                     # as for the process: let the reason the loop sent on its way out arrive first
@@ -296,8 +296,8 @@ class AsyncEngineClient:
             if sock is not None:
                 sock.close(0)
         engine_thread_gone = self._thread is None or not self._thread.is_alive()
-        if self._sync_ctx is not None and engine_thread_gone:
-            self._sync_ctx.term()
+        if self._ctx is not None and engine_thread_gone:
+            self._ctx.term()
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
