@@ -21,7 +21,7 @@ import zmq
 
 from enginecore.config import EngineConfig
 from enginecore.engine import EngineCore
-from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError
+from enginecore.scheduler import RequestRejectedError, SchedulerOverloadedError, SchedulerStats
 from enginecore import wire
 
 logger = logging.getLogger("xlaserve.engine_core")
@@ -42,7 +42,7 @@ class EngineCoreLoop:
         self.stopped = False
         self._acks: list = []
         self._results: list = []
-        self._last_stats: dict | None = None
+        self._last_stats: SchedulerStats | None = None
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -118,11 +118,11 @@ class EngineCoreLoop:
             self._results.append((call_id, False, f"{type(e).__name__}: {e}"))
 
     def _publish(self, outputs) -> None:
-        stats = wire.encode_stats(self.core.get_stats())
-        fresh = stats != self._last_stats  # (unchanged stats are not sent again: most decode steps')
+        stats = self.core.get_stats()
+        fresh = stats != self._last_stats  # (unchanged stats are not encoded or sent again: most decode steps')
         if not outputs and not self._acks and not self._results and not fresh:
             return
-        msg: dict = {"stats": stats} if fresh else {}
+        msg: dict = {"stats": wire.encode_stats(stats)} if fresh else {}
         if outputs:
             msg["outputs"] = [wire.encode_output(o) for o in outputs]
         if self._acks:

@@ -1970,7 +1970,7 @@ static inline __attribute__((always_inline)) void qx_weights(const int kind, con
                                                             __m256 d1, __m256 m0, __m256 m1, __m256 *w0, __m256 *w1) {
     // Each half of the 16 rows is converted or widened straight from memory (the instruction's own load), not
     // split from one wide load by a shuffle: the shuffles' ports were the limit (a decode step's Q8_0 head 1.17-1.2x
-    // faster at 1-8 rows, bfloat16 and float16 halves 1.0-1.3x, on a Zen 3)
+    // faster at 1-8 rows, bfloat16 halves 1.07-1.19x and float16 1.01-1.17x at 1-6, on a Zen 3)
     if (QX_HALVES(kind)) {
         const __m128i h0 = _mm_loadu_si128((const __m128i *)(qs + kk * 32));
         const __m128i h1 = _mm_loadu_si128((const __m128i *)(qs + kk * 32 + 16));
