@@ -102,8 +102,13 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
     # Schedule step N+1 while step N computes (vLLM's --async-scheduling).
     async_scheduling: bool = True
+    # Tokens a streamed request's output holds before it is sent (vLLM's --stream-interval): its first token and its
+    # end go out at once. Applied where outputs are detokenized (enginecore.processor.OutputProcessor).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be at least 1, got {self.stream_interval}.")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -301,6 +306,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 4096
     async_scheduling: bool = True
+    stream_interval: int = 1
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -406,6 +412,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             max_waiting_requests=self.max_waiting_requests,
             async_scheduling=self.async_scheduling,
+            stream_interval=self.stream_interval,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Callable
 
@@ -125,6 +126,7 @@ class EngineCoreLoop:
         msg: dict = {"stats": wire.encode_stats(stats)} if fresh else {}
         if outputs:
             msg["outputs"] = [wire.encode_output(o) for o in outputs]
+            msg["t"] = time.monotonic()
         if self._acks:
             msg["acks"], self._acks = self._acks, []
         if self._results:

@@ -96,6 +96,10 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() in the engine when its step's message was sent (the process mode's wire sets it; None: when
+    # the output processor takes it). Token latencies are measured from it, as vLLM's from its engine timestamps:
+    # the API process may read several steps' messages at once.
+    timestamp: float | None = None
 
 
 # ---- user-facing (LLM.generate, the frontend) ----------------------------------

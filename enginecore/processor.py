@@ -218,21 +218,18 @@ class RequestState:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     queue: Any = None  # the server's asyncio.Queue of RequestOutputs (None offline)
+    first_token_time: float | None = None  # when its first child's first token came
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
 
-    @property
-    def first_token_time(self) -> float | None:
-        times = [c.first_token_time for c in self.children.values() if c.first_token_time is not None]
-        return min(times) if times else None
-
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, observer: OutputObserver | None = None):
+    def __init__(self, tokenizer: Tokenizer, observer: OutputObserver | None = None, stream_interval: int = 1):
         self.tokenizer = tokenizer
         self.observer = observer
+        self.stream_interval = stream_interval  # --stream-interval: tokens a DELTA output gathers (_make_output)
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
         self._faults = FaultInjector.from_env()  # test-only; None unless XLASERVE_FAULT_INJECTION is set
@@ -298,8 +295,11 @@ class OutputProcessor:
         """-> ([(state, output or error to deliver)], engine child ids to abort).
 
         The ids to abort are children whose stop string matched here and children of failed requests.
+        `outputs` may hold several of a child's (the engine client passes all the messages of one read): they
+        become one output. Token latencies go by each output's engine `timestamp` where it has one (else `now`).
         """
         now = now or time.monotonic()
+        new_tokens = 0
         updated: dict[str, set[str]] = {}
         failed: dict[str, RequestFailedError] = {}
         to_abort: list[str] = []
@@ -321,6 +321,7 @@ class OutputProcessor:
             except Exception as e:
                 failed[pid] = self._failure(pid, e)
                 continue
+            new_tokens += len(o.new_token_ids)
             updated.setdefault(pid, set()).add(o.request_id)
         results: list[tuple[RequestState, RequestOutput | RequestFailedError]] = []
         for pid, cids in updated.items():
@@ -342,6 +343,8 @@ class OutputProcessor:
             to_abort.extend(self.unfinished_child_ids(pid))
             st = self.abort(pid, now, reason="error")
             results.append((st, err))
+        if new_tokens and self.observer is not None:
+            self.observer.on_generation_tokens(new_tokens)
         return results, to_abort
 
     @staticmethod
@@ -369,15 +372,17 @@ class OutputProcessor:
             st.prompt_logprobs.extend(self._to_logprob_dict(lp, k) if lp else None for lp in o.prompt_logprobs)
         n = len(o.new_token_ids)
         if n:
+            t = now if o.timestamp is None else o.timestamp
             if obs is not None:
                 if ch.first_token_time is None:
-                    obs.on_first_token(now - st.arrival_time, len(st.prompt_token_ids))
+                    obs.on_first_token(t - st.arrival_time, len(st.prompt_token_ids))
                 else:
-                    obs.on_inter_token(now - ch.last_token_time)
-                obs.on_generation_tokens(n)
+                    obs.on_inter_token(t - ch.last_token_time)
             if ch.first_token_time is None:
-                ch.first_token_time = now
-            ch.last_token_time = now
+                ch.first_token_time = t
+                if st.first_token_time is None:
+                    st.first_token_time = t
+            ch.last_token_time = t
             ch.token_ids.extend(o.new_token_ids)
         if ch.logprobs is not None and o.new_logprobs:
             for lp in o.new_logprobs:
@@ -412,6 +417,8 @@ class OutputProcessor:
                 continue
             done = ch.finish_reason is not None
             if kind == RequestOutputKind.DELTA:
+                if not done and ch.sent_tokens and len(ch.token_ids) - ch.sent_tokens < self.stream_interval:
+                    continue  # --stream-interval: not enough new tokens yet (the first goes out at once)
                 text = ch.detok.get_delta(done) if ch.detok else ""
                 toks = ch.token_ids[ch.sent_tokens :]
                 lps = ch.logprobs[ch.sent_logprobs :] if ch.logprobs is not None else None

@@ -104,7 +104,7 @@ def encode_output(o: EngineCoreOutput) -> tuple:
     )
 
 
-def decode_output(t) -> EngineCoreOutput:
+def decode_output(t, timestamp: float | None = None) -> EngineCoreOutput:
     rid, toks, lps, plps, finish, stop, cached = t
     return EngineCoreOutput(
         request_id=rid,
@@ -114,6 +114,7 @@ def decode_output(t) -> EngineCoreOutput:
         finish_reason=finish,
         stop_reason=stop,
         num_cached_tokens=cached,
+        timestamp=timestamp,
     )
 
 

@@ -127,7 +127,8 @@ class AsyncEngineClient:
     def _set_tokenizer(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(self.config, tokenizer, max(self.model.config.vocab_size, 0))
-        self.output_processor = OutputProcessor(tokenizer, self.observer)
+        self.output_processor = OutputProcessor(tokenizer, self.observer,
+                                                stream_interval=self.config.scheduler_config.stream_interval)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -394,6 +395,7 @@ class AsyncEngineClient:
         fd = sock.getsockopt(zmq.FD)
         wake = asyncio.Event()
         loop.add_reader(fd, wake.set)
+        outputs: list[EngineCoreOutput] = []
         try:
             while True:
                 while True:
@@ -401,7 +403,10 @@ class AsyncEngineClient:
                         data = sock.recv(_NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(wire.unpack(data))
+                    self._handle(wire.unpack(data), outputs)
+                if outputs:
+                    self._process_outputs(outputs)
+                    outputs = []
                 wake.clear()
                 if sock.getsockopt(_EVENTS) & _POLLIN:
                     await asyncio.sleep(0)  # (more came meanwhile: the streams send this drain's outputs first)
@@ -418,7 +423,11 @@ class AsyncEngineClient:
         finally:
             loop.remove_reader(fd)
 
-    def _handle(self, msg: dict) -> None:
+    def _handle(self, msg: dict, outputs: list[EngineCoreOutput]) -> None:
+        """One message; its outputs are appended to `outputs`, which the read loop processes once a drain: when
+        the engine's steps come faster than this process streams their tokens (a fast model at high
+        concurrency), a drain holds several steps' messages and each request gets one output (one SSE event)
+        for all its new tokens instead of one a token, as vLLM's output collector merges them."""
         if "startup_error" in msg:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(EngineStartupError(msg["startup_error"]))
@@ -441,8 +450,12 @@ class AsyncEngineClient:
             if fut is not None and not fut.done():
                 fut.set_result((ok, value))
         if "outputs" in msg:
-            self._process_outputs([wire.decode_output(t) for t in msg["outputs"]])
+            sent = msg.get("t")
+            outputs.extend(wire.decode_output(t, sent) for t in msg["outputs"])
         if "dead" in msg:
+            if outputs:  # what came before the engine died is delivered first
+                self._process_outputs(outputs)
+                outputs.clear()
             self._mark_dead(msg["dead"])
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:

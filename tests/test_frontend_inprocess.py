@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -135,9 +136,9 @@ def test_stats_sent_only_when_changed(parts):
         seen = []
         handle = client._handle
 
-        def record(msg):
+        def record(msg, outputs):
             seen.append(("outputs" in msg, "stats" in msg))
-            handle(msg)
+            handle(msg, outputs)
 
         client._handle = record
         try:
@@ -148,6 +149,121 @@ def test_stats_sent_only_when_changed(parts):
             assert any(has_stats for _, has_stats in seen)
             engine = wire.decode_stats(await client.call("get_stats"))
             assert client.stats == engine and engine.num_running_reqs == 0 and engine.num_used_blocks == 0
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+
+
+def delta(**kw) -> SamplingParams:
+    return params(output_kind=RequestOutputKind.DELTA, ignore_eos=True, **kw)
+
+
+def test_one_output_for_the_tokens_that_come_together(parts):
+    """OutputProcessor: a call with several outputs of a child (the engine client passes it all the messages of
+    one read) gives one output with all their tokens; --stream-interval N holds a stream's tokens until N are new
+    (the first token and the end go out at once). Whatever the grouping, a stream's deltas add up to the same
+    tokens and text, and the latencies go by the engine's timestamps: one inter-token latency a step."""
+    from enginecore.processor import OutputProcessor
+
+    tok = parts[2]
+    ids = tok.encode(" one two three four five six seven eight nine ten", add_special_tokens=False)[:10]
+    assert len(ids) == 10
+    want = tok.decode(ids, skip_special_tokens=True)
+    for interval, groups, sizes in (
+            (1, [[t] for t in ids], [1] * 10),
+            (1, [ids[:1], ids[1:4], ids[4:5], ids[5:]], [1, 3, 1, 5]),
+            (3, [[t] for t in ids], [1, 3, 3, 3]),
+            (4, [[t] for t in ids], [1, 4, 4, 1]),
+            (4, [ids[:2], ids[2:4], ids[4:]], [2, 8]),
+            (20, [[t] for t in ids], [1, 9])):
+        metrics = ServerMetrics("m", 256)
+        proc = OutputProcessor(tok, metrics, stream_interval=interval)
+        start = time.monotonic()
+        proc.add_request("r", "p", [1], delta(), ["r"], arrival_time=start - 0.5)
+        got = []
+        pos = 0
+        for g, group in enumerate(groups):
+            last = g == len(groups) - 1
+            outs = [EngineCoreOutput("r", [t], finish_reason="length" if last and i == len(group) - 1 else None,
+                                     timestamp=start + 0.25 * (pos + i)) for i, t in enumerate(group)]
+            pos += len(group)
+            for st, ro in proc.process_outputs(outs)[0]:
+                got.append(ro.outputs[0])
+        case = (interval, [len(g) for g in groups])
+        assert [len(o.token_ids) for o in got] == sizes, case
+        assert sum((o.token_ids for o in got), []) == ids and "".join(o.text for o in got) == want, case
+        assert got[-1].finish_reason == "length" and not proc.has("r"), case
+        assert metrics.generation_tokens._value.get() == 10, case
+        assert metrics.ttft._sum.get() == pytest.approx(0.5) and sum(b.get() for b in metrics.ttft._buckets) == 1, case
+        assert metrics.itl._sum.get() == pytest.approx(0.25 * 9) and sum(b.get() for b in metrics.itl._buckets) == 9, case
+
+
+def test_engine_messages_read_together_become_one_output(parts):
+    """The engine client reads every queued message at once: a stream whose steps came while the event loop was
+    busy gets one output for all their tokens, the same tokens and text as one a token."""
+    async def main():
+        metrics = ServerMetrics("m", 256)
+        client, runner = await start_client(parts, metrics)
+        try:
+            ref = await final_output(await client.add_request("a", "Hello there", params(max_tokens=12,
+                                                                                         ignore_eos=True)))
+            await asyncio.sleep(0.1)
+            itl_count, itl_sum = sum(b.get() for b in metrics.itl._buckets), metrics.itl._sum.get()
+            s = await client.add_request("b", "Hello there", delta(max_tokens=12))
+            deadline = time.monotonic() + 30
+            while runner.steps < 2 * 12 and time.monotonic() < deadline:  # the loop blocked: no message is read
+                time.sleep(0.01)
+            time.sleep(0.2)
+            outs = [o.outputs[0] async for o in s]
+            assert 1 <= len(outs) < 12, [len(o.token_ids) for o in outs]
+            assert sum((o.token_ids for o in outs), []) == ref.outputs[0].token_ids
+            assert "".join(o.text for o in outs) == ref.outputs[0].text
+            assert metrics.generation_tokens._value.get() == 24 and outs[-1].finish_reason == "length"
+            # a latency a step, by the engine's clock (its messages' times) though they were read at once
+            assert sum(b.get() for b in metrics.itl._buckets) == itl_count + 11 and metrics.itl._sum.get() > itl_sum
+            await asyncio.sleep(0.2)
+            assert client.stats.num_used_blocks == 0 and client.stats.num_running_reqs == 0
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stream_interval_flag_reaches_the_client(parts):
+    """--stream-interval: validated, in the scheduler config, and what the engine client's outputs follow."""
+    import dataclasses
+
+    import argparse
+
+    from enginecore.config import ConfigError
+    from frontend.args import build_serve_parser, engine_args_from_namespace, parse_serve_args
+
+    ns = parse_serve_args(build_serve_parser(argparse.ArgumentParser()), ["--stream-interval", "4"])
+    assert engine_args_from_namespace(ns).stream_interval == 4
+    with pytest.raises(ConfigError, match="--stream-interval"):
+        EngineArgs(stream_interval=0, platform="cpu").create_engine_config()
+
+    async def main():
+        config, model, tokenizer = parts
+        config = dataclasses.replace(config, scheduler_config=dataclasses.replace(config.scheduler_config,
+                                                                                  stream_interval=4))
+        client, runner = await start_client((config, model, tokenizer))
+        try:
+            assert client.output_processor.stream_interval == 4
+            ref = await final_output(await client.add_request("a", "Hello there", params(max_tokens=10,
+                                                                                         ignore_eos=True)))
+            execute = runner.execute
+
+            def slow(so):  # a message at a time: the reader sees each step's token alone
+                time.sleep(0.03)
+                return execute(so)
+
+            runner.execute = slow
+            outs = [o.outputs[0] async for o in await client.add_request("b", "Hello there", delta(max_tokens=10))]
+            sizes = [len(o.token_ids) for o in outs]
+            assert sizes[0] == 1 and len(sizes) >= 3 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 10, sizes
+            assert "".join(o.text for o in outs) == ref.outputs[0].text
         finally:
             await client.shutdown()
 
