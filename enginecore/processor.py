@@ -335,7 +335,7 @@ class OutputProcessor:
                 continue
             if ro is not None:
                 results.append((st, ro))
-            if st.finished:
+            if ro is not None and ro.finished:  # (a finished request always has an output: its last child's end)
                 self.states.pop(pid, None)
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)
