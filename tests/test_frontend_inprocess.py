@@ -197,6 +197,18 @@ def test_one_output_for_the_tokens_that_come_together(parts):
         assert metrics.generation_tokens._value.get() == 10, case
         assert metrics.ttft._sum.get() == pytest.approx(0.5) and sum(b.get() for b in metrics.ttft._buckets) == 1, case
         assert metrics.itl._sum.get() == pytest.approx(0.25 * 9) and sum(b.get() for b in metrics.itl._buckets) == 9, case
+    # n = 2: each child keeps its own interval; the request ends with its last child
+    proc = OutputProcessor(tok, stream_interval=3)
+    proc.add_request("q", "p", [1], delta(n=2), ["q-0", "q-1"])
+    got = {0: [], 1: []}
+    for i, t in enumerate(ids):
+        for c, length in ((0, 10), (1, 7)):
+            if i < length:
+                out = EngineCoreOutput(f"q-{c}", [t], finish_reason="length" if i == length - 1 else None)
+                for st, ro in proc.process_outputs([out])[0]:
+                    for o in ro.outputs:
+                        got[o.index].append(len(o.token_ids))
+    assert got == {0: [1, 3, 3, 3], 1: [1, 3, 3]} and not proc.has("q")
 
 
 def test_engine_messages_read_together_become_one_output(parts):
