@@ -82,8 +82,8 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
                              None),
     "async_scheduling": ("SchedulerConfig", "Schedule and build step N+1 while step N runs on the device "
                          "(same outputs; --no-async-scheduling runs them one after the other).", None),
-    "stream_interval": ("SchedulerConfig", "Tokens a streamed response gathers before it sends them (1: every token "
-                        "at once; the first token and the end are never held). Larger values spend less of the API "
+    "stream_interval": ("SchedulerConfig", "Tokens a streamed response gathers before it sends them (1: each token "
+                        "as it comes; the first token and the end are never held). Larger values spend less of the API "
                         "process's CPU a token, for many concurrent streams.", None),
     "tensor_parallel_size": ("ParallelConfig", "Tensor-parallel devices.", None),
     "data_parallel_size": ("ParallelConfig", "Data-parallel replicas.", None),
