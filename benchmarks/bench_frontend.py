@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the tiny Llama of bench_step (SmolLM2's vocabulary)")
     p.add_argument("--server-args", default="", help="more `xlaserve serve` flags, e.g. '--backend jax'")
     p.add_argument("--json", default=None)
+    p.add_argument("--log-dir", default=None, help="the servers' logs (default: a new folder in the temp dir)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     intervals = [int(x) for x in args.stream_interval.split(",")]
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_step import tiny_model_dir
 
         args.model = tiny_model_dir()
-    logdir = tempfile.mkdtemp(prefix="bench_frontend_")
+    logdir = args.log_dir or tempfile.mkdtemp(prefix="bench_frontend_")
+    os.makedirs(logdir, exist_ok=True)
     print(f"model {args.model}, {args.output_len} tokens a request, {'chat' if args.chat else 'completions'}, "
           f"{os.cpu_count()} cores; server logs in {logdir}", flush=True)
     res = {si: measure(args, si, levels, args.model, logdir) for si in intervals}

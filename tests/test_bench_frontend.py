@@ -10,7 +10,7 @@ def test_bench_frontend_streams_every_token_in_fewer_events(tiny_model_dir, tmp_
 
     out = tmp_path / "r.json"
     assert main(["--model", tiny_model_dir("llama"), "--concurrency", "4", "--stream-interval", "1,4",
-                 "--requests-per-level", "2", "--output-len", "9", "--json", str(out)]) == 0
+                 "--requests-per-level", "2", "--output-len", "9", "--json", str(out), "--log-dir", str(tmp_path)]) == 0
     r = json.loads(out.read_text())
     for si in ("1", "4"):  # (bench_frontend itself checks every request's usage: 9 tokens)
         assert r[si]["4"]["tokens"] == 8 * 9 and r[si]["4"]["api_ms_tok"] > 0
