@@ -169,12 +169,14 @@ def run_worker(name: str, spec_path: str, timeout: float, threads: int) -> dict:
     try:
         p = subprocess.run(cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=None, text=True,
                            env={**os.environ, **thread_env(threads)})
+        if p.returncode != 0:
+            return {"error": f"exited {p.returncode} (see its traceback above)"}
+        with open(out) as f:
+            return json.load(f)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish within {timeout:.0f} s"}
-    if p.returncode != 0:
-        return {"error": f"exited {p.returncode} (see its traceback above)"}
-    with open(out) as f:
-        return json.load(f)
+    finally:
+        os.unlink(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {e} (round {r + 1} of {max(1, args.rounds)}) ...", file=sys.stderr, flush=True)
             res[e] = run_worker(e, spec_path, args.timeout, args.threads)
         rounds.append(res)
+    os.unlink(spec_path)
 
     def round_tok_s(res, e, b):
         r = res.get(e, {})

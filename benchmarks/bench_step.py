@@ -190,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
         cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", be, "--out", out,
                "--batches", args.batches, "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
-        p = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        if p.returncode != 0:
-            results[be] = {"error": f"exited {p.returncode}"}
-            continue
-        with open(out) as f:
-            results[be] = json.load(f)
+        try:
+            p = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            if p.returncode != 0:
+                results[be] = {"error": f"exited {p.returncode}"}
+                continue
+            with open(out) as f:
+                results[be] = json.load(f)
+        finally:
+            os.unlink(out)
     headers = ["batch"]
     for be in backends:
         headers += [f"{be} step ms", f"{be} device ms", f"{be} host ms", f"{be} tok/s"]
