@@ -1,8 +1,8 @@
 """The API process's own cost a streamed token: many concurrent streams of a tiny model, whose engine steps cost
 little, so the API process (HTTP, SSE, detokenization, output processing) is what a fast accelerator's server
 would wait on. For each `--stream-interval` (one server each) and concurrency: output tok/s, SSE events, the CPU
-time of the API process and of the engine process a token (from /proc), and the ratios against the first
-interval measured in the same run.
+time of the API process and of the engine process a token, the other processes' CPU share meanwhile (as every
+benchmark here), and the ratios against the first interval measured in the same run.
 
     python -m benchmarks.bench_frontend --concurrency 64,256 --stream-interval 1,8
 """
@@ -17,27 +17,18 @@ import sys
 import tempfile
 import time
 
+import psutil
+
 from benchmarks._server import ServerProcess
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+from benchmarks._sysload import OtherCpu
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
+def cpu_seconds(p: psutil.Process | None) -> float:
+    """user + system CPU seconds of a process (all its threads)."""
+    if p is None:
+        return 0.0
+    t = p.cpu_times()
+    return t.user + t.system
 
 
 async def stream_one(port: int, body: bytes, path: str) -> tuple[int, int]:
@@ -93,23 +84,23 @@ def measure(args, interval: int, levels: list[int], model: str, logdir: str) -> 
     results = {}
     try:
         srv.wait_ready()
-        api = srv.proc.pid
+        api = psutil.Process(srv.proc.pid)
         asyncio.run(run_level(srv.port, max(levels), max(levels), 8, args.chat))  # warm-up
-        kids = children(api)
-        engine = max(kids, key=cpu_seconds) if kids else None
+        engine = max(api.children(), key=cpu_seconds, default=None)  # (the busiest child: the engine core)
         for c in levels:
             n = c * args.requests_per_level
-            a0, e0 = cpu_seconds(api), cpu_seconds(engine) if engine else 0.0
-            dt, events, tokens = asyncio.run(run_level(srv.port, c, n, args.output_len, args.chat))
-            a1, e1 = cpu_seconds(api), cpu_seconds(engine) if engine else 0.0
+            a0, e0 = cpu_seconds(api), cpu_seconds(engine)
+            with OtherCpu([srv.proc.pid]) as other:
+                dt, events, tokens = asyncio.run(run_level(srv.port, c, n, args.output_len, args.chat))
+            a1, e1 = cpu_seconds(api), cpu_seconds(engine)
             if tokens != n * args.output_len:
                 raise RuntimeError(f"{tokens} tokens streamed, expected {n * args.output_len}")
-            results[c] = {"tok_s": tokens / dt, "events": events, "tokens": tokens,
+            results[c] = {"tok_s": tokens / dt, "events": events, "tokens": tokens, "other_cpu": other.share,
                           "api_ms_tok": 1e3 * (a1 - a0) / tokens, "engine_ms_tok": 1e3 * (e1 - e0) / tokens}
             r = results[c]
             print(f"  --stream-interval {interval}, concurrency {c}: {r['tok_s']:.0f} tok/s, "
                   f"{events / tokens:.2f} events a token, API process {r['api_ms_tok']:.3f} ms CPU a token, "
-                  f"engine {r['engine_ms_tok']:.3f}", flush=True)
+                  f"engine {r['engine_ms_tok']:.3f}, other CPU {other.note()}", flush=True)
     finally:
         srv.stop()
     return results
@@ -140,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     res = {si: measure(args, si, levels, args.model, logdir) for si in intervals}
     base = intervals[0]
     print(f"\n{'interval':>8} {'conc':>5} {'tok/s':>8} {'events/tok':>10} {'API ms/tok':>10} {'engine ms/tok':>13} "
-          f"{'tok/s vs ' + str(base):>12} {'API CPU vs ' + str(base):>14}")
+          f"{'tok/s vs ' + str(base):>12} {'API CPU vs ' + str(base):>14} {'other CPU %':>11}")
     for si in intervals:
         for c in levels:
             r, b = res[si][c], res[base][c]
             print(f"{si:>8} {c:>5} {r['tok_s']:>8.0f} {r['events'] / r['tokens']:>10.2f} {r['api_ms_tok']:>10.3f} "
                   f"{r['engine_ms_tok']:>13.3f} {r['tok_s'] / b['tok_s']:>11.2f}x "
-                  f"{r['api_ms_tok'] / b['api_ms_tok']:>13.2f}x")
+                  f"{r['api_ms_tok'] / b['api_ms_tok']:>13.2f}x {100 * r['other_cpu']:>11.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(si): {str(c): v for c, v in r.items()} for si, r in res.items()}, f, indent=1)

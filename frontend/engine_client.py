@@ -4,8 +4,10 @@
 validation as the offline `LLM`), sends the requests over a PUSH socket, and
 awaits the engine's messages on a PULL socket: one task reads them (woken by
 the socket's file descriptor in the event loop, then draining every queued
-message without blocking), detokenizes (`OutputProcessor`), and puts each
-`RequestOutput` on the queue of its request's `RequestState`. Nothing polls.
+message without blocking), detokenizes the outputs of one drain together
+(`OutputProcessor`: a request's tokens that came together make one output),
+and puts each `RequestOutput` on the queue of its request's `RequestState`.
+Nothing polls.
 
 Both modes speak the same protocol (`enginecore.wire`): the default runs
 `enginecore.engine_proc` in a spawned process over `ipc://`; with

@@ -2,10 +2,11 @@
 
 Counters carry Prometheus's `_total` suffix on the wire, as vLLM's do
 (`vllm:prompt_tokens_total`). Gauges come from the engine's `SchedulerStats`
-(pushed after every engine step that changed them); counters and histograms from the per-request
-events the engine client reports, token latencies (TTFT, inter-token) by the times
-the engine sent its steps' outputs, as vLLM's go by its engine timestamps. xlaserve adds `xlaserve:kv_cache_*_blocks`
-gauges so `free + used == total` can be checked from outside, and
+(pushed after every engine step that changed them); counters and histograms
+from the per-request events the engine client reports, token latencies (TTFT,
+inter-token) by the times the engine sent its steps' outputs, as vLLM's go by
+its engine timestamps. xlaserve adds `xlaserve:kv_cache_*_blocks` gauges so
+`free + used == total` can be checked from outside, and
 `xlaserve:num_requests_rejected` (HTTP requests refused before they were queued:
 `overloaded` beyond --max-waiting-requests, `shutting_down` after SIGTERM), which
 vLLM has no name for. Requests that failed on their own (an exception while
