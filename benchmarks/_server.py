@@ -1,6 +1,6 @@
 """A server subprocess for the benchmarks and the tests that start one: a free port, the process with its
 log file, readiness on /health, a stop that escalates to a kill; and the parsers of what a server answers
-(Prometheus text, server-sent events)."""
+(Prometheus text, server-sent events); a benchmark's worker subprocess that hands back its result as JSON."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_json_worker(cmd: list[str], env: dict | None = None, timeout: float | None = None, **run_kw) -> dict:
+    """Runs `cmd + ["--out", PATH]` (a benchmark's worker, which writes its result to PATH as JSON) and returns
+    that result, or {"error": why} when it failed or overran `timeout`; the file is removed either way. `env` is
+    added to this process's; `run_kw` goes to `subprocess.run` (e.g. where the worker's stdout goes)."""
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        p = subprocess.run([*cmd, "--out", out], env={**os.environ, **(env or {})}, timeout=timeout, **run_kw)
+        if p.returncode != 0:
+            return {"error": f"exited {p.returncode} (see its traceback above)"}
+        with open(out) as f:
+            return json.load(f)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout:.0f} s"}
+    finally:
+        os.unlink(out)
 
 
 class LoggedProcess:

@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks._server import run_json_worker
+
 ENGINES = ("jax", "torch", "transformers")
 HF_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "smollm2-hf-{dtype}")
 
@@ -164,19 +166,8 @@ def thread_env(threads: int) -> dict:
 
 
 def run_worker(name: str, spec_path: str, timeout: float, threads: int) -> dict:
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--worker", name, "--spec", spec_path, "--out", out]
-    try:
-        p = subprocess.run(cmd, timeout=timeout, stdout=subprocess.PIPE, stderr=None, text=True,
-                           env={**os.environ, **thread_env(threads)})
-        if p.returncode != 0:
-            return {"error": f"exited {p.returncode} (see its traceback above)"}
-        with open(out) as f:
-            return json.load(f)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within {timeout:.0f} s"}
-    finally:
-        os.unlink(out)
+    return run_json_worker([sys.executable, "-m", "benchmarks.bench_backends", "--worker", name, "--spec", spec_path],
+                           thread_env(threads), timeout, stdout=subprocess.PIPE, text=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     out_len = args.output_len or (32 if args.quick else 128)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     spec = make_spec(batches, in_len, out_len, args.dtype)
-    spec_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
     from benchmarks._sysload import OtherCpu
 
     print("measuring the roofline ...", file=sys.stderr, flush=True)
@@ -217,14 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         roof = get_roofline(fresh=True)  # in this run, so every ratio below comes from one run
     cost = embedded_model_cost()
     rounds = []
-    for r in range(max(1, args.rounds)):
-        order = engines[r % len(engines):] + engines[: r % len(engines)]
-        res = {}
-        for e in order:
-            print(f"running {e} (round {r + 1} of {max(1, args.rounds)}) ...", file=sys.stderr, flush=True)
-            res[e] = run_worker(e, spec_path, args.timeout, args.threads)
-        rounds.append(res)
-    os.unlink(spec_path)
+    with tempfile.TemporaryDirectory() as d:
+        spec_path = os.path.join(d, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        for r in range(max(1, args.rounds)):
+            order = engines[r % len(engines):] + engines[: r % len(engines)]
+            res = {}
+            for e in order:
+                print(f"running {e} (round {r + 1} of {max(1, args.rounds)}) ...", file=sys.stderr, flush=True)
+                res[e] = run_worker(e, spec_path, args.timeout, args.threads)
+            rounds.append(res)
 
     def round_tok_s(res, e, b):
         r = res.get(e, {})

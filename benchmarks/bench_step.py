@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from benchmarks._server import run_json_worker
 
 TINY_DIR = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "tiny-llama-h64")
 
@@ -187,18 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for be in backends:
         print(f"running {be} ...", file=sys.stderr, flush=True)
-        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", be, "--out", out,
+        cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", be,
                "--batches", args.batches, "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
-        try:
-            p = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-            if p.returncode != 0:
-                results[be] = {"error": f"exited {p.returncode}"}
-                continue
-            with open(out) as f:
-                results[be] = json.load(f)
-        finally:
-            os.unlink(out)
+        results[be] = run_json_worker(cmd, {"JAX_PLATFORMS": "cpu"})
     headers = ["batch"]
     for be in backends:
         headers += [f"{be} step ms", f"{be} device ms", f"{be} host ms", f"{be} tok/s"]
