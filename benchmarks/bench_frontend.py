@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from benchmarks._server import ServerProcess
+from benchmarks._server import ServerProcess, sse_events
 from benchmarks._sysload import OtherCpu
 
 
@@ -38,21 +38,12 @@ async def stream_one(port: int, body: bytes, path: str) -> tuple[int, int]:
     w.write(f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
             f"\r\nConnection: close\r\n\r\n".encode() + body)
     await w.drain()
-    events = tokens = 0
-    while line := await r.readline():
-        if not line.startswith(b"data:"):
-            continue
-        if b"[DONE]" in line:
-            break
-        ev = json.loads(line[5:])
-        if ev.get("error"):
-            raise RuntimeError(f"the server answered an error: {ev['error']}")
-        if ev.get("usage"):
-            tokens = ev["usage"]["completion_tokens"]
-        if ev.get("choices"):
-            events += 1
+    events = sse_events((await r.read()).decode())  # (each event is a chunk of its own: no line is split)
     w.close()
-    return events, tokens
+    if errors := [ev["error"] for ev in events if ev.get("error")]:
+        raise RuntimeError(f"the server answered an error: {errors[0]}")
+    tokens = sum(ev["usage"]["completion_tokens"] for ev in events if ev.get("usage"))  # (the last event's)
+    return sum(1 for ev in events if ev.get("choices")), tokens
 
 
 async def run_level(port: int, concurrency: int, n: int, output_len: int, chat: bool) -> tuple[float, int, int]:
