@@ -15,7 +15,7 @@ float32 linears and its LM head use on a CPU, any row count), each as a speedup
 over torch's usual linear. The last columns are the 4-bit
 kernels of `--quantization gguf` (`torchengine.quant`) on the same weights
 quantized in groups of 32: torch's int4 kernel, and our AVX2 kernel
-(`torchengine/cpu_kernels.c`, up to 32 rows; `-` where it cannot run), each as a
+(`cpu_kernels/csrc`, up to 32 rows; `-` where it cannot run), each as a
 speedup over torch's usual float32 linear.
 """
 
@@ -54,7 +54,7 @@ def main() -> int:
 
     from enginecore.model_loader import Int4Groups
     from jaxengine.model import dense
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
     from torchengine.quant import Int4Linear
 
     torch.set_num_threads(threads)
@@ -65,14 +65,14 @@ def main() -> int:
     print(f"{'shape':>8} {'rows':>4} | {'jax usual':>9} {'jax wfirst':>10} {'x':>5} | "
           f"{'torch usual':>11} {'torch wfirst':>12} {'x':>5} | {'avx2 f32':>8} {'x':>5} | {'panels':>8} {'x':>5} | {'torch int4':>10} {'x':>5} | "
           f"{'avx2 q4':>7} {'x':>5}")
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     have_q4 = lib is not None
     for name, K, N in SHAPES:
         n_layers = max(1, min(args.layers, (1 << 30) // (N * K * 4)))
         ws = [rng.standard_normal((N, K), np.float32) for _ in range(n_layers)]
         jws = [jnp.asarray(w) for w in ws]
         tws = [torch.from_numpy(w) for w in ws]
-        pws = [cpu_kernels.pack_panels(w) for w in tws] if lib is not None else []
+        pws = [torch_ops.pack_panels(w) for w in tws] if lib is not None else []
         q4s, avx = [], []
         for w in ws:
             g = w.reshape(N, K // 32, 32)
@@ -93,12 +93,12 @@ def main() -> int:
             with torch.inference_mode():
                 t_usual = best_ms(lambda: [torch.nn.functional.linear(th, w) for w in tws]) / n_layers
                 t_wf = best_ms(lambda: [torch.mm(w, th.t()).t().contiguous() for w in tws]) / n_layers
-                t_f32 = best_ms(lambda: [cpu_kernels.f32_gemm(lib, th, w) for w in tws]) / n_layers \
+                t_f32 = best_ms(lambda: [torch_ops.f32_gemm(lib, th, w) for w in tws]) / n_layers \
                     if lib is not None else 0
-                t_pan = best_ms(lambda: [cpu_kernels.panel_gemm(lib, th, p, N) for p in pws]) / n_layers \
+                t_pan = best_ms(lambda: [torch_ops.panel_gemm(lib, th, p, N) for p in pws]) / n_layers \
                     if lib is not None else 0
                 t_q4 = best_ms(lambda: [lin(th) for lin in q4s]) / n_layers
-                t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= cpu_kernels.MAX_ROWS else 0
+                t_avx = best_ms(lambda: [lin(th) for lin in avx]) / n_layers if avx and M <= torch_ops.MAX_ROWS else 0
             j_usual = best_ms(run_j(jstd)) / n_layers
             j_wf = best_ms(run_j(jwf)) / n_layers
             print(f"{name:>8} {M:>4} | {j_usual:>9.3f} {j_wf:>10.3f} {j_usual / j_wf:>5.2f} | "

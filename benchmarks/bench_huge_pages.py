@@ -4,7 +4,7 @@
 
 The float32 linears of a decode step of the embedded model's shape (30 layers of fused q/k/v, o, fused
 gate/up and down, random weights packed in panels, ~425 MB: streamed from memory as in a real step), once
-from ordinary allocations and once from `torchengine.cpu_kernels.huge_page_buffer` (what
+from ordinary allocations and once from `cpu_kernels.torch_ops.huge_page_buffer` (what
 `Transformer.pack_cpu_weights` packs into), timed back to back in every round. Prints each round's
 ratio (> 1: huge pages faster) and their median, and how much of the process is on huge pages (0 where the
 OS gives none: transparent huge pages "never").
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from torchengine import cpu_kernels as ck
+    from cpu_kernels import torch_ops as ck
 
     lib = ck.lib()
     if lib is None:

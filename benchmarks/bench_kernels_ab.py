@@ -1,4 +1,4 @@
-"""Two builds of the CPU kernels in one process, interleaved: a git revision's `torchengine/cpu_kernels.c`
+"""Two builds of the CPU kernels in one process, interleaved: a git revision's `cpu_kernels/csrc`
 against the working tree's.
 
     python -m benchmarks.bench_kernels_ab [--base HEAD~1] [--rows 1,8,32,64] [--reps 20] [--what linears|bdot]
@@ -58,27 +58,35 @@ LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 HQ, HKV, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention, the engines' block size
 
 
-def build(source: str, name: str):
-    from enginecore.native import CPU_KERNELS_FLAGS, build_shared
-    from torchengine import cpu_kernels
+def build(units: list, headers: tuple, name: str):
+    from cpu_kernels import torch_ops
+    from enginecore.native import build_shared
 
-    path, why = build_shared(name, [(source, "c", CPU_KERNELS_FLAGS)], ("-fopenmp",))
-    lib, why = cpu_kernels.open_library(path) if path else (None, why)
+    path, why = build_shared(name, units, ("-fopenmp",), headers=headers)
+    lib, why = torch_ops.open_library(path) if path else (None, why)
     if lib is None:
-        raise SystemExit(f"cannot build {source}: {why}")
+        raise SystemExit(f"cannot build {name}: {why}")
     return lib
 
 
 def base_build(rev: str):
-    """The CPU kernels of git revision `rev`, built."""
-    from enginecore.native import CPU_KERNELS_C
+    """The CPU kernels of git revision `rev`, built: its `cpu_kernels/csrc` (or, before the wing had a folder
+    of its own, its one `torchengine/cpu_kernels.c`)."""
+    from cpu_kernels.build import C_FLAGS
 
-    rel = os.path.relpath(CPU_KERNELS_C, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:cpu_kernels/csrc"], cwd=root,
+                           capture_output=True, text=True).stdout.split()
+    files = [f"cpu_kernels/csrc/{n}" for n in names if n.endswith((".c", ".h"))] or ["torchengine/cpu_kernels.c"]
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "cpu_kernels.c")
-        with open(src, "wb") as f:
-            f.write(subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout)
-        return build(src, "cpu_kernels_ab")
+        for rel in files:
+            with open(os.path.join(tmp, os.path.basename(rel)), "wb") as f:
+                f.write(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, check=True,
+                                       capture_output=True).stdout)
+        flags = [f for f in C_FLAGS if not f.startswith("-I")] + [f"-I{tmp}"]
+        units = [(os.path.join(tmp, os.path.basename(r)), "c", flags) for r in files if r.endswith(".c")]
+        headers = tuple(os.path.join(tmp, os.path.basename(r)) for r in files if r.endswith(".h"))
+        return build(units, headers, "cpu_kernels_ab")
 
 
 def best_of(libs, step, reps: int) -> tuple[dict[str, float], float]:
@@ -114,9 +122,9 @@ def main() -> int:
 
     import torch
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.platform import cpu_kernels_unavailable
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
     why = cpu_kernels_unavailable()
     if why:
@@ -127,9 +135,9 @@ def main() -> int:
     if args.what == "qx":
         return qx_step(args, threads)
     base = base_build(args.base)
-    new = cpu_kernels.lib()
+    new = torch_ops.lib()
     if new is None:
-        print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
+        print(f"the working tree's kernels do not build: {torch_ops.load()[1]}")
         return 1
     libs = {"base": base, "new": new}
 
@@ -144,11 +152,11 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
 
     def panels(w):  # float32 panels, or QX_BDOT's (--what bdot)
-        p = cpu_kernels.pack_panels(w)
+        p = torch_ops.pack_panels(w)
         return torch.from_numpy(qx.bdot_panels(new, p.numpy())) if bdot else p
 
     def gemm(lib, x, M, K, w, N, y, best):
-        rc = (lib.qx_gemm(x, M, K, w, N, y, best, cpu_kernels.QX_KINDS["BDOT"], threads) if bdot
+        rc = (lib.qx_gemm(x, M, K, w, N, y, best, torch_ops.QX_KINDS["BDOT"], threads) if bdot
               else lib.panel_gemm(x, M, K, w, N, y, best, threads))
         if rc:
             raise RuntimeError("the kernel refused its arguments")
@@ -208,7 +216,7 @@ def attention(libs, args, threads: int) -> int:
     num_blocks = max(rows) * per_row + 1
     caches = [(torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g),
                torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g)) for _ in range(LAYERS)]
-    from torchengine.cpu_kernels import KV_TYPES
+    from cpu_kernels.torch_ops import KV_TYPES
 
     kv_dtype = getattr(torch, args.kv_dtype)
     tasks = {name: tasks_fn(lib) for name, lib in libs.items()} if args.layout == "jax" else {}
@@ -235,7 +243,7 @@ def attention(libs, args, threads: int) -> int:
             if args.layout == "jax":
                 return jax_layout_step(tasks[name], hs, new_caches if name == "new" else caches, q, M, kv_lens,
                                        tables, per_row, out, threads)
-            # the last argument, the cache's dtype (cpu_kernels.KV_TYPES), is ignored by a base from before it
+            # the last argument, the cache's dtype (torch_ops.KV_TYPES), is ignored by a base from before it
             for kc, vc in (new_caches if name == "new" else caches):
                 if lib.decode_attention(q.data_ptr(), q.stride(0), M, tokens.data_ptr(), kv_lens.data_ptr(),
                                         tables.data_ptr(), per_row, kc.data_ptr(), vc.data_ptr(), BLOCK, HQ, HKV,
@@ -271,7 +279,7 @@ def jax_layout_step(f, hs: int, caches, q, M: int, kv_lens, tables, per_row: int
     Python threads (ctypes lets go of the GIL), each a contiguous share, every layer."""
     import threading
 
-    from torchengine.cpu_kernels import KV_TYPES
+    from cpu_kernels.torch_ops import KV_TYPES
 
     ntasks = M * (HQ // hs)
     errors = []
@@ -301,7 +309,7 @@ def decode_step(libs, args, threads: int) -> int:
     import numpy as np
     import torch
 
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
     g = torch.Generator().manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
@@ -309,9 +317,9 @@ def decode_step(libs, args, threads: int) -> int:
     num_blocks = max(rows) * per_row + 1
     inter = SHAPES[3][0]
     weights = []  # (the tensors of a layer, kept alive), one decode_layer struct each
-    structs = (cpu_kernels._DecodeLayer * LAYERS)()
+    structs = (torch_ops._DecodeLayer * LAYERS)()
     for c in structs:
-        t = {name: cpu_kernels.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5)
+        t = {name: torch_ops.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5)
              for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), SHAPES)}
         t["norm"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
         t["k"], t["v"] = (torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g) for _ in range(2))
@@ -362,13 +370,13 @@ def qx_step(args, threads: int) -> int:
     import numpy as np
     import torch
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int4Groups, Int8Groups, Iq4Groups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
-        print(f"the working tree's kernels do not build: {cpu_kernels.load()[1]}")
+        print(f"the working tree's kernels do not build: {torch_ops.load()[1]}")
         return 1
     if args.qx_kind == "bdot" and not lib.bdot_supported():
         print("no AVX512-BF16 here: QX_BDOT does not run")
@@ -391,7 +399,7 @@ def qx_step(args, threads: int) -> int:
         return (torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)) / k ** 0.5).to(half).float()
 
     def halves(w):
-        p = cpu_kernels.pack_panels(w).numpy()
+        p = torch_ops.pack_panels(w).numpy()
         return torch.from_numpy(qx.bdot_panels(lib, p) if bdot else qx.half_panels(lib, "w", p, qx.half_kind(p)))
 
     layers = []  # per layer: [(float32 panels, qx panels)] for q/k/v, o, gate/up, down
@@ -400,7 +408,7 @@ def qx_step(args, threads: int) -> int:
         for k, n in SHAPES:
             if bf16:
                 w = bf16_weight(n, k)
-                ws.append((cpu_kernels.pack_panels(w), halves(w)))
+                ws.append((torch_ops.pack_panels(w), halves(w)))
                 continue
             d, m = f16((n, k // 32), 0.01), f16((n, k // 32), 0.05)
             if q4k:  # a Q4_K's scales d * sc and offsets -(dmin * mn): float32, 6 more bits than a float16's
@@ -412,19 +420,19 @@ def qx_step(args, threads: int) -> int:
                 g = Int4Groups(rng.integers(0, 16, (n, k)).astype(np.uint8), d.astype(np.float32),
                                m.astype(np.float32))
                 packed = qx.pack_i8x(qx.to_wide(g)) if i8 else qx.pack_q4x(g.q, g.scale, g.offset, qx.q4_kind(g))
-            ws.append((cpu_kernels.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
+            ws.append((torch_ops.pack_panels(torch.from_numpy(g.dequantize())), torch.from_numpy(packed)))
         layers.append(ws)
     if bf16:
         w = bf16_weight(VOCAB, HIDDEN)
-        head = (cpu_kernels.pack_panels(w), halves(w))
-        kinds = (cpu_kernels.QX_KINDS["BDOT" if bdot else "BF16" if half == torch.bfloat16 else "F16"],) * 2
+        head = (torch_ops.pack_panels(w), halves(w))
+        kinds = (torch_ops.QX_KINDS["BDOT" if bdot else "BF16" if half == torch.bfloat16 else "F16"],) * 2
         what = (f"{'b' if half == torch.bfloat16 else ''}float16-exact weights as those 16 bits (qx_gemm, ~270 MB)"
                 if not bdot else "the same bfloat16 weights times activations rounded to bfloat16 (QX_BDOT, ~270 MB)")
     else:
         h = Int8Groups(rng.integers(-128, 128, (VOCAB, HIDDEN)).astype(np.int8), f16((VOCAB, HIDDEN // 32), 0.002))
-        head = (cpu_kernels.pack_panels(torch.from_numpy(h.dequantize())), cpu_kernels.pack_q8x(h.q, h.scale))
+        head = (torch_ops.pack_panels(torch.from_numpy(h.dequantize())), torch_ops.pack_q8x(h.q, h.scale))
         name = "Q4_K" if q4k else "I8" if i8 else "IQ4" if iq4 else "Q4_1"
-        kinds = cpu_kernels.QX_KINDS[name], cpu_kernels.QX_KINDS["Q8_0"]
+        kinds = torch_ops.QX_KINDS[name], torch_ops.QX_KINDS["Q8_0"]
         what = f"{name} blocks and a Q8_0 head as stored (qx_gemm, ~{ {'Q4_K': 110, 'I8': 190}.get(name, 100)} MB)"
     print(f"decode step linears and greedy head of SmolLM2-135M's shapes, {threads} thread(s): float32 panels "
           f"(panel_gemm, ~540 MB) vs {what} in {tiles} tiles, the same weights, and the blocks in {args.base}'s "

@@ -4,7 +4,7 @@
 
 The jitted `jaxengine.sampler.sample` with XLA's ops ("topk" method) and with
 `cpu_kernels=True`, and `torchengine.sampler.sample` on torch's ops and on
-`torchengine/cpu_kernels.c` (log_softmax / softmax, the top-p cut, the draw,
+`cpu_kernels/csrc` (log_softmax / softmax, the top-p cut, the draw,
 the top-N logprobs), on the same float32 logits. Cases: "temp" (temperature
 0.8), "top_k+top_p" (0.8, top_k 50, top_p 0.9), "top_p" (1.0, top_p 0.95),
 "greedy+lp5" (greedy, 5 logprobs); logits "peaked" (a few tokens hold most of
@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     import torch
 
     from enginecore.sampling_batch import SamplingBatch
-    from jaxengine import cpu_kernels as jax_kernels
+    from cpu_kernels import jax_ops as jax_kernels
     from jaxengine import sampler as jax_sampler
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
     from torchengine import sampler as torch_sampler
 
     why = jax_kernels.available() or ("" if torch_kernels.lib() is not None else torch_kernels.load()[1])

@@ -319,7 +319,7 @@ def default_cpu_kv_bytes() -> int:
 
 def check_cpu_kv_fits(nbytes: int) -> None:
     """A CPU KV cache that the OS hands out page by page (not all committed at start: as a background thread
-    commits it, `enginecore.native.populate_in_background`, or steps first write it) must still fit the memory
+    commits it, `cpu_kernels.memory.populate_in_background`, or steps first write it) must still fit the memory
     available now: otherwise the start fails here, with the flag to change, instead
     of the process being killed for memory mid-serve once enough blocks are in use."""
     avail = available_memory_bytes()

@@ -403,7 +403,7 @@ class WideGroups(_AffineGroups):
     q, groups of 16) and Q5_1 (d * q + m, five-bit q, blocks of 32) exactly as the gguf package dequantizes them:
     each a product exact in float32 (at most 24 significant bits: Q6_K's 11 + 7 + 5, Iq4Groups' 11 + 6 + 7) plus
     an exact offset, rounded once, as q * scale + offset is; every other form converts to it
-    (`enginecore.qx.to_wide`)."""
+    (`cpu_kernels.layout.to_wide`)."""
 
     GROUP = 16
     TYPES = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "Q5_1")  # the GGUF types read as this form

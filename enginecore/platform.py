@@ -3,7 +3,7 @@
 auto platform: a TPU if the machine exposes TPU chips (/dev/accel* or
 /dev/vfio with a TPU environment), else CUDA if an NVIDIA device node exists,
 else the CPU. auto backend: tpu -> jax, cuda -> torch; on the CPU torch where
-its AVX2 kernels run (`torchengine/cpu_kernels.c`) and the settings are theirs
+its AVX2 kernels run (`cpu_kernels/csrc`) and the settings are theirs
 (float32, one replica, no tensor parallelism, torch attention), else jax
 (`cpu_auto_backend`).
 """
@@ -61,9 +61,9 @@ def c_compiler() -> str | None:
 
 
 def cpu_kernels_unavailable() -> str:
-    """Why our AVX2 CPU kernels (torchengine/cpu_kernels.c, and jaxengine/cpu_kernels.cc's custom calls that
+    """Why our AVX2 CPU kernels (cpu_kernels/csrc, and cpu_kernels/csrc/xla_ffi.cc's custom calls that
     link it) cannot run on this machine ("" if they can; building them can still fail, which
-    `torchengine.cpu_kernels.load` and `jaxengine.cpu_kernels.available` report).
+    `cpu_kernels.torch_ops.load` and `cpu_kernels.jax_ops.available` report).
     `XLASERVE_CPU_KERNELS=off` (or `torch`, its earlier name) turns them off: torch's and XLA's own ops run."""
     setting = os.environ.get("XLASERVE_CPU_KERNELS", "auto")
     if setting in ("off", "torch"):

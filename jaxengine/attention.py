@@ -54,15 +54,15 @@ def write_kv(
     cpu: bool = False,
 ):
     """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped). `cpu`: by
-    `jaxengine.cpu_kernels.kv_write` (a cache of its `KV_DTYPES`), in place: XLA:CPU has no bfloat16 / float16
+    `cpu_kernels.jax_ops.kv_write` (a cache of its `KV_DTYPES`), in place: XLA:CPU has no bfloat16 / float16
     scatter and wraps one in conversions of the whole cache to float32 and back."""
     T, Hkv, D = k.shape
     NB, block_size = kv_cache.shape[:2]
     block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
     if cpu:
-        from jaxengine import cpu_kernels
+        from cpu_kernels import jax_ops
 
-        return cpu_kernels.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
+        return jax_ops.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
     block = jnp.where(valid, block, NB)
     new_kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D).astype(kv_cache.dtype)
     return kv_cache.at[block, pos % block_size].set(new_kv, mode="drop")
@@ -247,7 +247,7 @@ def ragged_paged_attention_xla(
 ):
     """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0.
 
-    `cpu_decode`: the new K/V are written by `jaxengine.cpu_kernels.kv_write`, the decode rows run as
+    `cpu_decode`: the new K/V are written by `cpu_kernels.jax_ops.kv_write`, the decode rows run as
     `cpu_kernels.decode_attention` and the prefill and mixed rows as `cpu_kernels.prefill_attention` (the cache
     written and read in place, every query with the same arithmetic; on a CPU, a float32 / float16 / bfloat16
     cache, no soft cap; 16-bit queries are read into float32 and the output rounded back; otherwise this path's
@@ -266,9 +266,9 @@ def ragged_paged_attention_xla(
     # slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
     cpu = cpu_decode and soft_cap is None and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     if cpu:
-        from jaxengine import cpu_kernels
+        from cpu_kernels import jax_ops
 
-        cpu = kv_cache.dtype in cpu_kernels.KV_DTYPES
+        cpu = kv_cache.dtype in jax_ops.KV_DTYPES
     kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table, cpu=cpu)
 
     # decode rows: request r's only query is token cu_q_lens[r]
@@ -277,7 +277,7 @@ def ragged_paged_attention_xla(
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
     if cpu:  # (16-bit queries, a 16-bit model's: read exactly into float32, the output rounded back)
         q32 = q.astype(jnp.float32)
-        dec = cpu_kernels.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
+        dec = jax_ops.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
                                            sliding_window=sliding_window)
     else:
         dec = _decode_switch(
@@ -287,7 +287,7 @@ def ragged_paged_attention_xla(
     out = jnp.zeros((T, Hq, D), jnp.float32 if cpu else q.dtype)
     out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(out.dtype), mode="drop")
     if cpu:
-        out = cpu_kernels.prefill_attention(q32, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+        out = jax_ops.prefill_attention(q32, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
                                             sm_scale=sm_scale, sliding_window=sliding_window).astype(q.dtype)
     else:
         out = _prefill_attention(

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import jax
 from jax import monitoring
 
-from enginecore.native import CPU_KERNELS_C
+from cpu_kernels.build import sources_digest
 
 logger = logging.getLogger("xlaserve.jax")
 
@@ -196,7 +196,7 @@ class CompileGuard:
 
 # ---- serialized executables -----------------------------------------------------------------------
 
-_SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "enginecore")
+_SOURCE_PACKAGES = ("jaxengine", "pallas_kernels", "cpu_kernels", "enginecore")
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,8 +214,7 @@ def source_fingerprint() -> str:
             if fn.endswith((".py", ".cc")):
                 with open(os.path.join(d, fn), "rb") as f:
                     h.update(fn.encode() + b"\0" + f.read())
-    with open(CPU_KERNELS_C, "rb") as f:  # linked into jaxengine/cpu_kernels.cc's custom call
-        h.update(f.read())
+    h.update(sources_digest())  # the C kernels the CPU custom calls run
     return h.hexdigest()
 
 

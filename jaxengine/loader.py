@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
 from enginecore.model_loader import ModelSource
-from enginecore.native import huge_page_array
+from cpu_kernels.memory import huge_page_array
 from jaxengine.model import QX_LINEARS, LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
 
 def param_path(hf_name: str) -> tuple | None:
@@ -180,23 +180,23 @@ _QX_GROUPS = {g: f"{g}_proj" for g in QX_LINEARS}
 
 
 def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:
-    """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`enginecore.qx`), for
+    """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`cpu_kernels.layout`), for
     decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's linears stored as
-    one of `enginecore.qx.GGUF_TYPES` (every layer's in one kind: the wide one where the layers' types differ;
+    one of `cpu_kernels.layout.GGUF_TYPES` (every layer's in one kind: the wide one where the layers' types differ;
     each checked bit for bit against the loaded float32 weights, a mismatch keeps float32 only) and LM head; else
     linears and an LM head whose values are all bfloat16s (a bfloat16 checkpoint served in float32), or all
     float16s, where the copies fit in a quarter of the memory available, each linear in its own kind (`CpuPanels.qx_kinds`). Returns (the params, how many of the five groups got them)."""
     import dataclasses
 
-    from enginecore import qx
-    from jaxengine import cpu_kernels
+    from cpu_kernels import layout as qx
+    from cpu_kernels import jax_ops
 
     p = params.panels
     if p is None:
         return params, 0
     got: dict[str, tuple[np.ndarray, int]] = {}  # group -> (qx panels, kind)
     host = {g: np.asarray(getattr(p, g)) for g in (*_QX_GROUPS, "head")}  # (zero-copy on a CPU)
-    lib = cpu_kernels.lib()
+    lib = jax_ops.lib()
     if getattr(source, "kind", None) == "gguf" and lib is not None:
         groups, head = qx.gguf_linear_groups(source, arch)
         for g, stored in _QX_GROUPS.items():

@@ -79,7 +79,7 @@ QX_LINEARS = ("qkv", "o", "gate_up", "down")  # CpuPanels.qx_kinds' order
 @jax.tree_util.register_dataclass
 @dataclass
 class CpuPanels:
-    """The linears' weights packed for `jaxengine.cpu_kernels.panel_linear` (`pack_cpu_panels`), each
+    """The linears' weights packed for `cpu_kernels.jax_ops.panel_linear` (`pack_cpu_panels`), each
     [L, NP, K, 16]: panels of 16 output rows, k-major. q/k/v are one linear, gate/up another. None (every one)
     where QX_BDOT's qx panels take every step (`pack_cpu_panels(bdot=True)`: `--dtype bfloat16`)."""
 
@@ -89,7 +89,7 @@ class CpuPanels:
     down: jax.Array | None  # [L, H / 16, I, 16]
     head: jax.Array | None  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
     # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kinds' kind
-    # (`enginecore.qx`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
+    # (`cpu_kernels.layout`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
     # steps of up to `cpu_kernels.qx_max_rows()[kind]` tokens multiply them instead (the same bits, fewer bytes)
     qkv_qx: jax.Array | None = None
     o_qx: jax.Array | None = None
@@ -102,7 +102,7 @@ class CpuPanels:
     def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
         """(group's qx panels, their kind) for a step of `rows` tokens, or (None, -1) where the float32 panels
         run it."""
-        from jaxengine.cpu_kernels import qx_max_rows
+        from cpu_kernels.jax_ops import qx_max_rows
 
         kind = self.head_qx_kind if group == "head" else self.qx_kinds[QX_LINEARS.index(group)]
         qx = getattr(self, f"{group}_qx")
@@ -266,7 +266,7 @@ def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: Arc
     x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
     h = norm(x, lp.mlp_norm, eps)
     if panels is not None:
-        from jaxengine.cpu_kernels import silu_mul
+        from cpu_kernels.jax_ops import silu_mul
 
         act = silu_mul(panels(h, "gate_up"))
     else:
@@ -301,7 +301,7 @@ def forward(
     their compilers pick the layouts).
 
     With `params.panels` (`pack_cpu_panels`: float32 on one CPU device, the runner decides) the linears run
-    as `jaxengine.cpu_kernels.panel_linear` on every layer's packed weights where they lie (the scan then
+    as `cpu_kernels.jax_ops.panel_linear` on every layer's packed weights where they lie (the scan then
     carries only the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights
     before a dot reads it, every layer of every step). With `cpu_layers` too (the runner decides), every
     layer runs in one custom call, `cpu_kernels.layers`: the same kernels in the same order (the same bits),
@@ -318,9 +318,9 @@ def forward(
 
     layers, panels_for, norm, rope_fn = params.layers, lambda l: None, rms_norm, apply_rope
     if params.panels is not None:
-        from jaxengine.cpu_kernels import rms_norm as norm
-        from jaxengine.cpu_kernels import rope as rope_fn
-        from jaxengine.cpu_kernels import rope_tables
+        from cpu_kernels.jax_ops import rms_norm as norm
+        from cpu_kernels.jax_ops import rope as rope_fn
+        from cpu_kernels.jax_ops import rope_tables
 
         panels_for = lambda l: lambda h, g: cpu_linear(params.panels, h, g, l, arch)  # noqa: E731
         cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
@@ -349,14 +349,14 @@ def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, 
                 all_rows=None):
     """`forward`'s layers as one custom call (`cpu_kernels.layers`): the small per-layer parameters as the
     kernel takes them (q/k/v biases side by side, as the qkv panels' outputs lie; empty where absent)."""
-    from jaxengine.cpu_kernels import layers
+    from cpu_kernels.jax_ops import layers
 
     lp, p, L = params.layers, params.panels, arch.num_hidden_layers
     none = jnp.zeros((0,), jnp.float32)
     bias = none if lp.q_bias is None else jnp.concatenate(
         [b.reshape(L, -1) for b in (lp.q_bias, lp.k_bias, lp.v_bias)], axis=1)
     R = md.kv_lens.shape[0]
-    from jaxengine.cpu_kernels import qx_max_rows
+    from cpu_kernels.jax_ops import qx_max_rows
 
     present = [k for q, k in zip((p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx), p.qx_kinds) if q is not None]
     rows = min((qx_max_rows()[k] for k in present), default=0)
@@ -374,13 +374,13 @@ def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax
     the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead;
     `live`: of h's first `live` rows only (the kernels' `live`; the qx panels are still chosen by h's rows,
     which `live` cannot change at trace time)."""
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
     n = panel_outputs(arch)[group]
     qx, kind = panels.qx_for(group, h.shape[0])
     if qx is not None:
-        return (cpu_kernels.qx_argmax if argmax else cpu_kernels.qx_linear)(h, qx, layer, n, kind, live)
-    return (cpu_kernels.panel_argmax if argmax else cpu_kernels.panel_linear)(h, getattr(panels, group), layer, n,
+        return (jax_ops.qx_argmax if argmax else jax_ops.qx_linear)(h, qx, layer, n, kind, live)
+    return (jax_ops.panel_argmax if argmax else jax_ops.panel_linear)(h, getattr(panels, group), layer, n,
                                                                                live)
 
 
@@ -389,7 +389,7 @@ def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_
     `live` (an int32 scalar, traced): the rows past the first `live` are padding, which the CPU panels do not
     multiply (their logits are zeros); elsewhere every row is."""
     if params.panels is not None:
-        from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
+        from cpu_kernels.jax_ops import rms_norm as cpu_rms_norm
 
         h = cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
         return cpu_linear(params.panels, h, "head", 0, arch, live=live)
@@ -404,7 +404,7 @@ def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig, live=None):
     (then take the logits' argmax)."""
     if params.panels is None:
         return None
-    from jaxengine.cpu_kernels import rms_norm as cpu_rms_norm
+    from cpu_kernels.jax_ops import rms_norm as cpu_rms_norm
 
     return cpu_linear(params.panels, cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), "head", 0, arch,
                       argmax=True, live=live)
@@ -414,7 +414,7 @@ def embed(params: ModelParams, ids):
     """The embeddings of token ids [T] -> [T, H] (from the LM head's panels when the embedding is tied and
     packed)."""
     if params.embed is None:
-        from jaxengine.cpu_kernels import panel_rows
+        from cpu_kernels.jax_ops import panel_rows
 
         return panel_rows(params.panels.head[0], ids)
     return params.embed[ids]
@@ -439,12 +439,12 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
     weight is dropped from it once packed (the extra memory is one group's weights, not the model's). A tied
     embedding is then looked up in the LM head's panels (`embed`).
 
-    `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_runs`): every linear and the LM head in QX_BDOT's
+    `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
     bfloat16 panels only (`cpu_kernels.pack_onto_huge_pages(bdot=True)`), which every step multiplies (the torch
     backend's `pack_cpu_weights(bdot=True)`, the same bits); a tied embedding stays the float32 matrix, as the
     torch backend's does."""
-    from enginecore.qx import QX_KINDS
-    from jaxengine.cpu_kernels import pack_onto_huge_pages
+    from cpu_kernels.layout import QX_KINDS
+    from cpu_kernels.jax_ops import pack_onto_huge_pages
 
     lp = params.layers
 

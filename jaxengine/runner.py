@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from enginecore import qx
+from cpu_kernels import layout as qx
 from enginecore.arch import rope_cos_sin
 from enginecore.buckets import Buckets, pick_bucket
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
-from enginecore.native import populate_in_background, release_free_heap
+from cpu_kernels.memory import populate_in_background, release_free_heap
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -148,7 +148,7 @@ class JaxModelRunner:
         # (see model.dense); TPU and GPU compilers choose their own layouts
         self.weights_first_rows = int(opts.get("weights_first_rows",
                                                CPU_WEIGHTS_FIRST_ROWS if self.platform == "cpu" else 0))
-        # CPU, float32, one device: jaxengine.cpu_kernels' custom calls, off where they cannot run (the log
+        # CPU, float32, one device: cpu_kernels.jax_ops' custom calls, off where they cannot run (the log
         # says why). Every linear and the LM head on weights packed at load (model.pack_cpu_panels: they
         # read each layer's weights where they lie, where XLA's dots in the scan copy them first, with the
         # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Attention over the
@@ -160,14 +160,14 @@ class JaxModelRunner:
         linears = bool(opts.get("cpu_linears", True)) and self.dtype == "float32"
         decode = bool(opts.get("cpu_decode_attention", True))
         if self.platform == "cpu" and self.mesh.size == 1 and (linears or decode):
-            from jaxengine import cpu_kernels
+            from cpu_kernels import jax_ops
 
-            why = cpu_kernels.available()
+            why = jax_ops.available()
             if why:
                 logger.info("jax CPU kernels: XLA's ops (%s)", why)
             else:
                 self.cpu_linears, self.cpu_decode_attention = linears, decode
-        # ... and with both: every layer of a step in one custom call (cpu_kernels.layers; {"cpu_layers": False}:
+        # ... and with both: every layer of a step in one custom call (jax_ops.layers; {"cpu_layers": False}:
         # one call per kernel, in a scan over layers)
         self.cpu_layers = self.cpu_linears and self.cpu_decode_attention and bool(opts.get("cpu_layers", True))
         if self.cpu_linears or self.cpu_decode_attention:
@@ -206,7 +206,7 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            if self.cpu_decode_attention:  # (the attention checks the cache's dtype itself: cpu_kernels.KV_DTYPES)
+            if self.cpu_decode_attention:  # (the attention checks the cache's dtype itself: jax_ops.KV_DTYPES)
                 return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
@@ -291,9 +291,9 @@ class JaxModelRunner:
         if self.platform == "cpu":
             check_cpu_kv_fits(nbytes)
             if self.cpu_linears or self.cpu_decode_attention:  # (their library is loaded: one device, x86 AVX2)
-                from jaxengine import cpu_kernels
+                from cpu_kernels import jax_ops
 
-                zeros = cpu_kernels.zeros  # memory committed as steps first write it, not all here
+                zeros = jax_ops.zeros  # memory committed as steps first write it, not all here
         self.kv_cache = jax.jit(lambda: zeros(shape, dtype), out_shardings=self._kv_sharding)()
         if zeros is not jnp.zeros:  # its pages committed in the background (steps update the cache in place)
             self._kv_populate.set()
@@ -543,10 +543,10 @@ __all__ = ["JaxModelRunner"]
 
 
 def _kernels_lib():
-    """The jax build of the CPU kernels, or None (`jaxengine.cpu_kernels.lib`: imported when asked for)."""
-    from jaxengine import cpu_kernels
+    """The jax build of the CPU kernels, or None (`cpu_kernels.jax_ops.lib`: imported when asked for)."""
+    from cpu_kernels import jax_ops
 
-    return cpu_kernels.lib()
+    return jax_ops.lib()
 
 
 class _ProgressLog:

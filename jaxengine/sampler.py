@@ -21,7 +21,7 @@ benchmarks/README.md), so "topk" is the default (compilation_config
 
 `cpu_kernels=True` (the runner passes it where the model runs on the CPU kernels,
 `params.panels`): log_softmax / softmax, the top-p cut and the draw are the torch
-backend's C kernels as custom calls (`jaxengine.cpu_kernels`), each row in a fixed
+backend's C kernels as custom calls (`cpu_kernels.jax_ops`), each row in a fixed
 order, so a CPU's two backends give the same logprobs and the same seeded tokens,
 bit for bit, and a row's result does not depend on the rows beside it.
 """
@@ -127,7 +127,7 @@ def _top_k_drop(x, k, use_k, num_candidates: int):
 def filter_logits_cpu(x, top_k, top_p, min_p):
     """`filter_logits` on the CPU kernels: min-p and top-p on the kernels' softmax, the top-p cut by
     `cpu_kernels.top_p_thresholds` (the torch sampler's arithmetic, bit for bit), top-k exact as elsewhere."""
-    from jaxengine import cpu_kernels as ck
+    from cpu_kernels import jax_ops as ck
 
     V = x.shape[1]
 
@@ -243,7 +243,7 @@ def argmax_rows(x, block: int = 1024):
 def log_softmax(x, cpu_kernels: bool = False):
     """Row-wise log_softmax [R, V]: XLA's, or on the CPU kernels the torch sampler's (`cpu_kernels`)."""
     if cpu_kernels:
-        from jaxengine import cpu_kernels as ck
+        from cpu_kernels import jax_ops as ck
 
         return ck.log_softmax(x)
     return jax.nn.log_softmax(x, axis=-1)
@@ -321,7 +321,7 @@ def sample(
         greedy = temperature < GREEDY_EPS
         xs = _div_rows(x, jnp.where(greedy, 1.0, temperature))
         if cpu_kernels:
-            from jaxengine import cpu_kernels as ck
+            from cpu_kernels import jax_ops as ck
 
             xs = lax.cond(needs_filtering, lambda v: filter_logits_cpu(v, top_k, top_p, min_p), lambda v: v, xs)
             drawn = ck.inverse_cdf(ck.log_softmax(xs, probs=True), uniform)

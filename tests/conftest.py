@@ -69,10 +69,10 @@ def blocked_from(request):
     module has imported it (the torch tests never import jax)."""
     import sys
 
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    jax_kernels = sys.modules.get("jaxengine.cpu_kernels")
-    libs = [lib for lib in (cpu_kernels.lib(), jax_kernels and jax_kernels.lib()) if lib is not None]
+    jax_kernels = sys.modules.get("cpu_kernels.jax_ops")
+    libs = [lib for lib in (torch_ops.lib(), jax_kernels and jax_kernels.lib()) if lib is not None]
     before = [lib.panel_blocked_rows(request.param) for lib in libs]
     yield request.param
     for lib, b in zip(libs, before):
@@ -331,7 +331,7 @@ def tiny_f16_llama_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def one_call_vs_python_layers(monkeypatch):
-    """Factory: generate with the torch runner's one-call decode layers (cpu_kernels.DecodeLayers), then with
+    """Factory: generate with the torch runner's one-call decode layers (torch_ops.DecodeLayers), then with
     the Python layers, and assert the same tokens and logprobs to the bit. Returns whether the one-call path
     ran at all."""
 

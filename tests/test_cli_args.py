@@ -276,19 +276,19 @@ def test_auto_backend_on_a_cpu(monkeypatch, tmp_path):
 
 def test_cpu_kernels_fall_back_when_their_cache_is_unwritable(tmp_path, monkeypatch):
     """An unwritable kernel cache is a reason to run torch's ops, not a crash at start-up."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.cpu_kernels_unavailable():
-        pytest.skip(cpu_kernels.cpu_kernels_unavailable())
+    if torch_ops.cpu_kernels_unavailable():
+        pytest.skip(torch_ops.cpu_kernels_unavailable())
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("XLASERVE_CACHE", str(blocker))  # a file: its kernels/ folder cannot be made
-    cpu_kernels.load.cache_clear()
+    torch_ops.load.cache_clear()
     try:
-        lib, why = cpu_kernels.load()
+        lib, why = torch_ops.load()
         assert lib is None and "cannot write the kernel cache" in why
     finally:
-        cpu_kernels.load.cache_clear()
+        torch_ops.load.cache_clear()
 
 
 def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):

@@ -1,7 +1,7 @@
 """`--dtype bfloat16` on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16,
-multiplied by their inputs rounded to bfloat16 (`torchengine/cpu_kernels.c`'s QX_BDOT: VDPBF16PS), on both backends.
+multiplied by their inputs rounded to bfloat16 (`cpu_kernels/csrc`'s QX_BDOT: VDPBF16PS), on both backends.
 
-- `enginecore.qx.bdot_panels` rounds the weights as torch's `.to(torch.bfloat16)` does (ties to even, NaN, overflow)
+- `cpu_kernels.layout.bdot_panels` rounds the weights as torch's `.to(torch.bfloat16)` does (ties to even, NaN, overflow)
   and pairs them as the instruction pairs them;
 - the kernel computes its definition to the bit: the activations rounded to bfloat16, each output one chain over
   the pairs of k in ascending order, adding the odd k's exact product and then the even one's, each sum rounded
@@ -25,20 +25,20 @@ torch = pytest.importorskip("torch")
 
 from enginecore import LLM, SamplingParams, qx  # noqa: E402
 from tests.outputs import assert_same_outputs  # noqa: E402
-from torchengine import cpu_kernels  # noqa: E402
+from cpu_kernels import torch_ops  # noqa: E402
 
 BDOT = qx.QX_KINDS["BDOT"]
 
 
 def bdot_runs() -> bool:
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     return lib is not None and bool(lib.bdot_supported())
 
 
 needs_bdot = pytest.mark.skipif(not bdot_runs(), reason="no AVX512-BF16 (or no kernels) here")
 
 
-@pytest.mark.skipif(cpu_kernels.lib() is None, reason="the kernels do not run here")
+@pytest.mark.skipif(torch_ops.lib() is None, reason="the kernels do not run here")
 def test_bdot_panels_round_as_torch_does_and_pair_k():
     rng = np.random.default_rng(0)
     x = np.concatenate([
@@ -50,7 +50,7 @@ def test_bdot_panels_round_as_torch_does_and_pair_k():
     x = np.concatenate([x, np.zeros(-len(x) % 512, np.float32)])
     panels = x.reshape(-1, 32, 16)  # K = 32: one group, 16 pairs of k
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    packed = qx.bdot_panels(cpu_kernels.lib(), panels)
+    packed = qx.bdot_panels(torch_ops.lib(), panels)
     assert packed.shape == (len(panels), 1, 1024)
     got = packed.view(np.uint16).reshape(-1, 16, 16, 2).transpose(0, 1, 3, 2).reshape(-1)  # back to [NP, K, 16]
     nan = np.isnan(x)
@@ -72,10 +72,10 @@ def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @needs_bdot
 @pytest.mark.parametrize("N,K", [(1003, 576), (37, 64), (16, 32), (200, 1536)])
 def test_bdot_gemm_is_its_definition_to_the_bit(N, K):
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     rng = np.random.default_rng(N + K)
     w = (rng.standard_normal((N, K)) / K**0.5).astype(np.float32)
-    panels = qx.bdot_panels(lib, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
+    panels = qx.bdot_panels(lib, torch_ops.pack_panels(torch.from_numpy(w)).numpy())
     assert panels.shape == qx.qx_shape(N, K, BDOT)
     bd = torch.from_numpy(panels)
     x = rng.standard_normal((120, K)).astype(np.float32)
@@ -83,9 +83,9 @@ def test_bdot_gemm_is_its_definition_to_the_bit(N, K):
     want = reference(x, w)
     for M in (1, 2, 5, 12, 13, 25, 40, 120):  # (120 x 576 values and more: each thread rounds its share of the rows)
         xt = torch.from_numpy(x[:M])
-        y = cpu_kernels.qx_gemm(lib, xt, bd, N, BDOT)
+        y = torch_ops.qx_gemm(lib, xt, bd, N, BDOT)
         assert np.array_equal(y.numpy().view(np.uint32), want[:M].view(np.uint32)), M
-        tokens = cpu_kernels.qx_gemm(lib, xt, bd, N, BDOT, greedy=True)
+        tokens = torch_ops.qx_gemm(lib, xt, bd, N, BDOT, greedy=True)
         assert torch.equal(tokens, torch.from_numpy(want[:M]).argmax(-1)), M
     # one thread, and a caller's own split of the panels (jaxengine's custom calls), give the same bits
     y1 = torch.empty(120, N)

@@ -154,13 +154,13 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode, 
             jnp.zeros(Rp, jnp.int32), jnp.zeros((Rp, pps), jnp.int32), jnp.zeros(Rp + 1, jnp.int32),
             jnp.zeros(3, jnp.int32))
     if cpu_decode:
-        from jaxengine import cpu_kernels
+        from cpu_kernels import jax_ops
 
-        if cpu_kernels.available():
-            pytest.skip(cpu_kernels.available())
+        if jax_ops.available():
+            pytest.skip(jax_ops.available())
     hlo = jax.jit(step, donate_argnums=(0,)).lower(*args).compile().as_text()
     if cpu_decode:
-        assert cpu_kernels.DECODE_ATTENTION in hlo
+        assert jax_ops.DECODE_ATTENTION in hlo
     big = [line.strip() for line in hlo.splitlines()
            if f"[{L * pages}," in line and any(op in line for op in (" copy(", "copy-start", " convert("))]
     assert not big, "\n".join(big[:4])
@@ -171,10 +171,10 @@ def test_a_16bit_models_attention_on_the_cpu_kernels(case):
     """A bfloat16 model's attention with `cpu_decode` (jax on a CPU runs it so for 16-bit models too): its
     queries read into float32, a bfloat16 cache, the output rounded back to bfloat16 (padding rows 0); against
     the numpy reference on the same rounded values, within bfloat16's rounding of the output."""
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
-    if cpu_kernels.available():
-        pytest.skip(f"the CPU custom calls do not run here: {cpu_kernels.available()}")
+    if jax_ops.available():
+        pytest.skip(f"the CPU custom calls do not run here: {jax_ops.available()}")
     bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
     q, k, v, cache, kv_lens, table, cu, dist = make_batch(*CASES[case], Hq=6, Hkv=2, D=16, seed=5)
     q, k, v, cache = bf(q), bf(k), bf(v), bf(cache)
@@ -183,7 +183,7 @@ def test_a_16bit_models_attention_on_the_cpu_kernels(case):
     args = (b16(q), b16(k), b16(v), b16(cache), jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu),
             jnp.asarray(dist))
     hlo = f.lower(*args, sm_scale=0.25, cpu_decode=True).as_text()
-    assert cpu_kernels.DECODE_ATTENTION in hlo and cpu_kernels.PREFILL_ATTENTION in hlo  # the kernels' path
+    assert jax_ops.DECODE_ATTENTION in hlo and jax_ops.PREFILL_ATTENTION in hlo  # the kernels' path
     out, new_cache = f(*args, sm_scale=0.25, cpu_decode=True)
     assert out.dtype == jnp.bfloat16
     want_out, want_cache = numpy_reference(q, k, v, cache, kv_lens, table, cu, dist, sm_scale=0.25)

@@ -1,4 +1,4 @@
-"""jaxengine.cpu_kernels: the jax backend's CPU kernels as XLA custom calls.
+"""cpu_kernels.jax_ops: the jax backend's CPU kernels as XLA custom calls.
 
 Linears: the panels are the torch backend's layout; against a float64 product for every layer of a stacked
 weight; a row's bits the same alone as in any batch and the same as the torch backend's `panel_gemm` on the
@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxengine import cpu_kernels
+from cpu_kernels import jax_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def available():
-    why = cpu_kernels.available()
+    why = jax_ops.available()
     if why:
         pytest.skip(f"the CPU custom call does not run here: {why}")
 
@@ -41,19 +41,19 @@ def data(L, N, K, T, seed=0):
 
 def linear(x, w, layer):
     """x . w[layer]^T through the custom call on w [L, N, K] packed into panels."""
-    return cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), layer, w.shape[1])
+    return jax_ops.panel_linear(x, jax_ops.pack_panels(w), layer, w.shape[1])
 
 
 def test_pack_panels_is_the_torch_backends_layout_and_panel_rows_inverts_it():
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     _, w = data(1, 50, 37, 1)
-    packed = np.asarray(cpu_kernels.pack_panels(jnp.asarray(w[0])))
+    packed = np.asarray(jax_ops.pack_panels(jnp.asarray(w[0])))
     import torch
 
     assert np.array_equal(packed, torch_kernels.pack_panels(torch.from_numpy(w[0])).numpy())
     ids = jnp.asarray([0, 15, 16, 49, 7], jnp.int32)
-    assert np.array_equal(np.asarray(cpu_kernels.panel_rows(jnp.asarray(packed), ids)), w[0][np.asarray(ids)])
+    assert np.array_equal(np.asarray(jax_ops.panel_rows(jnp.asarray(packed), ids)), w[0][np.asarray(ids)])
 
 
 @pytest.mark.parametrize("L,N,K,T", [(3, 50, 37, 1), (2, 200, 96, 5), (1, 1000, 576, 37), (4, 24, 8, 70),
@@ -80,7 +80,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
 def test_bits_equal_the_torch_backends_panel_gemm(T):
     import torch
 
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     lib, why = torch_kernels.load()
     if lib is None:
@@ -99,15 +99,15 @@ def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy
     decode step's 2-row tail; 7 and 19 from 6: a tail of 1)."""
     import torch
 
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     x, w = data(2, 5003, 64, T, seed=3)
     w[1, 4100] = w[1, 37]  # the same row twice, far apart: the same product bits, a tie the lower index wins
     w[1, 45] = w[1, 37]  # the same lane of the same panel (37 + 8): a tie inside one running maximum
     w[1, 3237] = w[1, 37]  # the same lane 200 panels on: across slices when XLA has threads enough
     x[0] = 4 * w[1, 37]  # row 0's maximum is that pair
-    panels = cpu_kernels.pack_panels(w)
-    argmax = jax.jit(functools.partial(cpu_kernels.panel_argmax, n=5003))
+    panels = jax_ops.pack_panels(w)
+    argmax = jax.jit(functools.partial(jax_ops.panel_argmax, n=5003))
     for layer in (0, 1):
         logits = np.asarray(jax.jit(linear)(x, w, jnp.int32(layer)))
         got = np.asarray(argmax(x, panels, jnp.int32(layer)))
@@ -119,10 +119,10 @@ def test_argmax_is_the_first_maximum_of_the_linear_and_the_torch_backends_greedy
         assert np.array_equal(got, torch_kernels.panel_gemm(lib, torch.from_numpy(x), tp, 5003, greedy=True).numpy())
     w[0, 2999, 5] = np.nan  # every row's product there is NaN: the first NaN wins, as in jnp.argmax
     w[0, 4500, 7] = np.nan
-    got = np.asarray(argmax(x, cpu_kernels.pack_panels(w), jnp.int32(0)))
+    got = np.asarray(argmax(x, jax_ops.pack_panels(w), jnp.int32(0)))
     assert np.array_equal(got, np.full(T, 2999))
     with pytest.raises(Exception, match="disagree"):
-        np.asarray(jax.jit(functools.partial(cpu_kernels.panel_argmax, n=4900))(x, panels, jnp.int32(0)))
+        np.asarray(jax.jit(functools.partial(jax_ops.panel_argmax, n=4900))(x, panels, jnp.int32(0)))
 
 
 def test_a_layer_index_out_of_range_or_a_wrong_width_is_an_error():
@@ -131,10 +131,10 @@ def test_a_layer_index_out_of_range_or_a_wrong_width_is_an_error():
     for bad in (-1, 2):
         with pytest.raises(Exception, match="layer index out of range"):
             np.asarray(f(x, w, jnp.int32(bad)))
-    panels = cpu_kernels.pack_panels(w)  # 2 panels: 17..32 outputs
+    panels = jax_ops.pack_panels(w)  # 2 panels: 17..32 outputs
     for n in (16, 33):
         with pytest.raises(Exception, match="disagree"):
-            np.asarray(jax.jit(functools.partial(cpu_kernels.panel_linear, n=n))(x, panels, jnp.int32(0)))
+            np.asarray(jax.jit(functools.partial(jax_ops.panel_linear, n=n))(x, panels, jnp.int32(0)))
 
 
 @pytest.mark.parametrize("K", [64, 576, 1000])
@@ -144,11 +144,11 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_torch_backen
     import torch
 
     from jaxengine.model import rms_norm as xla_rms_norm
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     rng = np.random.default_rng(4)
     x, w = rng.standard_normal((300, K), np.float32) * 3, rng.standard_normal(K, np.float32)
-    f = jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))
+    f = jax.jit(functools.partial(jax_ops.rms_norm, eps=1e-5))
     full = np.asarray(f(x, w))
     ref = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(full, ref, rtol=2e-6, atol=2e-6)
@@ -162,7 +162,7 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_torch_backen
         pytest.skip(why)
     y = torch_kernels.rms_norm(lib, torch.from_numpy(x), torch.from_numpy(w), 1e-5)
     assert np.array_equal(full, y.numpy())
-    h = jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))(x.reshape(30, 10, K), w)  # [..., K] rows
+    h = jax.jit(functools.partial(jax_ops.rms_norm, eps=1e-5))(x.reshape(30, 10, K), w)  # [..., K] rows
     assert np.array_equal(np.asarray(h).reshape(300, K), full)
 
 
@@ -172,46 +172,46 @@ def test_silu_mul_and_rope_bits_equal_the_torch_backends():
     import torch
 
     from jaxengine.model import apply_rope
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     lib, why = torch_kernels.load()
     if lib is None:
         pytest.skip(why)
     rng = np.random.default_rng(5)
     gu = rng.standard_normal((37, 2 * 100), np.float32) * 4  # I = 100: the vector body and a scalar tail
-    y = np.asarray(jax.jit(cpu_kernels.silu_mul)(gu))
+    y = np.asarray(jax.jit(jax_ops.silu_mul)(gu))
     g, u = gu[:, :100].astype(np.float64), gu[:, 100:].astype(np.float64)
     np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
     assert np.array_equal(y, torch_kernels.silu_mul(lib, torch.from_numpy(gu)).numpy())
-    assert np.array_equal(np.asarray(jax.jit(cpu_kernels.silu_mul)(gu[3:4])), y[3:4])
+    assert np.array_equal(np.asarray(jax.jit(jax_ops.silu_mul)(gu[3:4])), y[3:4])
 
     T, H, D = 9, 5, 64
     x = rng.standard_normal((T, H, D), np.float32)
     ang = rng.uniform(0, 100, (T, D // 2)).astype(np.float32)
     cos, sin = np.cos(ang), np.sin(ang)
-    c2, s2 = (np.asarray(t) for t in cpu_kernels.rope_tables(jnp.asarray(cos), jnp.asarray(sin)))
-    r = np.asarray(jax.jit(cpu_kernels.rope)(x, c2, s2))
+    c2, s2 = (np.asarray(t) for t in jax_ops.rope_tables(jnp.asarray(cos), jnp.asarray(sin)))
+    r = np.asarray(jax.jit(jax_ops.rope)(x, c2, s2))
     np.testing.assert_allclose(r, np.asarray(apply_rope(x, cos, sin)), rtol=1e-5, atol=1e-5)
     xt = torch.from_numpy(x.copy())
     torch_kernels.rope_(lib, xt, torch.from_numpy(np.concatenate([cos, cos], -1)[:, None].copy()),
                         torch.from_numpy(np.concatenate([-sin, sin], -1)[:, None].copy()))
     assert np.array_equal(r, xt.numpy())
     with pytest.raises(Exception, match="expected"):
-        np.asarray(jax.jit(cpu_kernels.rope)(x, cos, sin))  # the half tables, not the kernel's
+        np.asarray(jax.jit(jax_ops.rope)(x, cos, sin))  # the half tables, not the kernel's
 
 
 def test_rms_norm_refuses_a_weight_of_another_width():
     with pytest.raises(Exception, match="expected"):
-        np.asarray(jax.jit(functools.partial(cpu_kernels.rms_norm, eps=1e-5))(np.ones((3, 8), np.float32),
+        np.asarray(jax.jit(functools.partial(jax_ops.rms_norm, eps=1e-5))(np.ones((3, 8), np.float32),
                                                                               np.ones(7, np.float32)))
 
 
 def test_in_a_scan_the_weights_are_not_sliced():
     x, w = data(4, 64, 64, 8, seed=3)
-    panels = cpu_kernels.pack_panels(w)
+    panels = jax_ops.pack_panels(w)
 
     def with_call(x, panels):
-        return jax.lax.scan(lambda h, l: (jnp.tanh(cpu_kernels.panel_linear(h, panels, l, 64)), None), x,
+        return jax.lax.scan(lambda h, l: (jnp.tanh(jax_ops.panel_linear(h, panels, l, 64)), None), x,
                             jnp.arange(4, dtype=jnp.int32))[0]
 
     def with_dot(x, w):
@@ -225,7 +225,7 @@ def test_in_a_scan_the_weights_are_not_sliced():
         return [ln for ln in hlo.splitlines()
                 if "dynamic-slice(" in ln and ln.split("=", 1)[1].lstrip().startswith("f32")]
 
-    assert cpu_kernels.PANEL_LINEAR in jax.jit(with_call).lower(x, panels).compile().as_text()
+    assert jax_ops.PANEL_LINEAR in jax.jit(with_call).lower(x, panels).compile().as_text()
     assert weight_slices(with_call, panels) == []
     assert weight_slices(with_dot, w)  # the check can fail: XLA's dot is handed a slice of the weights
 
@@ -249,7 +249,7 @@ def test_decode_attention_matches_xlas_decode_path(Hq, Hkv, window):
     q, cache, table, kv_lens = paged(len(lens), Hq, Hkv, D, bs, lens)
     scale = D ** -0.5
     for n in (len(lens), 3, 1, 0):
-        got = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=scale,
+        got = np.asarray(jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=scale,
                                                    sliding_window=window))(q, cache, table, kv_lens, n))
         want = np.asarray(_decode_attention(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), kv_lens,
                                             jnp.arange(len(lens)) < n, sm_scale=scale, sliding_window=window,
@@ -261,7 +261,7 @@ def test_decode_attention_matches_xlas_decode_path(Hq, Hkv, window):
 def test_decode_attention_rows_do_not_depend_on_their_neighbours():
     lens = [30, 7, 64, 12]
     q, cache, table, kv_lens = paged(4, 8, 2, 32, 8, lens, seed=4)
-    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.2))
+    f = jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=0.2))
     full = np.asarray(f(q, cache, table, kv_lens, 4))
     one = np.asarray(f(q[2:3], cache, table[2:3], kv_lens[2:3], 1))
     assert np.array_equal(one[0], full[2])
@@ -275,7 +275,7 @@ def test_decode_attention_on_several_threads_gives_a_rows_bits_of_one_thread():
 
     lens = [500, 377, 512, 260]
     q, cache, table, kv_lens = paged(4, 8, 2, 64, 16, lens, seed=5)
-    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))
+    f = jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=0.125))
     full = np.asarray(f(q, cache, table, kv_lens, 4))
     for r in range(4):
         one = np.asarray(f(q[r:r + 1], cache, table[r:r + 1], kv_lens[r:r + 1], 1))
@@ -287,7 +287,7 @@ def test_decode_attention_on_several_threads_gives_a_rows_bits_of_one_thread():
 
 def test_decode_attention_refuses_a_block_outside_the_cache_or_a_length_past_its_table():
     q, cache, table, kv_lens = paged(2, 4, 2, 8, 4, [5, 6])
-    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=1.0))
+    f = jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=1.0))
     bad = table.copy()
     bad[1, 0] = cache.shape[0]
     with pytest.raises(Exception, match="block id out of range"):
@@ -309,7 +309,7 @@ def test_kv_write_writes_each_tokens_k_and_v_rounded_as_astype_and_nothing_else(
     k[0, 0, :4] = [np.inf, -np.inf, 1e-41, -0.0]  # (a subnormal, -0)
     v[1, 2, :3] = [65519.0, 1e-8, 3.0e38]  # (float16's overflow and underflow, bfloat16's rounding up)
     slots = np.asarray([3, -1, 19, 0, -1, 11, 7], np.int32)
-    f = jax.jit(cpu_kernels.kv_write, donate_argnums=(2,))
+    f = jax.jit(jax_ops.kv_write, donate_argnums=(2,))
     want = np.array(cache.astype(jnp.float32)).reshape(NB * bs, 2 * Hkv, D)
     for t in np.flatnonzero(slots >= 0):
         want[slots[t], 0::2] = np.asarray(jnp.asarray(k[t]).astype(dtype).astype(jnp.float32))
@@ -349,7 +349,7 @@ def test_prefill_attention_is_decode_attention_for_every_query(Hq, Hkv, D, bs, w
     q, cache, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, bs, decodes=1, seed=6)
     scale = D ** -0.5
     base = np.full(q.shape, 7.0, np.float32)
-    f = jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=scale, sliding_window=window))
+    f = jax.jit(functools.partial(jax_ops.prefill_attention, sm_scale=scale, sliding_window=window))
     got = np.asarray(f(q, cache, table, lens, cu, dist, base))
     assert (got[cu[0]:cu[1]] == 7.0).all() and (got[cu[-1]:] == 7.0).all()  # decode row, padding kept
     # each query alone through the decode kernel, at its position (kv_len = position + 1)
@@ -359,7 +359,7 @@ def test_prefill_attention_is_decode_attention_for_every_query(Hq, Hkv, D, bs, w
             rows.append(cu[r] + j)
             tables.append(table[r])
             dlens.append(kv_lens[r] - q_lens[r] + j + 1)
-    dec = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=scale, sliding_window=window))(
+    dec = np.asarray(jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=scale, sliding_window=window))(
         q[rows], cache, np.stack(tables), np.asarray(dlens, np.int32), len(rows)))
     assert np.array_equal(got[rows], dec)
     want = np.asarray(_prefill_attention(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table), jnp.asarray(lens),
@@ -374,7 +374,7 @@ def test_attention_bits_equal_the_torch_backends(kv_dtype):
     16-bit one (`--kv-cache-dtype`), whose values they read back exactly."""
     import torch
 
-    from torchengine import cpu_kernels as torch_kernels
+    from cpu_kernels import torch_ops as torch_kernels
 
     lib, why = torch_kernels.load()
     if lib is None:
@@ -383,7 +383,7 @@ def test_attention_bits_equal_the_torch_backends(kv_dtype):
     Hq, Hkv, D, bs = 6, 2, 64, 16
     q, cache, table, lens, cu, dist = ragged(q_lens, kv_lens, Hq, Hkv, D, bs, seed=7)
     cache = jnp.asarray(cache).astype(kv_dtype)
-    got = np.asarray(jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=0.125))(
+    got = np.asarray(jax.jit(functools.partial(jax_ops.prefill_attention, sm_scale=0.125))(
         q, cache, table, lens, cu, dist, np.zeros(q.shape, np.float32)))
     tc = torch.from_numpy(np.asarray(cache.astype(jnp.float32))).to(getattr(torch, kv_dtype))
     kc, vc = tc[:, :, 0::2].contiguous(), tc[:, :, 1::2].contiguous()  # the torch backend's separate caches
@@ -394,7 +394,7 @@ def test_attention_bits_equal_the_torch_backends(kv_dtype):
     assert np.array_equal(got, out.numpy())
     # each request's last query, decoded
     last = np.asarray(cu[1:3]) - 1
-    dec = np.asarray(jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))(
+    dec = np.asarray(jax.jit(functools.partial(jax_ops.decode_attention, sm_scale=0.125))(
         q[last], cache, table, lens, np.int32(2)))
     dout = torch.zeros((2, Hq, D))
     torch_kernels.decode_attention(lib, torch.from_numpy(q[last]), torch.arange(2), i32(lens), i32(table), kc, vc,
@@ -404,7 +404,7 @@ def test_attention_bits_equal_the_torch_backends(kv_dtype):
 
 def test_prefill_attention_refuses_a_block_outside_the_cache_or_rows_outside_the_tokens():
     q, cache, table, lens, cu, dist = ragged([20, 9], [20, 30], 4, 2, 16, 4, seed=8)
-    f = jax.jit(functools.partial(cpu_kernels.prefill_attention, sm_scale=0.25))
+    f = jax.jit(functools.partial(jax_ops.prefill_attention, sm_scale=0.25))
     base = np.zeros(q.shape, np.float32)
     bad = table.copy()
     bad[1, 5] = cache.shape[0]
@@ -425,14 +425,14 @@ def layers_step(L, q_lens, kv_lens, seed, decodes=1):
     rng = np.random.default_rng(seed + 1)
     T = int(cu[-1]) + 3
     cache = np.concatenate([cache1] * L)  # [L * NB, bs, 2 Hkv, D]: layer l's block b at row l * NB + b
-    w = lambda *shape: cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
+    w = lambda *shape: jax_ops.pack_panels(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2))  # noqa: E731
     qkv, o, gate_up, down = w(L, (Hq + 2 * Hkv) * D, H), w(L, H, Hq * D), w(L, 2 * I, H), w(L, H, I)
     ang = rng.uniform(0, 3, (T, D // 2)).astype(np.float32)
-    cos, sin = cpu_kernels.rope_tables(jnp.cos(ang), jnp.sin(ang))
+    cos, sin = jax_ops.rope_tables(jnp.cos(ang), jnp.sin(ang))
     x = rng.standard_normal((T, H), np.float32)
     none = np.zeros((0,), np.float32)
     norms = rng.uniform(0.5, 1.5, (L, H)).astype(np.float32)
-    f = jax.jit(functools.partial(cpu_kernels.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
+    f = jax.jit(functools.partial(jax_ops.layers, num_heads=Hq, eps=1e-6, sm_scale=D ** -0.5))
     return L, T, f, cache1, cache, table, lens, cu, dist, (x, norms, norms, qkv, o, gate_up, down, none, none,
                                                            none, cos, sin)
 
@@ -498,7 +498,7 @@ def test_layers_run_the_last_layers_mlp_on_the_kept_rows_alone_with_the_same_bit
 
 def test_layers_give_a_long_decode_row_the_same_bits_alone_or_beside_another():
     """A decode row alone in a step with enough attention work for XLA's threads runs decode attention's split
-    order (cpu_kernels.c: its keys' scores split between the threads, then its outputs' dims); beside a second
+    order (jax_ops.c: its keys' scores split between the threads, then its outputs' dims); beside a second
     decode row, a task a kv head. Here the second row is a decode row (dist [2, ...]) or a one-token prefill row
     (dist [1, ...]: prefill attention, which gives a query decode attention's bits): every row's hidden state and
     the caches are the same bits either way, through two layers (each leaves the split order's counts at zero
@@ -561,17 +561,17 @@ def test_pack_onto_huge_pages_packs_each_group_into_one_aligned_buffer():
     weights' rows concatenated (read through a reshape, as `_as_out_in` gives them; a partial last panel
     zero-padded), each result jax's view of its slice (no copy: back to back from a 2 MiB boundary), the
     sources freed; traced, the shapes `pack_panels` gives."""
-    from enginecore.native import HUGE_PAGE
+    from cpu_kernels.memory import HUGE_PAGE
 
     rng = np.random.default_rng(5)
     a1, a2 = (jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((2, 32, 7), (2, 16, 7)))
     o = jnp.asarray(rng.standard_normal((2, 7, 3, 5), np.float32))  # [L, N, Hq, D]: read as [L, 7, 15]
     b = jnp.asarray(rng.standard_normal((20, 9), np.float32))  # 20 rows: a partial second panel
-    want = {"a": np.asarray(cpu_kernels.pack_panels(jnp.concatenate([a1, a2], axis=1))),
-            "o": np.asarray(cpu_kernels.pack_panels(o.reshape(2, 7, 15))),
-            "b": np.asarray(cpu_kernels.pack_panels(b[None]))}
+    want = {"a": np.asarray(jax_ops.pack_panels(jnp.concatenate([a1, a2], axis=1))),
+            "o": np.asarray(jax_ops.pack_panels(o.reshape(2, 7, 15))),
+            "b": np.asarray(jax_ops.pack_panels(b[None]))}
     groups = {"a": [(a1, a1.shape), (a2, a2.shape)], "o": [(o, (2, 7, 15))], "b": [(b, (1, 20, 9))]}
-    out = cpu_kernels.pack_onto_huge_pages(groups)
+    out = jax_ops.pack_onto_huge_pages(groups)
     assert want["b"].shape == (1, 2, 9, 16) and not want["b"][0, 1, :, 4:].any()
     for k in want:
         assert np.array_equal(np.asarray(out[k]), want[k]), k
@@ -581,7 +581,7 @@ def test_pack_onto_huge_pages_packs_each_group_into_one_aligned_buffer():
     assert p % HUGE_PAGE == 0 and out["o"].unsafe_buffer_pointer() == p + want["a"].nbytes
     assert out["b"].unsafe_buffer_pointer() == p + want["a"].nbytes + want["o"].nbytes
     # traced (abstract_inputs' eval_shape of pack_cpu_panels)
-    shapes = jax.eval_shape(lambda x: cpu_kernels.pack_onto_huge_pages({"x": [(x * 2, (1, 24, 3))]}),
+    shapes = jax.eval_shape(lambda x: jax_ops.pack_onto_huge_pages({"x": [(x * 2, (1, 24, 3))]}),
                             jnp.zeros((24, 3)))
     assert shapes["x"].shape == (1, 2, 3, 16)
 
@@ -593,7 +593,7 @@ def test_zero_pages_zeroes_dirty_memory_and_leaves_its_neighbours():
     import ctypes
     import mmap
 
-    lib = cpu_kernels._library()[0]
+    lib = jax_ops._library()[0]
     lib.zero_pages.argtypes, lib.zero_pages.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
     page = mmap.PAGESIZE
     buf = np.empty(64 * page + 3000, np.uint8)  # malloc's memory, as XLA's buffers are
@@ -628,10 +628,10 @@ def _in_a_fresh_heap(code: str) -> list[int]:
 
 _ZEROS_OVER_REUSED = """
 import jax, jax.numpy as jnp, numpy as np
-from jaxengine import cpu_kernels
-cpu_kernels.lib()
+from cpu_kernels import jax_ops
+jax_ops.lib()
 sevens = jax.jit(lambda: jnp.full((1024, 1000), 7.0)).lower().compile()
-zeros = jax.jit(lambda: cpu_kernels.zeros((1024, 1000), jnp.float32)).lower().compile()
+zeros = jax.jit(lambda: jax_ops.zeros((1024, 1000), jnp.float32)).lower().compile()
 tries = reused = 0
 while tries < 200 and reused < 3:
     a = sevens()
@@ -652,7 +652,7 @@ def test_zeros_commits_no_memory_until_written():
     from tests.memory import resident_bytes
 
     for shape, dtype in (((3,), jnp.float32), ((1000, 5), jnp.bfloat16), ((7, 4096, 3), jnp.float16)):
-        z = jax.jit(lambda: cpu_kernels.zeros(shape, dtype))()
+        z = jax.jit(lambda: jax_ops.zeros(shape, dtype))()
         assert z.shape == shape and z.dtype == dtype and not np.asarray(z.astype(jnp.float32)).any()
     # over memory that held other values: a freed 4 MB buffer handed back by the allocator. In this process that
     # depends on the whole session's heap history (once none of 20 tries was reused, session 29's CI), so a fresh
@@ -661,7 +661,7 @@ def test_zeros_commits_no_memory_until_written():
     tries, reused = _in_a_fresh_heap(_ZEROS_OVER_REUSED)
     assert reused >= 3, f"a freed buffer was reused {reused} times in {tries}: zeros not tried over written memory"
     shape, nbytes = (16, 1 << 20), 64 << 20
-    z = jax.jit(lambda: cpu_kernels.zeros(shape, jnp.float32))()
+    z = jax.jit(lambda: jax_ops.zeros(shape, jnp.float32))()
     zx = jax.jit(lambda: jnp.zeros(shape, jnp.float32))()
     ours, xlas = (resident_bytes(a.block_until_ready().unsafe_buffer_pointer(), nbytes) for a in (z, zx))
     assert ours < nbytes // 8 and xlas > nbytes // 2, (ours, xlas)
@@ -670,8 +670,8 @@ def test_zeros_commits_no_memory_until_written():
 
 def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
     """L stacked [N, K] float32 weights as a loader serves them from a GGUF file's `kind` blocks (or bfloat16
-    values) and the same as `enginecore.qx` panels [L, NP, K / 32, group bytes]."""
-    from enginecore import qx
+    values) and the same as `cpu_kernels.layout` panels [L, NP, K / 32, group bytes]."""
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int4Groups, Int8Groups
 
     rng = np.random.default_rng(seed)
@@ -681,9 +681,9 @@ def qx_weights(kind: str, L: int, N: int, K: int, seed: int):
         if kind in ("BF16", "F16"):
             w = np.asarray(jnp.asarray(rng.standard_normal((N, K), np.float32)).astype(
                 jnp.bfloat16 if kind == "BF16" else jnp.float16), np.float32)
-            p = np.asarray(cpu_kernels.pack_panels(jnp.asarray(w)))
+            p = np.asarray(jax_ops.pack_panels(jnp.asarray(w)))
             assert qx.half_kind(p) == qx.QX_KINDS[kind]
-            ws.append(w), packed.append(qx.half_panels(cpu_kernels.lib(), "w", p, qx.QX_KINDS[kind]))
+            ws.append(w), packed.append(qx.half_panels(jax_ops.lib(), "w", p, qx.QX_KINDS[kind]))
         elif kind == "Q8_0":
             g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
             ws.append(g.dequantize()), packed.append(qx.pack_q8x(g.q, g.scale))
@@ -709,22 +709,22 @@ def test_qx_linear_and_argmax_give_panel_linears_bits(kind):
     kernel's tiles and tails), a partial last panel; panels of another kind or shape are an error."""
     L, N, K = 2, 70, 96
     w, packed, k = qx_weights(kind, L, N, K, seed=5)
-    panels = cpu_kernels.pack_panels(jnp.asarray(w))
-    lin = jax.jit(cpu_kernels.qx_linear, static_argnames=("n", "kind"))
-    arg = jax.jit(cpu_kernels.qx_argmax, static_argnames=("n", "kind"))
+    panels = jax_ops.pack_panels(jnp.asarray(w))
+    lin = jax.jit(jax_ops.qx_linear, static_argnames=("n", "kind"))
+    arg = jax.jit(jax_ops.qx_argmax, static_argnames=("n", "kind"))
     rng = np.random.default_rng(7)
     for T in (1, 2, 3, 5, 7, 12, 13):
         x = rng.standard_normal((T, K), np.float32)
         for l in range(L):
             assert np.array_equal(np.asarray(lin(x, packed, jnp.int32(l), n=N, kind=k)),
-                                  np.asarray(cpu_kernels.panel_linear(x, panels, jnp.int32(l), N)))
+                                  np.asarray(jax_ops.panel_linear(x, panels, jnp.int32(l), N)))
             assert np.array_equal(np.asarray(arg(x, packed, jnp.int32(l), n=N, kind=k)),
-                                  np.asarray(cpu_kernels.panel_argmax(x, panels, jnp.int32(l), N)))
+                                  np.asarray(jax_ops.panel_argmax(x, panels, jnp.int32(l), N)))
     other = 3 if kind not in ("BF16", "F16") else 1  # the same bytes read as another kind: refused, not overread
     with pytest.raises(Exception, match="qx panels"):
-        cpu_kernels.qx_linear(x, packed, jnp.int32(0), N, other)
+        jax_ops.qx_linear(x, packed, jnp.int32(0), N, other)
     with pytest.raises(Exception, match="layer index out of range"):
-        cpu_kernels.qx_linear(x, packed, jnp.int32(L), N, k)
+        jax_ops.qx_linear(x, packed, jnp.int32(L), N, k)
 
 
 @pytest.mark.parametrize("kind", ["F32", "Q4_1"])
@@ -735,13 +735,13 @@ def test_head_calls_multiply_only_the_live_rows(kind):
     refused."""
     L, N, K = 1, 70, 96
     w, packed, k = qx_weights("Q4_1", L, N, K, seed=9)
-    panels = cpu_kernels.pack_panels(jnp.asarray(w))
+    panels = jax_ops.pack_panels(jnp.asarray(w))
     if kind == "F32":
-        lin = jax.jit(lambda x, live: cpu_kernels.panel_linear(x, panels, jnp.int32(0), N, live))
-        arg = jax.jit(lambda x, live: cpu_kernels.panel_argmax(x, panels, jnp.int32(0), N, live))
+        lin = jax.jit(lambda x, live: jax_ops.panel_linear(x, panels, jnp.int32(0), N, live))
+        arg = jax.jit(lambda x, live: jax_ops.panel_argmax(x, panels, jnp.int32(0), N, live))
     else:
-        lin = jax.jit(lambda x, live: cpu_kernels.qx_linear(x, packed, jnp.int32(0), N, k, live))
-        arg = jax.jit(lambda x, live: cpu_kernels.qx_argmax(x, packed, jnp.int32(0), N, k, live))
+        lin = jax.jit(lambda x, live: jax_ops.qx_linear(x, packed, jnp.int32(0), N, k, live))
+        arg = jax.jit(lambda x, live: jax_ops.qx_argmax(x, packed, jnp.int32(0), N, k, live))
     rng = np.random.default_rng(3)
     for T in (1, 8, 40):
         x = rng.standard_normal((T, K), np.float32)
@@ -752,21 +752,21 @@ def test_head_calls_multiply_only_the_live_rows(kind):
             got_y, got_t = np.asarray(lin(x, jnp.int32(live))), np.asarray(arg(x, jnp.int32(live)))
             assert np.array_equal(got_y[:n], y[:n]) and not got_y[n:].any(), (T, live)
             assert np.array_equal(got_t[:n], tokens[:n]) and not got_t[n:].any(), (T, live)
-    call = jax.ffi.ffi_call(cpu_kernels.PANEL_ARGMAX, jax.ShapeDtypeStruct((T,), jnp.int32))
+    call = jax.ffi.ffi_call(jax_ops.PANEL_ARGMAX, jax.ShapeDtypeStruct((T,), jnp.int32))
     with pytest.raises(Exception, match="live: one int32"):  # the custom call itself (the wrapper reshapes)
         call(x, panels, jnp.int32(0), jnp.zeros((2,), jnp.int32), n=np.int32(N))
 
 
 _LIVE_OVER_REUSED = """
 import jax, jax.numpy as jnp, numpy as np
-from jaxengine import cpu_kernels
-cpu_kernels.lib()
+from cpu_kernels import jax_ops
+jax_ops.lib()
 T, N, K = 64, 4096, 64
 rng = np.random.default_rng(0)
-panels = cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal((1, N, K)).astype(np.float32)))
+panels = jax_ops.pack_panels(jnp.asarray(rng.standard_normal((1, N, K)).astype(np.float32)))
 x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
-lin = jax.jit(lambda x, live: cpu_kernels.panel_linear(x, panels, jnp.int32(0), N, live))
-arg = jax.jit(lambda x, live: cpu_kernels.panel_argmax(x, panels, jnp.int32(0), N, live))
+lin = jax.jit(lambda x, live: jax_ops.panel_linear(x, panels, jnp.int32(0), N, live))
+arg = jax.jit(lambda x, live: jax_ops.panel_argmax(x, panels, jnp.int32(0), N, live))
 tries = reused = 0
 while tries < 200 and reused < 6:
     for f in (lin, arg):
@@ -793,7 +793,7 @@ def test_layers_take_a_kind_for_each_linear():
     """`cpu_kernels.layers` with each linear's qx panels of its own kind (qkv bfloat16 halves, o a GGUF 8-bit
     form as Q8_0's, gate_up the same weights' wide panels (QX_I8), down none): the bits of the float32 panels
     alone; the kinds swapped between two linears is an error, not a misread."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int8Groups
 
     L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 3], [5, 7], seed=41)
@@ -803,17 +803,17 @@ def test_layers_take_a_kind_for_each_linear():
         gs = [Int8Groups(rng.integers(-128, 128, shape).astype(np.int8),
                          (rng.standard_normal((shape[0], shape[1] // 32)) * 0.002).astype(np.float16).astype(np.float32))
               for _ in range(L)]
-        return cpu_kernels.pack_panels(jnp.asarray(np.stack([g.dequantize() for g in gs]))), gs
+        return jax_ops.pack_panels(jnp.asarray(np.stack([g.dequantize() for g in gs]))), gs
 
     qkv = jnp.asarray(args[3]).astype(jnp.bfloat16).astype(jnp.float32)
     (o, og), (gu, gg) = q8((32, 32)), q8((80, 32))
     args = (*args[:3], qkv, o, gu, *args[6:])
-    panels = (qx.half_panels(cpu_kernels.lib(), "qkv", np.asarray(qkv), qx.QX_KINDS["BF16"]), np.stack([qx.pack_q8x(g.q, g.scale) for g in og]),
+    panels = (qx.half_panels(jax_ops.lib(), "qkv", np.asarray(qkv), qx.QX_KINDS["BF16"]), np.stack([qx.pack_q8x(g.q, g.scale) for g in og]),
               np.stack([qx.pack_i8x(qx.to_wide(g)) for g in gg]), None)
     kinds = (qx.QX_KINDS["BF16"], qx.QX_KINDS["Q8_0"], qx.QX_KINDS["I8"], -1)
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
     real = int(cu[-1])
-    g = functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_rows=real)
+    g = functools.partial(jax_ops.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_rows=real)
     got = jax.jit(functools.partial(g, qx_kinds=kinds))(*args, jnp.asarray(cache), table, lens, cu, dist, None, None,
                                                         panels)
     assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
@@ -833,19 +833,19 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
     of 32) computes a step of up to qx_rows real tokens from them (the bucket's padding rows not counted, nor
     computed: zeros): the hidden states and the cache the same bits as from the float32 panels alone; qx panels
     of another layer count are an error."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
 
     L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=31)
     bf = lambda p: jnp.asarray(p).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     args = (*args[:3], *(bf(p) for p in args[3:7]), *args[7:])
     bf16 = qx.QX_KINDS["BF16"]
-    halves = [qx.half_panels(cpu_kernels.lib(), "w", np.asarray(p), bf16) if qx.half_kind(np.asarray(p)) == bf16
+    halves = [qx.half_panels(jax_ops.lib(), "w", np.asarray(p), bf16) if qx.half_kind(np.asarray(p)) == bf16
               else None for p in args[3:7]]
     assert halves[3] is None and all(h is not None for h in halves[:3])  # down: K = I = 40
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
     real = int(cu[-1])
     assert real < T and not np.asarray(want[0])[real:].any()  # padding rows: zeros, not computed
-    g = jax.jit(functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5,
+    g = jax.jit(functools.partial(jax_ops.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5,
                                   qx_kinds=(qx.QX_KINDS["BF16"],) * 4, qx_rows=real))
     got = g(*args, jnp.asarray(cache), table, lens, cu, dist, None, None, tuple(halves))
     assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
@@ -861,17 +861,17 @@ def test_layers_take_linears_without_float32_panels():
     `model.pack_cpu_panels(bdot=True)`): its shape from its qx panels, the bits of the float32 panels; a step
     its qx panels do not take (more tokens than qx_rows), or no qx panels at all, is an error, not a read of
     nothing."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
 
     L, T, f, _, cache, table, lens, cu, dist, args = layers_step(2, [1, 4, 2], [5, 9, 6], seed=33)
     bf = lambda p: jnp.asarray(p).astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     args = (*args[:3], *(bf(p) for p in args[3:7]), *args[7:])
     bf16 = qx.QX_KINDS["BF16"]
-    halves = [qx.half_panels(cpu_kernels.lib(), "w", np.asarray(p), bf16) for p in args[3:6]] + [None]
+    halves = [qx.half_panels(jax_ops.lib(), "w", np.asarray(p), bf16) for p in args[3:6]] + [None]
     want = f(*args, jnp.asarray(cache), table, lens, cu, dist)
     empty = np.zeros((0,), np.float32)
     lean = (*args[:3], empty, empty, empty, *args[6:])  # qkv, o, gate_up: qx panels only
-    layers = functools.partial(cpu_kernels.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_kinds=(bf16,) * 4)
+    layers = functools.partial(jax_ops.layers, num_heads=4, eps=1e-6, sm_scale=8 ** -0.5, qx_kinds=(bf16,) * 4)
     got = jax.jit(functools.partial(layers, qx_rows=T))(*lean, jnp.asarray(cache), table, lens, cu, dist, None, None,
                                                           tuple(halves))
     assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))

@@ -130,10 +130,10 @@ def test_layers_in_one_call_give_the_bits_of_a_call_per_kernel(arch, kv, tiny_mo
     same order: the same tokens and logprob bits through chunked prefill, mixed steps and padded buckets, for
     q/k/v biases (qwen2), q/k norms (qwen3), a sliding window (mistral: 24 tokens) and 16-bit caches; the
     norms and biases random (`perturbed`)."""
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
-    if cpu_kernels.available():
-        pytest.skip(cpu_kernels.available())
+    if jax_ops.available():
+        pytest.skip(jax_ops.available())
     d = perturbed(tiny_model_dir(arch), tmp_path / arch, sliding_window=24 if arch == "mistral" else None)
     prompts = [[1] + [(29 * i + 7 * j) % 900 + 50 for j in range(n)] for i, n in enumerate([45, 6, 19, 70, 2])]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
@@ -146,7 +146,7 @@ def test_layers_in_one_call_give_the_bits_of_a_call_per_kernel(arch, kv, tiny_mo
             assert runner.cpu_layers == on
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             hlo = [p.as_text() for k, p in runner.programs.items() if k.kind == "model"]
-            assert hlo and all((cpu_kernels.LAYERS in t) == on for t in hlo)
+            assert hlo and all((jax_ops.LAYERS in t) == on for t in hlo)
         finally:
             llm.llm_engine.core.shutdown()
         res[on] = [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
@@ -203,13 +203,13 @@ def test_chunked_prefix_cached_and_preempted_runs_match_plain(tiny_llama, plain_
 
 def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, plain_tokens):
     """On a CPU the decoder's linears and norms, the LM head (for greedy rows its argmax alone) and attention are
-    jaxengine.cpu_kernels' custom calls (float32, one device; the linears on weights packed at load, the tied
+    cpu_kernels.jax_ops' custom calls (float32, one device; the linears on weights packed at load, the tied
     embedding looked up in the LM head's panels); with compilation_config={"cpu_linears": False, "cpu_decode_attention": False} XLA's ops
     run: same greedy tokens, logprobs within float32."""
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
-    if cpu_kernels.available():
-        pytest.skip(cpu_kernels.available())
+    if jax_ops.available():
+        pytest.skip(jax_ops.available())
     runner = plain_engine.llm_engine.core.runner
     assert runner.cpu_linears and runner.cpu_decode_attention
     p = runner.params
@@ -219,11 +219,11 @@ def test_cpu_custom_calls_give_the_tokens_of_xlas_ops(tiny_llama, plain_engine, 
     assert any(k.kind == "model" for k in hlo) and any(k.kind == "sample" for k in hlo)
     for k, t in hlo.items():
         if k.kind == "model":  # every layer in one call (test_layers_in_one_call_give_the_bits_of_a_call_per_kernel)
-            assert cpu_kernels.LAYERS in t, k
+            assert jax_ops.LAYERS in t, k
         elif k.mode == "greedy":  # the LM head's argmax without logits
-            assert cpu_kernels.PANEL_ARGMAX in t and cpu_kernels.PANEL_LINEAR not in t and cpu_kernels.RMS_NORM in t, k
+            assert jax_ops.PANEL_ARGMAX in t and jax_ops.PANEL_LINEAR not in t and jax_ops.RMS_NORM in t, k
         else:
-            assert cpu_kernels.PANEL_LINEAR in t and cpu_kernels.RMS_NORM in t, k
+            assert jax_ops.PANEL_LINEAR in t and jax_ops.RMS_NORM in t, k
     llm = jax_llm(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                   compilation_config={"cpu_linears": False, "cpu_decode_attention": False})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -249,10 +249,10 @@ def test_decoded_logprobs_equal_prompt_logprobs(plain_engine):
     """A token's logprob has the same bits whether it was decoded (one row in its step) or scored as part of a
     prompt (56 rows of prefill): with the CPU custom calls a row's linears, norms and attention do not depend
     on the step's other rows (XLA's own RMSNorm does, below 8 rows)."""
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
-    if cpu_kernels.available():
-        pytest.skip(cpu_kernels.available())
+    if jax_ops.available():
+        pytest.skip(jax_ops.available())
     prompt = SCHED_PROMPTS[0][:40]
     out = plain_engine.generate([{"prompt_token_ids": prompt}], SamplingParams(
         temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]

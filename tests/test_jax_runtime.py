@@ -237,7 +237,7 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
     from enginecore import kv_cache
     from enginecore.config import ConfigError
     from tests.memory import resident_bytes
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
 
     monkeypatch.setenv("XLASERVE_KV_POPULATE", "off")
     llm = small(tiny, kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
@@ -247,7 +247,7 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
         m.setattr(kv_cache, "available_memory_bytes", lambda: 8 << 20)
         with pytest.raises(ConfigError, match="available; lower --kv-cache-memory-bytes"):
             runner.init_kv_cache(runner.num_blocks)
-    if not cpu_kernels.available():
+    if not jax_ops.available():
         assert runner.cpu_decode_attention
         resident = resident_bytes(runner.kv_cache.unsafe_buffer_pointer(), runner.kv_cache.nbytes)
         assert resident < runner.kv_cache.nbytes // 2, resident  # (a few 4 KiB pages; 2 MiB ones under THP "always")
@@ -258,13 +258,13 @@ def test_cpu_kv_cache_takes_memory_as_steps_write_it(tiny, reference_tokens, mon
 
 def test_cpu_kv_cache_is_committed_in_the_background(tiny, reference_tokens):
     """With the kernels on, a new engine's KV cache is committed by a background thread
-    (`enginecore.native.populate_in_background`), not by its steps' first writes; the tokens are the same."""
+    (`cpu_kernels.memory.populate_in_background`), not by its steps' first writes; the tokens are the same."""
     import time
 
-    from jaxengine import cpu_kernels
+    from cpu_kernels import jax_ops
     from tests.memory import resident_bytes
 
-    if cpu_kernels.available():
+    if jax_ops.available():
         pytest.skip("the CPU kernels do not run here (the cache is XLA's zeros)")
     llm = small(tiny, kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=64)
     runner = llm.llm_engine.core.runner

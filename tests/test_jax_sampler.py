@@ -17,10 +17,10 @@ METHODS = ("sort", "bisect", "topk")
 
 def _cpu_kernels_why() -> str:
     try:
-        from jaxengine import cpu_kernels
+        from cpu_kernels import jax_ops
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
         return f"{type(e).__name__}: {e}"
-    return cpu_kernels.available()
+    return jax_ops.available()
 
 
 # "cpu": sample(..., cpu_kernels=True), the torch sampler's C kernels as custom calls (where they run)

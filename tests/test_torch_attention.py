@@ -69,9 +69,9 @@ CASES = {
 
 
 def cpu_lib():
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernels do not run here: {why}")
     return lib

@@ -1,4 +1,4 @@
-"""The float32 CPU kernels of `torchengine.cpu_kernels` against torch's ops and transformers' RoPE.
+"""The float32 CPU kernels of `cpu_kernels.torch_ops` against torch's ops and transformers' RoPE.
 
 (The 4-/8-bit GGUF kernels are in test_torch_quant.py; the cache writes and decode attention in
 test_torch_attention.py, against the attention reference.)
@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from torchengine import cpu_kernels  # noqa: E402
+from cpu_kernels import torch_ops  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def lib():
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernels do not run here: {why}")
     return lib
@@ -34,12 +34,12 @@ def test_rms_norm(lib, M, K):
     base = randn(M, K + 9) * 3
     x = base[:, 4 : 4 + K]  # rows K + 9 floats apart
     w = randn(K, seed=1)
-    got = cpu_kernels.rms_norm(lib, x, w, 1e-5)
+    got = torch_ops.rms_norm(lib, x, w, 1e-5)
     torch.testing.assert_close(got, F.rms_norm(x, (K,), w, 1e-5), rtol=1e-6, atol=1e-6)
     # with the residual stream: residual += x in place, then the norm of it
     residual = randn(M, K, seed=2)
     want_res = residual + x
-    got = cpu_kernels.rms_norm(lib, x, w, 1e-5, residual)
+    got = torch_ops.rms_norm(lib, x, w, 1e-5, residual)
     assert torch.equal(residual, want_res)
     torch.testing.assert_close(got, F.rms_norm(want_res, (K,), w, 1e-5), rtol=1e-6, atol=1e-6)
 
@@ -57,7 +57,7 @@ def test_rope_matches_transformers(lib, D):
     want = qkv[:, :H] * cos[:, None] + rotate_half(qkv[:, :H]) * sin[:, None]
     tail = qkv[:, H:].clone()
     ours_sin = torch.cat([-ang.sin(), ang.sin()], -1)  # torchengine.model's tables: (cos, cos), (-sin, sin)
-    out = cpu_kernels.rope_(lib, qkv[:, :H], cos[:, None].contiguous(), ours_sin[:, None].contiguous())
+    out = torch_ops.rope_(lib, qkv[:, :H], cos[:, None].contiguous(), ours_sin[:, None].contiguous())
     assert out.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(qkv[:, :H], want, rtol=1e-5, atol=1e-6)
     assert torch.equal(qkv[:, H:], tail)
@@ -66,14 +66,14 @@ def test_rope_matches_transformers(lib, D):
 @pytest.mark.parametrize("M,I", [(1, 1536), (4, 37)])
 def test_silu_mul(lib, M, I):
     gu = randn(M, 2 * I) * 4
-    torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gu[:, :I]) * gu[:, I:], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(torch_ops.silu_mul(lib, gu), F.silu(gu[:, :I]) * gu[:, I:], rtol=2e-6, atol=1e-7)
 
 
 def test_silu_mul_exp_over_the_whole_range(lib):
     """The kernel's vectorised exp: within a few float32 ulps of float64 from -100 to 100 (clamped ends)."""
     g = torch.linspace(-100, 100, 20001)
     gu = torch.cat([g, torch.ones_like(g)])[None]
-    got = cpu_kernels.silu_mul(lib, gu)[0].double()
+    got = torch_ops.silu_mul(lib, gu)[0].double()
     want = g.double() * torch.sigmoid(g.double())
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
@@ -85,16 +85,16 @@ def test_f32_gemm(lib, M, N, K):
     and weight panels, M across row blocks (12 rows at K 576)."""
     x, w = randn(M, K), randn(N, K, seed=1)
     want = (x.double() @ w.double().t()).float()
-    torch.testing.assert_close(cpu_kernels.f32_gemm(lib, x, w), want, rtol=1e-5, atol=1e-6 * K)  # float32 sums
+    torch.testing.assert_close(torch_ops.f32_gemm(lib, x, w), want, rtol=1e-5, atol=1e-6 * K)  # float32 sums
 
 
 def test_bad_arguments_raise(lib):
     with pytest.raises(ValueError):
-        cpu_kernels.f32_gemm(lib, torch.zeros(3, 8), torch.zeros(4, 9))  # K differs
+        torch_ops.f32_gemm(lib, torch.zeros(3, 8), torch.zeros(4, 9))  # K differs
     with pytest.raises(ValueError):
-        cpu_kernels.f32_gemm(lib, torch.zeros(0, 8), torch.zeros(4, 8))  # no rows
+        torch_ops.f32_gemm(lib, torch.zeros(0, 8), torch.zeros(4, 8))  # no rows
     with pytest.raises(ValueError):
-        cpu_kernels.rope_(lib, torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))  # odd D
+        torch_ops.rope_(lib, torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))  # odd D
 
 
 def test_rows_do_not_depend_on_their_neighbours(lib):
@@ -111,9 +111,9 @@ def test_rows_do_not_depend_on_their_neighbours(lib):
     offset = (rng.random((N, K // 32)) - 0.5).astype(np.float16).astype(np.float32)
     q8 = rng.integers(-127, 128, (N, K)).astype(np.int8)
     kernels = {
-        "f32": lambda h: cpu_kernels.f32_gemm(lib, h, w),
-        "q4": lambda h, b=cpu_kernels.pack(q, scale, offset): cpu_kernels.gemm(lib, h, b),
-        "q8": lambda h, b=cpu_kernels.pack8(q8, scale): cpu_kernels.gemm(lib, h, b),
+        "f32": lambda h: torch_ops.f32_gemm(lib, h, w),
+        "q4": lambda h, b=torch_ops.pack(q, scale, offset): torch_ops.gemm(lib, h, b),
+        "q8": lambda h, b=torch_ops.pack8(q8, scale): torch_ops.gemm(lib, h, b),
     }
     for name, f in kernels.items():
         alone = torch.cat([f(x[i : i + 1]) for i in range(len(x))])
@@ -121,26 +121,26 @@ def test_rows_do_not_depend_on_their_neighbours(lib):
             assert torch.equal(f(x[:M]), alone[:M]), (name, M)
     # float32 at a real model's width, rows across the kernel's row blocks (12 rows at K 576)
     x, w = randn(70, 576), randn(200, 576, seed=2)
-    alone = torch.cat([cpu_kernels.f32_gemm(lib, x[i : i + 1], w) for i in range(len(x))])
+    alone = torch.cat([torch_ops.f32_gemm(lib, x[i : i + 1], w) for i in range(len(x))])
     for M in (5, 12, 13, 29, 57, 70):
-        assert torch.equal(cpu_kernels.f32_gemm(lib, x[:M], w), alone[:M]), M
-        assert torch.equal(cpu_kernels.f32_gemm(lib, x[70 - M :], w), alone[70 - M :]), M
+        assert torch.equal(torch_ops.f32_gemm(lib, x[:M], w), alone[:M]), M
+        assert torch.equal(torch_ops.f32_gemm(lib, x[70 - M :], w), alone[70 - M :]), M
 
 
 def test_pack_panels_round_trip():
     w = randn(37, 10)
-    panels = cpu_kernels.pack_panels(w)
+    panels = torch_ops.pack_panels(w)
     assert panels.shape == (3, 10, 16) and panels.is_contiguous()
     assert torch.equal(panels[2, :, 5:], torch.zeros(10, 11))  # the padding rows
     ids = torch.tensor([0, 36, 15, 16, 3, 36])
-    assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
+    assert torch.equal(torch_ops.panel_rows(panels, ids), w[ids])
     # into a slice of a huge-page buffer (the model packs all its weights into one): the same panels
-    from enginecore.native import HUGE_PAGE
+    from cpu_kernels.memory import HUGE_PAGE
 
-    n = cpu_kernels.panels_size(w)
-    buf = cpu_kernels.huge_page_buffer(3 * n)
+    n = torch_ops.panels_size(w)
+    buf = torch_ops.huge_page_buffer(3 * n)
     assert buf.numel() == 3 * n and buf.data_ptr() % HUGE_PAGE == 0
-    into = cpu_kernels.pack_panels(w, buf[n : 2 * n])
+    into = torch_ops.pack_panels(w, buf[n : 2 * n])
     assert torch.equal(into, panels) and into.is_contiguous() and into.data_ptr() == buf[n:].data_ptr()
 
 
@@ -158,7 +158,7 @@ def test_pack_panels_kernel_gives_the_reference_layout(lib):
         got = torch.full((P * K * 16,), float("nan"))
         assert lib.pack_panels_f32(w.data_ptr(), V, K, ld, got.data_ptr()) == 0
         assert torch.equal(got.view(P, K, 16), want), (V, K, ld)
-        assert torch.equal(cpu_kernels.pack_panels(w), want)
+        assert torch.equal(torch_ops.pack_panels(w), want)
     assert lib.pack_panels_f32(w.data_ptr(), 4, 5, 4, got.data_ptr()) != 0  # rows closer than K floats
 
 
@@ -170,12 +170,12 @@ def test_panel_gemm(lib, M, V, K, blocked_from):
     576; the k-blocked one from there, in row blocks of 48: 70 rows is two; 32 is a batch-32 decode step: five
     row tiles and a 2-row tail; 7 and 13 rows a tail of 1); greedy is torch.argmax of the same logits."""
     x, w = randn(M, K), randn(V, K, seed=1)
-    panels = cpu_kernels.pack_panels(w)
-    logits = cpu_kernels.panel_gemm(lib, x, panels, V)
+    panels = torch_ops.pack_panels(w)
+    logits = torch_ops.panel_gemm(lib, x, panels, V)
     torch.testing.assert_close(logits, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-6 * K)
-    assert torch.equal(cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True), logits.argmax(-1))
+    assert torch.equal(torch_ops.panel_gemm(lib, x, panels, V, greedy=True), logits.argmax(-1))
     # each row the same alone as among the others, logits and tokens
-    alone = torch.cat([cpu_kernels.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
+    alone = torch.cat([torch_ops.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
     assert torch.equal(alone, logits)
 
 
@@ -195,16 +195,16 @@ def test_panel_gemm_many_rows(lib, M, K, V, threads):
     blocks), whatever the shares, the k blocks (a short last one), the row blocks and tails, and a vocabulary
     with a partial last panel; the greedy head's argmax over the same split is the logits' argmax."""
     x, w = randn(M, K, seed=5), randn(V, K, seed=6)
-    panels = cpu_kernels.pack_panels(w)
+    panels = torch_ops.pack_panels(w)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        logits = cpu_kernels.panel_gemm(lib, x, panels, V)
-        greedy = cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True)
+        logits = torch_ops.panel_gemm(lib, x, panels, V)
+        greedy = torch_ops.panel_gemm(lib, x, panels, V, greedy=True)
     finally:
         torch.set_num_threads(n)
     torch.testing.assert_close(logits, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-6 * K)
-    alone = torch.cat([cpu_kernels.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
+    alone = torch.cat([torch_ops.panel_gemm(lib, x[i : i + 1], panels, V) for i in range(M)])
     assert torch.equal(alone, logits)
     assert torch.equal(greedy, logits.argmax(-1))
 
@@ -264,8 +264,8 @@ def test_panel_gemm_parts_in_any_ranges_give_the_whole_calls_bits(lib, M, K, V, 
     import numpy as np
 
     x, w = randn(M, K, seed=7), randn(V, K, seed=8)
-    panels = cpu_kernels.pack_panels(w)
-    want = cpu_kernels.panel_gemm(lib, x, panels, V)
+    panels = torch_ops.pack_panels(w)
+    want = torch_ops.panel_gemm(lib, x, panels, V)
     unit, nt, claim = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     parts = lib.panel_gemm_plan(M, K, V, 2, ctypes.byref(unit), ctypes.byref(nt), ctypes.byref(claim))
     assert unit.value == (1 if M >= blocked_from else 4)  # single panels where the order blocks k
@@ -301,10 +301,10 @@ def test_greedy_folds_do_not_depend_on_the_order_of_the_panels(lib, M, blocked_f
     w[[37 + 16 * 7, 37 + 16 * 40, 21]] = w[37].clone()  # a tie in lane 5 of four panels (1, 2, 9 and 42)
     x = w[37].repeat(M, 1)
     x[1] = randn(1, K, seed=6)
-    panels = cpu_kernels.pack_panels(w)
+    panels = torch_ops.pack_panels(w)
     parts = -(-V // 16)  # one panel a part (unit 1), folded in the orders below
     size = lib.head_best_bytes()
-    want = cpu_kernels.panel_gemm(lib, x, panels, V).argmax(-1)
+    want = torch_ops.panel_gemm(lib, x, panels, V).argmax(-1)
     assert want[0] == 21
     for order in (range(parts - 1, -1, -1), [*range(parts // 2, parts), *range(parts // 2)]):
         best = torch.zeros(size * M, dtype=torch.uint8)
@@ -328,31 +328,31 @@ def test_panel_gemm_greedy_ties_nan_and_padding(lib, M, blocked_from):
     # lane 4 of its panel's second half; 305 = 19 * 16 + 1: lane 1 of the first half)
     x = randn(M, K, seed=4)
     x[1] = 0  # every logit 0
-    panels = cpu_kernels.pack_panels(w)
-    logits = cpu_kernels.panel_gemm(lib, x, panels, V)
-    got = cpu_kernels.panel_gemm(lib, x, panels, V, greedy=True)
+    panels = torch_ops.pack_panels(w)
+    logits = torch_ops.panel_gemm(lib, x, panels, V)
+    got = torch_ops.panel_gemm(lib, x, panels, V, greedy=True)
     assert torch.equal(got, logits.argmax(-1))
     assert got[1] == 0
     # rows whose best is a tied group: the first of it (in the main tiles and in the tail)
     xs = torch.stack([w[500], w[40]]).repeat(M // 2 + 1, 1)[:M]
-    t = cpu_kernels.panel_gemm(lib, xs, panels, V, greedy=True)
+    t = torch_ops.panel_gemm(lib, xs, panels, V, greedy=True)
     assert t.tolist() == [7, 300] * (M // 2) + [7] * (M % 2)
-    assert torch.equal(t, cpu_kernels.panel_gemm(lib, xs, panels, V).argmax(-1))
+    assert torch.equal(t, torch_ops.panel_gemm(lib, xs, panels, V).argmax(-1))
     # NaN: torch.argmax returns the first NaN
     w2 = w.clone()
     w2[321, 0] = float("nan")
     w2[999, 0] = float("nan")
-    p2 = cpu_kernels.pack_panels(w2)
-    assert torch.equal(cpu_kernels.panel_gemm(lib, x, p2, V, greedy=True), cpu_kernels.panel_gemm(lib, x, p2, V).argmax(-1))
+    p2 = torch_ops.pack_panels(w2)
+    assert torch.equal(torch_ops.panel_gemm(lib, x, p2, V, greedy=True), torch_ops.panel_gemm(lib, x, p2, V).argmax(-1))
     # a padded vocabulary whose real logits are all below the padding's 0
     wn = -w.abs() - 1
     xp = torch.ones(3, K)
-    pn = cpu_kernels.pack_panels(wn)
-    assert torch.equal(cpu_kernels.panel_gemm(lib, xp, pn, V, greedy=True), (xp @ wn.t()).argmax(-1))
+    pn = torch_ops.pack_panels(wn)
+    assert torch.equal(torch_ops.panel_gemm(lib, xp, pn, V, greedy=True), (xp @ wn.t()).argmax(-1))
     with pytest.raises(ValueError):
-        cpu_kernels.panel_gemm(lib, torch.zeros(2, 63), panels, V)  # K differs
+        torch_ops.panel_gemm(lib, torch.zeros(2, 63), panels, V)  # K differs
     with pytest.raises(ValueError):
-        cpu_kernels.panel_gemm(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels
+        torch_ops.panel_gemm(lib, torch.zeros(2, K), panels, V + 16)  # more vocabulary than panels
 
 
 def test_exp_edges_nan_and_overflow(lib):
@@ -362,11 +362,11 @@ def test_exp_edges_nan_and_overflow(lib):
     g = torch.full((I,), 2.0)
     g[[3, 17]] = float("nan")
     gu = torch.cat([g, torch.ones(I)])[None]
-    got = cpu_kernels.silu_mul(lib, gu)[0]
+    got = torch_ops.silu_mul(lib, gu)[0]
     assert torch.isnan(got[[3, 17]]).all() and not torch.isnan(got[[0, 16, 18]]).any()
     # silu(-x) = -x / (1 + e^x): e^x for x in (88.38, 88.72] must not be inf (the result: a tiny negative, not -0)
     g = -torch.linspace(88.4, 88.7, 16)
-    out = cpu_kernels.silu_mul(lib, torch.cat([g, torch.ones(16)])[None])[0]
+    out = torch_ops.silu_mul(lib, torch.cat([g, torch.ones(16)])[None])[0]
     assert torch.isfinite(out).all() and (out < 0).all()
 
 
@@ -379,7 +379,7 @@ def test_decode_attention_propagates_a_nan_score(lib, kv_len):
     q = randn(1, Hq, D, seed=2)
     q[0, 1, 3] = float("nan")
     out = torch.empty(1, Hq, D)
-    cpu_kernels.decode_attention(lib, q, torch.zeros(1, dtype=torch.int64), torch.tensor([kv_len], dtype=torch.int32),
+    torch_ops.decode_attention(lib, q, torch.zeros(1, dtype=torch.int64), torch.tensor([kv_len], dtype=torch.int32),
                                  torch.arange(1, nb + 1, dtype=torch.int32)[None], k_cache, v_cache, D**-0.5, None, out)
     assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()
 
@@ -399,7 +399,7 @@ def test_prefill_attention_is_decode_attention_for_every_query(lib, Hq, Hkv, D, 
     starts = [0, 70, 103, 104]
     out = torch.full((T, Hq, D), 5.0)
     i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
-    cpu_kernels.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, k_cache, v_cache,
+    torch_ops.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, k_cache, v_cache,
                                   D**-0.5, window, out)
     assert (out[-2:] == 5.0).all()
     rows, lens, tabs = [], [], []
@@ -409,7 +409,7 @@ def test_prefill_attention_is_decode_attention_for_every_query(lib, Hq, Hkv, D, 
             lens.append(kv_lens[i] - q_lens[i] + j + 1)
             tabs.append(tables[i])
     dec = torch.full((T, Hq, D), 5.0)
-    cpu_kernels.decode_attention(lib, q, torch.tensor(rows, dtype=torch.int64), i32(lens), torch.stack(tabs).contiguous(),
+    torch_ops.decode_attention(lib, q, torch.tensor(rows, dtype=torch.int64), i32(lens), torch.stack(tabs).contiguous(),
                                  k_cache, v_cache, D**-0.5, window, dec)
     assert torch.equal(out, dec)
     G = Hq // Hkv
@@ -433,7 +433,7 @@ def test_kv_write_to_a_16bit_cache_rounds_as_torch_does(lib, dtype):
     v[3, 1, :4] = torch.tensor([1e-40, -2.5e-42, float("inf"), -0.0])  # float32 subnormals, inf, -0
     slots = torch.tensor([3, -1, 0, 9, 4], dtype=torch.int64)
     kc, vc = torch.zeros(3, 4, Hkv, D, dtype=dtype), torch.zeros(3, 4, Hkv, D, dtype=dtype)
-    cpu_kernels.kv_write(lib, k, v, slots, kc, vc)
+    torch_ops.kv_write(lib, k, v, slots, kc, vc)
     for got, src in ((kc, k), (vc, v)):
         want = torch.zeros_like(got).view(-1, Hkv, D)
         keep = slots >= 0
@@ -460,11 +460,11 @@ def test_attention_over_a_16bit_cache_is_float32_attention_over_its_values(lib, 
     outs = {}
     for name, (kc, vc) in (("16", (k16, v16)), ("32", (k16.float(), v16.float()))):
         pre = torch.full((T, Hq, D), 5.0)
-        cpu_kernels.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, kc, vc, D**-0.5, window,
+        torch_ops.prefill_attention(lib, q, i32(starts), i32(q_lens), i32(kv_lens), tables, kc, vc, D**-0.5, window,
                                       pre)
         dec = torch.full((n, Hq, D), 5.0)  # each request's last query, decoded
         last = torch.tensor([s + ql - 1 for s, ql in zip(starts, q_lens)], dtype=torch.int64)
-        cpu_kernels.decode_attention(lib, q[last].contiguous(), torch.arange(n), i32(kv_lens), tables, kc, vc,
+        torch_ops.decode_attention(lib, q[last].contiguous(), torch.arange(n), i32(kv_lens), tables, kc, vc,
                                      D**-0.5, window, dec)
         assert torch.equal(pre[last], dec)
         outs[name] = pre
@@ -490,7 +490,7 @@ def test_decode_attention_rows_do_not_depend_on_the_batch(lib, Hq, Hkv, D, dtype
         def run(rows):
             out = torch.full((n, Hq, D), 5.0)
             idx = torch.tensor(rows)
-            cpu_kernels.decode_attention(lib, q, idx.to(torch.int64), i32([lens[r] for r in rows]),
+            torch_ops.decode_attention(lib, q, idx.to(torch.int64), i32([lens[r] for r in rows]),
                                          tables[idx].contiguous(), kc, vc, D**-0.5, None, out)
             return out[idx]
 
@@ -515,7 +515,7 @@ def test_prefill_attention_refuses_bad_lengths(lib):
     q, out = randn(4, 2, 8), torch.zeros(4, 2, 8)
     i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
     with pytest.raises(ValueError, match="prefill_attention"):  # kv_len < q_len
-        cpu_kernels.prefill_attention(lib, q, i32([0]), i32([4]), i32([3]), i32([[1, 2]]), k_cache, k_cache, 0.3,
+        torch_ops.prefill_attention(lib, q, i32([0]), i32([4]), i32([3]), i32([[1, 2]]), k_cache, k_cache, 0.3,
                                       None, out)
 
 
@@ -534,8 +534,8 @@ def test_log_softmax_and_softmax_rows(lib, V):
     x[2, V - 1] = 60.0  # one dominant token in the tail
     x[3] = float("-inf")  # an all -inf row: NaN, as in the reference
     x[4, V // 3] = float("nan")
-    lp = cpu_kernels.log_softmax(lib, x)
-    p = cpu_kernels.log_softmax(lib, x, probs=True)
+    lp = torch_ops.log_softmax(lib, x)
+    p = torch_ops.log_softmax(lib, x, probs=True)
     for i in (0, 1, 2, 5):
         want = torch.from_numpy(ref.log_softmax(x[i].numpy()).astype(np.float64))
         live = torch.isfinite(want)
@@ -548,7 +548,7 @@ def test_log_softmax_and_softmax_rows(lib, V):
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.log_softmax(lib, x[5:6])
+        one = torch_ops.log_softmax(lib, x[5:6])
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one[0], lp[5])
@@ -564,14 +564,14 @@ def test_inverse_cdf_rows_is_the_exact_search(lib):
     p[2, 17] = 1.0
     p /= p.sum(-1, keepdim=True)
     for u in (0.0, 1e-6, 0.25, 0.5, 0.7501, 0.999999):
-        got = cpu_kernels.inverse_cdf(lib, p, torch.full((4,), u))
+        got = torch_ops.inverse_cdf(lib, p, torch.full((4,), u))
         cum = np.cumsum(p.double().numpy(), axis=-1)
         want = [int(np.searchsorted(cum[i], np.float64(np.float32(u)) * cum[i, -1], side="right")) for i in range(4)]
         assert got.tolist() == want, u
         assert all(p[i, got[i]] > 0 for i in range(4))
     # u so close to 1 that rounding lands past the mass: the last token with a probability, never one without
     p[3, V - 10 :] = 0.0
-    assert cpu_kernels.inverse_cdf(lib, p[3:4], torch.tensor([0.99999994]))[0] <= V - 11
+    assert torch_ops.inverse_cdf(lib, p[3:4], torch.tensor([0.99999994]))[0] <= V - 11
 
 
 def test_top_p_thresholds_keep_the_reference_tokens(lib):
@@ -584,8 +584,8 @@ def test_top_p_thresholds_keep_the_reference_tokens(lib):
     x[2, 5:] = float("-inf")
     x[3, :] = x[3].round()  # many ties
     top_p = torch.tensor([0.9, 0.5, 0.95, 0.3, 1.0, 0.999])
-    p = cpu_kernels.log_softmax(lib, x, probs=True)
-    t = cpu_kernels.top_p_thresholds(lib, p, top_p)
+    p = torch_ops.log_softmax(lib, x, probs=True)
+    t = torch_ops.top_p_thresholds(lib, p, top_p)
     assert t[4] == 0
     for i in range(6):
         want = np.isfinite(ref.filter_logits(x[i].numpy(), 0, float(top_p[i]), 0.0))
@@ -597,7 +597,7 @@ def test_top_n_rows_is_a_stable_sorts_head(lib, n):
     x = (randn(5, 1000, seed=5) * 2).round()  # many ties
     x[1, :] = 1.0  # all tied: the first n ids
     x[2, 500:] = float("-inf")
-    vals, ids = cpu_kernels.top_n(lib, x, n)
+    vals, ids = torch_ops.top_n(lib, x, n)
     want_vals, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(vals, want_vals[:, :n]) and torch.equal(ids, want_ids[:, :n])
 
@@ -610,7 +610,7 @@ def test_huge_page_array_is_aligned_zeroed_writable_memory():
 
     import numpy as np
 
-    from enginecore.native import HUGE_PAGE, huge_page_array
+    from cpu_kernels.memory import HUGE_PAGE, huge_page_array
 
     a = huge_page_array(3 * HUGE_PAGE // 4 + 5)
     assert a.dtype == np.float32 and a.size == 3 * HUGE_PAGE // 4 + 5 and a.ctypes.data % HUGE_PAGE == 0
@@ -623,7 +623,7 @@ def test_huge_page_array_is_aligned_zeroed_writable_memory():
 
 
 def test_populate_in_background_commits_the_pages_and_keeps_what_steps_write(monkeypatch):
-    """The CPU KV caches' background commit (`enginecore.native.populate_in_background`): every page of the range
+    """The CPU KV caches' background commit (`cpu_kernels.memory.populate_in_background`): every page of the range
     becomes resident, and what is written to it before and while it runs stays (MADV_POPULATE_WRITE writes no
     data); `XLASERVE_KV_POPULATE=off` commits nothing. Skipped where the kernel has no MADV_POPULATE_WRITE."""
     import ctypes
@@ -632,7 +632,7 @@ def test_populate_in_background_commits_the_pages_and_keeps_what_steps_write(mon
 
     import numpy as np
 
-    from enginecore.native import HUGE_PAGE, MADV_POPULATE_WRITE, huge_page_array, populate_in_background
+    from cpu_kernels.memory import HUGE_PAGE, MADV_POPULATE_WRITE, huge_page_array, populate_in_background
     from tests.memory import resident_bytes
 
     if not sys.platform.startswith("linux"):
@@ -660,12 +660,12 @@ def test_populate_in_background_commits_the_pages_and_keeps_what_steps_write(mon
 
 
 def test_release_free_heap_returns_freed_chunks_pages():
-    """What both runners call after packing a model's weights (`enginecore.native.release_free_heap`): the pages of
+    """What both runners call after packing a model's weights (`cpu_kernels.memory.release_free_heap`): the pages of
     chunks freed inside the heap (below a live one, so glibc's free cannot shrink the heap) stop being resident."""
     import mmap
     import sys
 
-    from enginecore.native import release_free_heap
+    from cpu_kernels.memory import release_free_heap
     from tests.memory import resident_bytes
 
     if not sys.platform.startswith("linux"):
@@ -702,7 +702,7 @@ def test_huge_page_bytes_sums_the_mappings_that_hold_the_array(tmp_path):
     array (/proc/self/smaps' format), capped at its size; this process's own smaps gives a number in range."""
     import numpy as np
 
-    from enginecore.native import HUGE_PAGE, huge_page_array, huge_page_bytes
+    from cpu_kernels.memory import HUGE_PAGE, huge_page_array, huge_page_bytes
 
     a = huge_page_array(HUGE_PAGE // 2)  # 4 MiB of float32
     a[:] = 1.0

@@ -19,9 +19,9 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 from tests.outputs import assert_same_outputs  # noqa: E402
-from torchengine import cpu_kernels  # noqa: E402
+from cpu_kernels import torch_ops  # noqa: E402
 
-SAME_KERNELS = cpu_kernels.lib() is not None  # both backends on the C kernels (x86 with AVX2)
+SAME_KERNELS = torch_ops.lib() is not None  # both backends on the C kernels (x86 with AVX2)
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,7 @@ def test_jax_from_the_weights_as_stored_gives_torchs_float32_bits(model, cpu_lay
     over layers (`cpu_layers` off: a custom call per linear), give the torch backend's float32-only bits
     (`XLASERVE_Q4X=off`): the same tokens and logprobs, greedy (the head's argmax) and with logprobs (the
     logits). Three requests, then five (a bucket of 8 rows: the Q4 panels' limit)."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
 
     path = {"gguf": None, "bf16": tiny_bf16_llama_dir, "f16": tiny_f16_llama_dir, "mixed": mixed_gguf,
             "iq4": iq4_gguf}[model]

@@ -108,7 +108,7 @@ def test_smollm2_logprobs_match_transformers(smollm2_llm, smollm2_hf, prompts):
 def test_tiny_arch_greedy_matches_transformers(arch, kernels, tiny_model_dir, prompts, monkeypatch):
     """With the AVX2 CPU kernels where they run (the default), and with torch's ops only."""
     if kernels == "torch":
-        from torchengine import cpu_kernels
+        from cpu_kernels import torch_ops
 
         monkeypatch.setattr(cpu_kernels, "lib", lambda: None)
     d = tiny_model_dir(arch)
@@ -136,9 +136,9 @@ def test_bfloat16_checkpoint_weights_load_exactly():
 def test_lm_head_in_panels(arch, tiny_model_dir):
     """On a CPU with the kernels the LM head is packed in panels at load: the embedding and the logits are
     transformers', and greedy_tokens is the argmax of compute_logits at every row count (one arithmetic)."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     d = tiny_model_dir(arch)
     model = torch_llm(d).llm_engine.core.runner.model
@@ -163,13 +163,13 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, prompts, one_call_vs_python_layers):
-    """Decode steps run every layer in one C call (cpu_kernels.DecodeLayers) where the model is on the float32
+    """Decode steps run every layer in one C call (torch_ops.DecodeLayers) where the model is on the float32
     kernels' path: the same tokens and the same logprobs, to the bit, as the Python layers (a bias on q/k/v:
     qwen2; q/k norms are not in the C path: qwen3 runs the Python layers both times), whether the rows are
     plain greedy, want logprobs or draw with a penalty."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     llm = torch_llm(tiny_model_dir(arch), max_num_batched_tokens=32, block_size=8)
     if arch == "qwen2":  # the checkpoint's biases are zeros: give them values (in place, both paths read them)
@@ -201,19 +201,19 @@ def test_steps_with_prompt_tokens_run_the_layers_in_one_call_too(tiny_model_dir,
     (`DecodeLayers.step`: the attention's decode and prefill groups, the last layer's o linear and MLP on the sampled
     rows alone): the Python layers' tokens and logprobs to the bit. A step with prompt logprobs keeps the Python
     layers; groups that do not hold each of the step's tokens once are refused, not read past."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     llm = torch_llm(tiny_model_dir("llama"), max_num_batched_tokens=16, block_size=8)
-    seen, real = [], cpu_kernels.DecodeLayers.step
+    seen, real = [], torch_ops.DecodeLayers.step
 
     def spy(self, x, positions, slots, decode, prefill, keep):
         seen.append((0 if decode is None else len(decode.tokens), 0 if prefill is None else len(prefill.q_lens),
                      x.shape[0], None if keep is None else len(keep)))
         return real(self, x, positions, slots, decode, prefill, keep)
 
-    monkeypatch.setattr(cpu_kernels.DecodeLayers, "step", spy)
+    monkeypatch.setattr(torch_ops.DecodeLayers, "step", spy)
     reqs = [{"prompt_token_ids": list(range(100 + 7 * i, 100 + 7 * i + n))} for i, n in enumerate((5, 23, 41, 9))]
     for sp in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
                SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)):
@@ -240,9 +240,9 @@ def test_a_16bit_kv_cache_runs_on_the_kernels(kv_dtype, tiny_model_dir, prompts,
     """--kv-cache-dtype float16 / bfloat16 with float32 weights stays on the CPU kernels, which write and read
     the 16-bit cache themselves: the one-call decode layers give the Python layers' bits, the cache holds twice
     a float32 cache's blocks in the same memory, and the outputs are the float32 cache's within its rounding."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     reqs = [{"prompt_token_ids": p} for p in prompts]
@@ -269,10 +269,10 @@ def test_a_16bit_kv_cache_runs_on_the_kernels(kv_dtype, tiny_model_dir, prompts,
 def test_linear_packed_in_panels():
     """A packed Linear (every float32 linear on a CPU with the kernels): its matrix unpacks exactly, its
     outputs are the float64 product's (+ bias) at any row count, rows the same alone as together; no rows."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
     from torchengine.model import Linear
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     g = torch.Generator().manual_seed(0)
     lin = Linear(70, 37, bias=True).requires_grad_(False)

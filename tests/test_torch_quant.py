@@ -3,7 +3,7 @@
 - the 4-bit groups read from the file's blocks dequantize to exactly what the
   `gguf` package's dequantizer gives (so the f32 path and the 4-bit path hold the same weights);
 - Q4_0's form (offset -8 d) too, on a block written by hand;
-- the AVX2 kernel (`torchengine/cpu_kernels.c`) computes exactly its numpy definition;
+- the AVX2 kernel (`cpu_kernels/csrc`) computes exactly its numpy definition;
 - without the flag, the float32 model's decode steps of few rows multiply the file's blocks as stored
   (`qx_gemm`: Q4_1, Q4_0, the LM head's Q8_0) to the bits of the float32 weights, kernel and engine;
 - an Int4Linear equals the dense float32 linear of the dequantized weight up to the kernels' rounding
@@ -34,9 +34,9 @@ def source():
 @pytest.fixture(params=["avx512", "avx2"])
 def qx_tiles(request):
     """qx_gemm multiplying with its AVX-512 tiles (where the CPU has them) or its 256-bit ones: the same bits."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     wide = request.param == "avx512"
@@ -81,9 +81,9 @@ def test_q4_0_block_form():
 def test_q4_kernel_matches_its_reference():
     """The AVX2 kernel computes exactly its definition (8-bit activations per block of 32, integer block
     dot products, float16 scales): against `cpu_kernels.reference` in float64, at every row count it takes."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernel cannot run here: {why}")
     rng = np.random.default_rng(7)
@@ -92,12 +92,12 @@ def test_q4_kernel_matches_its_reference():
         q = rng.integers(0, 16, (N, K)).astype(np.uint8)
         scale = rng.uniform(0.002, 0.05, (N, G)).astype(np.float16).astype(np.float32)
         offset = rng.uniform(-0.4, 0.1, (N, G)).astype(np.float16).astype(np.float32)
-        blocks = cpu_kernels.pack(q, scale, offset)
+        blocks = torch_ops.pack(q, scale, offset)
         for M in (1, 2, 3, 4, 5, 9, 32):
             x = rng.standard_normal((M, K)).astype(np.float32)
             x[0, :32] = 0  # an all-zero block (scale 0) is exact too
-            got = cpu_kernels.gemm(lib, torch.from_numpy(x), blocks).numpy()
-            want = cpu_kernels.reference(x, q, scale, offset)
+            got = torch_ops.gemm(lib, torch.from_numpy(x), blocks).numpy()
+            want = torch_ops.reference(x, q, scale, offset)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
             # and it is the dequantized linear up to the 8-bit activations
             dense = x @ (q.reshape(N, G, 32) * scale[..., None] + offset[..., None]).reshape(N, K).T
@@ -105,14 +105,14 @@ def test_q4_kernel_matches_its_reference():
     # Q8_0 blocks (the LM head): int8 weights, no offset
     q8 = rng.integers(-128, 128, (72, 96)).astype(np.int8)
     s8 = rng.uniform(0.001, 0.01, (72, 3)).astype(np.float16).astype(np.float32)
-    blocks8 = cpu_kernels.pack8(q8, s8)
+    blocks8 = torch_ops.pack8(q8, s8)
     for M in (1, 4, 7):
         x = rng.standard_normal((M, 96)).astype(np.float32)
-        got = cpu_kernels.gemm(lib, torch.from_numpy(x), blocks8).numpy()
-        want = cpu_kernels.reference(x, q8, s8)
+        got = torch_ops.gemm(lib, torch.from_numpy(x), blocks8).numpy()
+        want = torch_ops.reference(x, q8, s8)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="bad arguments"):
-        cpu_kernels.gemm(lib, torch.zeros(33, 128), cpu_kernels.pack(np.zeros((4, 128), np.uint8), *np.ones((2, 4, 4), np.float32)))
+        torch_ops.gemm(lib, torch.zeros(33, 128), torch_ops.pack(np.zeros((4, 128), np.uint8), *np.ones((2, 4, 4), np.float32)))
 
 
 @pytest.mark.parametrize("kernel", ["auto", "torch"])
@@ -169,9 +169,9 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind, qx_tiles):
     over the weights the loader serves (enginecore/gguf_dequant.c from the same raw blocks; Int4Groups'
     numpy form agrees with it): every row count of the kernel's tiles (256-bit: 4-row tiles, 1-3-row tails, two
     of them; AVX-512: one to three tiles of up to 16 rows), a partial last panel, one group of 32 and many, negative scales (Q4_0's zeros then signed)."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernels cannot run here: {why}")
     rng = np.random.default_rng(N + K)
@@ -182,14 +182,14 @@ def test_q4x_gemm_gives_panel_gemms_bits(N, K, kind, qx_tiles):
     w = _loader_weights(kind, q, d, m)
     if kind == "Q4_1":
         np.testing.assert_array_equal(Int4Groups(q, d, m).dequantize(), w)
-    panels = cpu_kernels.pack_panels(torch.from_numpy(w))
-    blocks = cpu_kernels.pack_q4x(q, d, None if kind == "Q4_0" else m)
+    panels = torch_ops.pack_panels(torch.from_numpy(w))
+    blocks = torch_ops.pack_q4x(q, d, None if kind == "Q4_0" else m)
     for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS[kind]),
-                           cpu_kernels.panel_gemm(lib, x, panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, torch_ops.QX_KINDS[kind]),
+                           torch_ops.panel_gemm(lib, x, panels, N))
     with pytest.raises(ValueError, match="bad arguments"):  # panels of another kind are refused, not overread
-        cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"])
+        torch_ops.qx_gemm(lib, x, blocks, N, torch_ops.QX_KINDS["Q8_0"])
 
 
 @pytest.mark.parametrize("N,K", [(1003, 576), (40, 64)])
@@ -198,9 +198,9 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     weights the loader serves to the bit, and its greedy tokens, ties included (the lowest index, as
     torch.argmax), with a vocabulary that is not a multiple of 16 or 8."""
     from enginecore.model_loader import Int8Groups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernels cannot run here: {why}")
     rng = np.random.default_rng(N)
@@ -211,16 +211,16 @@ def test_q8x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     g.scale[N // 2] = g.scale[3]
     w = _loader_weights("Q8_0", g.q, g.scale)
     np.testing.assert_array_equal(g.dequantize(), w)
-    panels = cpu_kernels.pack_panels(torch.from_numpy(w))
-    blocks = cpu_kernels.pack_q8x(g.q, g.scale)
+    panels = torch_ops.pack_panels(torch.from_numpy(w))
+    blocks = torch_ops.pack_q8x(g.q, g.scale)
     for M in (1, 3, 4, 7, 8, 16, 20):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        logits = cpu_kernels.panel_gemm(lib, x, panels, N)
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"]), logits)
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        logits = torch_ops.panel_gemm(lib, x, panels, N)
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, torch_ops.QX_KINDS["Q8_0"]), logits)
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, torch_ops.QX_KINDS["Q8_0"], greedy=True),
+                           torch_ops.panel_gemm(lib, x, panels, N, greedy=True))
         x[0] = 0  # every logit 0: the first index
-        assert cpu_kernels.qx_gemm(lib, x, blocks, N, cpu_kernels.QX_KINDS["Q8_0"], greedy=True)[0] == 0
+        assert torch_ops.qx_gemm(lib, x, blocks, N, torch_ops.QX_KINDS["Q8_0"], greedy=True)[0] == 0
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
@@ -228,27 +228,27 @@ def test_f16x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     """A float16-exact float32 weight multiplied as its float16s (qx_gemm's QX_F16 panels: a float16 checkpoint or
     a GGUF file's F16 tensor served in float32) gives panel_gemm's bits, every tile row count, signed zeros and
     subnormal float16s among the weights, and its greedy tokens; half_kind prefers BF16 where both hold."""
-    from enginecore import qx
-    from torchengine import cpu_kernels
+    from cpu_kernels import layout as qx
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(N * K)
     w = (rng.standard_normal((N, K)) / K ** 0.5).astype(np.float16)
     w[0, :4] = np.array([0.0, -0.0, 6e-8, -3e-5], np.float16)  # zeros and subnormal float16s, kept exactly
     w = torch.from_numpy(w.astype(np.float32))
-    panels = cpu_kernels.pack_panels(w)
-    f16 = cpu_kernels.QX_KINDS["F16"]
+    panels = torch_ops.pack_panels(w)
+    f16 = torch_ops.QX_KINDS["F16"]
     assert qx.half_kind(panels.numpy()) == f16 and qx.half_kind((panels + 1e-3).numpy()) == -1
-    assert qx.half_kind(cpu_kernels.pack_panels(w.bfloat16().float()).numpy()) == cpu_kernels.QX_KINDS["BF16"]
+    assert qx.half_kind(torch_ops.pack_panels(w.bfloat16().float()).numpy()) == torch_ops.QX_KINDS["BF16"]
     halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), f16))
     assert lib.qx_mismatches(halves.numpy().ctypes.data, f16, K, N, panels.numpy().ctypes.data) == 0
     for M in (1, 2, 5, 6, 7, 12, 13, 16, 24):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16), cpu_kernels.panel_gemm(lib, x, panels, N))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, f16, greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, halves, N, f16), torch_ops.panel_gemm(lib, x, panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, halves, N, f16, greedy=True),
+                           torch_ops.panel_gemm(lib, x, panels, N, greedy=True))
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 64), (16, 32), (1003, 1536)])
@@ -257,10 +257,10 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     checkpoint served in float32) gives panel_gemm's bits: every row count of the kernel's tiles (6-row tiles,
     1-5-row tails, two and three tiles), a partial last panel, one group of 32 and many, signed zeros and
     subnormals among the weights; and its greedy tokens, ties included (the lowest index)."""
-    from enginecore import qx
-    from torchengine import cpu_kernels
+    from cpu_kernels import layout as qx
+    from cpu_kernels import torch_ops
 
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     if lib is None:
         pytest.skip(f"the AVX2 kernels cannot run here: {why}")
     rng = np.random.default_rng(N + K)
@@ -268,18 +268,18 @@ def test_bf16x_gemm_gives_panel_gemms_bits_and_tokens(N, K, qx_tiles):
     w[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39]).bfloat16().float()  # zeros and subnormals, kept exactly
     w[N // 2] = w[N - 1 if N // 2 != N - 1 else 0]  # a tie: two rows of the same weights
     assert qx.bf16_exact(w.numpy()) and not qx.bf16_exact((w + 1e-4).numpy())
-    panels = cpu_kernels.pack_panels(w)
-    halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), cpu_kernels.QX_KINDS["BF16"]))
-    bf16 = cpu_kernels.QX_KINDS["BF16"]
+    panels = torch_ops.pack_panels(w)
+    halves = torch.from_numpy(qx.half_panels(lib, "w", panels.numpy(), torch_ops.QX_KINDS["BF16"]))
+    bf16 = torch_ops.QX_KINDS["BF16"]
     for M in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 18, 24):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16), cpu_kernels.panel_gemm(lib, x, panels, N))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, halves, N, bf16, greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, halves, N, bf16), torch_ops.panel_gemm(lib, x, panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, halves, N, bf16, greedy=True),
+                           torch_ops.panel_gemm(lib, x, panels, N, greedy=True))
     x[0] = 0  # every logit 0: the first index
-    assert cpu_kernels.qx_gemm(lib, x, halves, N, bf16, greedy=True)[0] == 0
+    assert torch_ops.qx_gemm(lib, x, halves, N, bf16, greedy=True)[0] == 0
     with pytest.raises(ValueError, match="bad arguments"):  # panels of another kind are refused, not overread
-        cpu_kernels.qx_gemm(lib, x, halves, N, cpu_kernels.QX_KINDS["Q4_1"])
+        torch_ops.qx_gemm(lib, x, halves, N, torch_ops.QX_KINDS["Q4_1"])
 
 
 def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplog):
@@ -290,10 +290,10 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     from types import SimpleNamespace
 
     from enginecore.model_loader import Int8Groups
-    from torchengine import cpu_kernels, quant
+    from cpu_kernels import torch_ops, quant
     from torchengine.model import Linear
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(3)
     N, K = 40, 64
@@ -319,34 +319,34 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     signed[signed == 0] = -signed[signed == 0]
     assert (signed == 0).any()
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
-    model = SimpleNamespace(head_panels=cpu_kernels.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
+    model = SimpleNamespace(head_panels=torch_ops.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
                             named_modules=lambda: enumerate((good, q40, bad, zeros)))
     monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None, wide=True: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
     assert quant.attach_qx(model, SimpleNamespace(kind="gguf")) == 3
     assert bad.qx is None and "b: its Q4_1 panels do not give" in caplog.text
     assert zeros.qx is None and "d: its Q4_0 panels do not give" in caplog.text
-    assert (good.qx_kind, q40.qx_kind) == (cpu_kernels.QX_KINDS["Q4_1"], cpu_kernels.QX_KINDS["Q4_0"])
-    lib, x = cpu_kernels.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
+    assert (good.qx_kind, q40.qx_kind) == (torch_ops.QX_KINDS["Q4_1"], torch_ops.QX_KINDS["Q4_0"])
+    lib, x = torch_ops.lib(), torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
     for lin in (good, q40):
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, lin.qx, N, lin.qx_kind),
-                           cpu_kernels.panel_gemm(lib, x, lin.panels, N))
-    assert torch.equal(cpu_kernels.qx_gemm(lib, x, model.head_qx, N, cpu_kernels.QX_KINDS["Q8_0"]),
-                       cpu_kernels.panel_gemm(lib, x, model.head_panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, lin.qx, N, lin.qx_kind),
+                           torch_ops.panel_gemm(lib, x, lin.panels, N))
+    assert torch.equal(torch_ops.qx_gemm(lib, x, model.head_qx, N, torch_ops.QX_KINDS["Q8_0"]),
+                       torch_ops.panel_gemm(lib, x, model.head_panels, N))
     assert quant.attach_qx(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "BF16", "IQ4"])
 def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
-    """The loaders' check (`qx_mismatches`, through `enginecore.qx.rebuilds`): a weight's qx panels of every kind
+    """The loaders' check (`qx_mismatches`, through `cpu_kernels.layout.rebuilds`): a weight's qx panels of every kind
     against its float32 panels, 0 for the loader's own arithmetic; each weight off by one ulp, or a zero of the
     other sign, counted once, wherever it sits in a panel; the padding rows of a partial last panel not counted
     (qx's Q4_0 padding rebuilds -0.0); a bad kind or K refused (-1)."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int8Groups, Iq4Groups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(11)
@@ -355,7 +355,7 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
     if kind == "BF16":
         w = torch.randn(N, K).bfloat16().float()
         w[3, :5], w[20, 7] = 0.0, -0.0  # zeros of both signs
-        packed = qx.half_panels(lib, "w", cpu_kernels.pack_panels(w).numpy(), qx.QX_KINDS["BF16"])
+        packed = qx.half_panels(lib, "w", torch_ops.pack_panels(w).numpy(), qx.QX_KINDS["BF16"])
     elif kind == "Q8_0":
         g = Int8Groups(rng.integers(-128, 128, (N, K)).astype(np.int8), f16(N, K // 32))
         w, packed = torch.from_numpy(g.dequantize()), qx.pack_q8x(g.q, g.scale)
@@ -370,22 +370,22 @@ def test_qx_mismatches_counts_the_weights_the_panels_rebuild_otherwise(kind):
         if kind == "Q4_1":
             g.q[0, :8], g.offset[0, 0] = 0, 0.0  # zeros
         w, packed = torch.from_numpy(g.dequantize()), qx.pack_q4x(g.q, g.scale, None if kind == "Q4_0" else g.offset)
-    k = cpu_kernels.QX_KINDS[kind]
+    k = torch_ops.QX_KINDS[kind]
 
     def count(w):
-        panels = cpu_kernels.pack_panels(w).numpy()
+        panels = torch_ops.pack_panels(w).numpy()
         return lib.qx_mismatches(packed.ctypes.data, k, K, N, panels.ctypes.data)
 
-    assert count(w) == 0 and qx.rebuilds(lib, "w", packed, k, N, cpu_kernels.pack_panels(w).numpy())
+    assert count(w) == 0 and qx.rebuilds(lib, "w", packed, k, N, torch_ops.pack_panels(w).numpy())
     off = w.clone()
     for n, c in ((0, 0), (15, 95), (16, 31), (36, 64)):  # first and last row of a panel, the partial panel
         off[n, c] = torch.nextafter(off[n, c], torch.tensor(1.0))
-    assert count(off) == 4 and not qx.rebuilds(lib, "w", packed, k, N, cpu_kernels.pack_panels(off).numpy())
+    assert count(off) == 4 and not qx.rebuilds(lib, "w", packed, k, N, torch_ops.pack_panels(off).numpy())
     signed = w.clone()
     signed[signed == 0] = -signed[signed == 0]  # -0.0 where the loader wrote 0.0 (+0.0 where -0.0)
     assert (w == 0).any() and count(signed) == int((w == 0).sum())
-    panels = cpu_kernels.pack_panels(w).numpy()
-    bad = max(cpu_kernels.QX_KINDS.values()) + 1
+    panels = torch_ops.pack_panels(w).numpy()
+    bad = max(torch_ops.QX_KINDS.values()) + 1
     assert lib.qx_mismatches(packed.ctypes.data, bad, K, N, panels.ctypes.data) == -1
     assert lib.qx_mismatches(packed.ctypes.data, k, 48, N, panels.ctypes.data) == -1
     assert not qx.rebuilds(lib, "w", packed, k, N + 16, panels)  # another shape: refused before the call
@@ -409,10 +409,10 @@ def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
     groups keep Q4_1's smaller panels."""
     import gguf
 
-    from enginecore import qx
-    from torchengine import cpu_kernels
+    from cpu_kernels import layout as qx
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(4)
@@ -427,18 +427,18 @@ def test_q4_k_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
     kind = qx.q4_kind(g)
     assert kind == qx.QX_KINDS["Q4_K"] and (g.offset == 0).any()
     w = torch.from_numpy(want)
-    panels = cpu_kernels.pack_panels(w)
+    panels = torch_ops.pack_panels(w)
     packed, k = qx.gguf_panels(lib, "w", g, panels.numpy())
     assert k == kind and packed.shape == qx.qx_shape(N, K, kind)
     blocks = torch.from_numpy(packed)
     for M in (1, 2, 3, 4, 5, 8, 9, 16, 17):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, kind), torch_ops.panel_gemm(lib, x, panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, kind, greedy=True),
+                           torch_ops.panel_gemm(lib, x, panels, N, greedy=True))
     off = w.clone()
     off[N - 1, K - 1] = torch.nextafter(off[N - 1, K - 1], torch.tensor(1.0))
-    assert qx.gguf_panels(lib, "w", g, cpu_kernels.pack_panels(off).numpy()) is None
+    assert qx.gguf_panels(lib, "w", g, torch_ops.pack_panels(off).numpy()) is None
     f16 = Int4Groups(g.q, g.scale.astype(np.float16).astype(np.float32), g.offset.astype(np.float16).astype(np.float32))
     assert qx.q4_kind(f16) == qx.QX_KINDS["Q4_1"]
 
@@ -449,11 +449,11 @@ def test_q5_0_groups_are_q8_0s_form():
     loader's float32 weights (the gguf package's) bit for bit, and Q8_0's panels rebuild them."""
     import gguf
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int8Groups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(6)
@@ -467,12 +467,12 @@ def test_q5_0_groups_are_q8_0s_form():
     g = Int8Groups.from_gguf("x.gguf", T)
     assert g.q.min() >= -16 and g.q.max() <= 15 and g.q.min() < 0 < g.q.max()
     np.testing.assert_array_equal(g.dequantize().view(np.uint32), want.view(np.uint32))
-    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
+    panels = torch_ops.pack_panels(torch.from_numpy(want))
     packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
     assert kind == qx.QX_KINDS["Q8_0"]
     x = torch.from_numpy(rng.standard_normal((3, K)).astype(np.float32))
-    assert torch.equal(cpu_kernels.qx_gemm(lib, x, torch.from_numpy(packed), N, kind),
-                       cpu_kernels.panel_gemm(lib, x, panels, N))
+    assert torch.equal(torch_ops.qx_gemm(lib, x, torch.from_numpy(packed), N, kind),
+                       torch_ops.panel_gemm(lib, x, panels, N))
 
 
 # IQ4 types: (block bytes, values a block, where each block's float16 is)
@@ -489,11 +489,11 @@ def test_iq4_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bits
     weights an ulp off) and multiply to panel_gemm's bits and greedy tokens, and the wide form holds them too."""
     import gguf
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Iq4Groups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     assert Iq4Groups.VALUES.tolist() == list(gguf.quants.IQ4_NL.kvalues)
@@ -528,11 +528,11 @@ def test_wide_groups_rebuild_the_loaders_weights_and_multiply_to_panel_gemms_bit
     weights (qx_mismatches 0) and multiply to panel_gemm's bits, logits and greedy tokens."""
     import gguf
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int8Groups, WideGroups
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     rng = np.random.default_rng(8)
@@ -571,23 +571,23 @@ def _check_gguf_panels(lib, g, want: np.ndarray, kind_name: str, rng) -> None:
     loaded float32 weights `want`) that multiply to panel_gemm's bits, logits and greedy tokens, 1 to 17 rows; two
     weights one ulp off (k 5 and K - 3: in the wide form under a group's first scale and its second) are
     counted."""
-    from enginecore import qx
-    from torchengine import cpu_kernels
+    from cpu_kernels import layout as qx
+    from cpu_kernels import torch_ops
 
     N, K = want.shape
-    panels = cpu_kernels.pack_panels(torch.from_numpy(want))
+    panels = torch_ops.pack_panels(torch.from_numpy(want))
     packed, kind = qx.gguf_panels(lib, "w", g, panels.numpy())
     assert kind == qx.QX_KINDS[kind_name] and packed.shape == qx.qx_shape(N, K, kind)
     blocks = torch.from_numpy(packed)
     for M in (1, 2, 3, 4, 5, 9, 16, 17):
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind), cpu_kernels.panel_gemm(lib, x, panels, N))
-        assert torch.equal(cpu_kernels.qx_gemm(lib, x, blocks, N, kind, greedy=True),
-                           cpu_kernels.panel_gemm(lib, x, panels, N, greedy=True))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, kind), torch_ops.panel_gemm(lib, x, panels, N))
+        assert torch.equal(torch_ops.qx_gemm(lib, x, blocks, N, kind, greedy=True),
+                           torch_ops.panel_gemm(lib, x, panels, N, greedy=True))
     off = want.copy()
     off[N - 1, 5] = np.nextafter(off[N - 1, 5], np.float32(1))
     off[0, K - 3] = np.nextafter(off[0, K - 3], np.float32(-1))
-    assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, cpu_kernels.pack_panels(torch.from_numpy(off)).numpy(
+    assert lib.qx_mismatches(packed.ctypes.data, kind, K, N, torch_ops.pack_panels(torch.from_numpy(off)).numpy(
         ).ctypes.data) == 2
 
 
@@ -595,7 +595,7 @@ def test_a_fused_linears_parts_of_several_forms_assemble_wide_for_the_panels_onl
     """`gguf_linear_groups`' assembly of a fused linear (`_assemble`): a lone part as it is; Q4_0 and Q4_1 parts
     as one Int4Groups for `--quantization gguf`'s 4-bit linears (wide=False), as WideGroups for the qx panels,
     each part's weights to the bit (Q4_0's zeros their scale's sign); 4- and 8-bit parts wide, or not at all."""
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.model_loader import Int8Groups, WideGroups
 
     rng = np.random.default_rng(9)
@@ -626,11 +626,11 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
     float16 scales)."""
     import gguf
 
-    from enginecore import qx
+    from cpu_kernels import layout as qx
     from enginecore.arch import fused_slices
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None:
         pytest.skip("the AVX2 kernels do not run here")
     H, I, V, nh, nkv, L = 256, 512, 64, 4, 2, 2
@@ -688,7 +688,7 @@ def test_a_q4_k_gguf_files_linears_get_q4_k_panels(tmp_path):
         if len(names) > 1:
             assert [s.stop - s.start for s in fused_slices(src.config, stored, 1).values()] == [
                 dense[f"model.layers.{layer}.{mod}.{n}.weight"].shape[0] for n in names]
-        got = qx.gguf_panels(lib, stored, g, cpu_kernels.pack_panels(torch.from_numpy(w)).numpy())
+        got = qx.gguf_panels(lib, stored, g, torch_ops.pack_panels(torch.from_numpy(w)).numpy())
         # Q5_0 in Q8_0's form, IQ4_NL in IQ4's; layer 1's qkv (Q4_K and Q5_0 parts) and Q6_K down wide, and layer
         # 0's o, down and gate_up (Q5_1 and IQ4_XS parts)
         kind = {(1, "o_proj"): "Q8_0", (1, "gate_up_proj"): "IQ4", (1, "qkv_proj"): "I8", (1, "down_proj"): "I8",
@@ -724,13 +724,13 @@ def test_engine_answers_like_the_dequantized_model(engines):
 
 
 def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines, one_call_vs_python_layers):
-    """A gguf decode step's layers in one C call (cpu_kernels.DecodeLayers): the Q4 kernel for steps of up to
+    """A gguf decode step's layers in one C call (torch_ops.DecodeLayers): the Q4 kernel for steps of up to
     its row limit, the float32 weights beyond, as Int4Linear chooses; the same tokens and logprobs, to the bit,
     as the Python layers."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
     q, _ = engines
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     layers = q.llm_engine.core.runner._decode_layers()
     assert layers is not None and layers.layers[0].down_q4 is not None and layers.layers[0].down_rows > 0
@@ -747,18 +747,18 @@ def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engin
     Q8_0 ones (torchengine.quant.attach_qx), which decode steps of few rows multiply instead of the float32
     weights: the same tokens and logprobs, to the bit, as with the float32 weights alone, in the one-call layers
     and the Python ones (greedy tokens and logits: logprobs=2 takes the logits path, a greedy step the argmax)."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
     _, f = engines
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     runner = f.llm_engine.core.runner
     lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
     assert len(lins) == 4 * runner.model.arch.num_hidden_layers
-    assert all(m.qx_kind == cpu_kernels.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_qx is not None
+    assert all(m.qx_kind == torch_ops.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_qx is not None
     layers = runner._decode_layers()
     assert layers is not None and layers.layers[0].down_qx is not None
-    assert layers.layers[0].qx_rows == cpu_kernels.qx_max_rows()[cpu_kernels.QX_KINDS["Q4_1"]]
+    assert layers.layers[0].qx_rows == torch_ops.qx_max_rows()[torch_ops.QX_KINDS["Q4_1"]]
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 5 * i))} for i in range(3)]
     _same_with_and_without_qx(f, lins, prompts, one_call_vs_python_layers)
 
@@ -796,9 +796,9 @@ def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
     """A bfloat16 (or float16) checkpoint served in float32 (the CPU's default): every linear and the LM head also
     keep their weights in those 16 bits (attach_qx), which decode steps of up to qx_max_rows()[kind] rows multiply:
     the same tokens and logprobs, to the bit, as the float32 weights alone."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     path = tiny_bf16_llama_dir if dtype == "bfloat16" else tiny_f16_llama_dir
     llm = LLM(model=path, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
@@ -807,9 +807,9 @@ def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
         runner = llm.llm_engine.core.runner
         lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
         assert len(lins) == 4 * runner.model.arch.num_hidden_layers
-        kind = cpu_kernels.QX_KINDS["BF16" if dtype == "bfloat16" else "F16"]
+        kind = torch_ops.QX_KINDS["BF16" if dtype == "bfloat16" else "F16"]
         assert all(m.qx_kind == kind for m in lins) and runner.model.head_qx_kind == kind
-        assert runner._decode_layers().layers[0].qx_rows == cpu_kernels.qx_max_rows()[kind]
+        assert runner._decode_layers().layers[0].qx_rows == torch_ops.qx_max_rows()[kind]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
         _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
     finally:
@@ -822,15 +822,15 @@ def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mix
     LM head keep their weights as stored, each layer's linears in their own kinds (Q4_1, the wide form, Q8_0's,
     Q4_K, IQ4), and decode steps multiply them to the float32 weights' tokens and logprobs, to the bit, in the one-call
     and Python layers."""
-    from torchengine import cpu_kernels
+    from cpu_kernels import torch_ops
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     llm = LLM(model=mixed_gguf, backend="torch", platform="cpu", dtype="float32", max_model_len=128,
               max_num_seqs=4, enable_prefix_caching=False)
     try:
         runner = llm.llm_engine.core.runner
-        K = cpu_kernels.QX_KINDS
+        K = torch_ops.QX_KINDS
         kinds = [(l.attn.qkv_proj.qx_kind, l.attn.o_proj.qx_kind, l.mlp.gate_up_proj.qx_kind, l.mlp.down_proj.qx_kind)
                  for l in runner.model.layers]
         assert all(getattr(m, "qx", None) is not None for l in runner.model.layers
@@ -855,10 +855,10 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
     of the memory available."""
     from types import SimpleNamespace
 
-    from torchengine import cpu_kernels, quant
+    from cpu_kernels import torch_ops, quant
     from torchengine.model import Linear
 
-    if cpu_kernels.lib() is None:
+    if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
 
     def linear(n, k, off=False):
@@ -872,18 +872,18 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
 
     def model():
         f16 = linear(40, 64)
-        f16.panels = cpu_kernels.pack_panels(torch.randn(40, 64).half().float())  # float16s, not bfloat16s
+        f16.panels = torch_ops.pack_panels(torch.randn(40, 64).half().float())  # float16s, not bfloat16s
         lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48), f16)
-        head = cpu_kernels.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
+        head = torch_ops.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
         return lins, SimpleNamespace(head_panels=head, head_qx=None, named_modules=lambda: enumerate(lins))
 
     (good, off, narrow, f16), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 3
-    assert good.qx_kind == m.head_qx_kind == cpu_kernels.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
-    assert f16.qx_kind == cpu_kernels.QX_KINDS["F16"]
+    assert good.qx_kind == m.head_qx_kind == torch_ops.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
+    assert f16.qx_kind == torch_ops.QX_KINDS["F16"]
     x = torch.randn(3, 64)
-    assert torch.equal(cpu_kernels.qx_gemm(cpu_kernels.lib(), x, m.head_qx, 100, m.head_qx_kind),
-                       cpu_kernels.panel_gemm(cpu_kernels.lib(), x, m.head_panels, 100))
+    assert torch.equal(torch_ops.qx_gemm(torch_ops.lib(), x, m.head_qx, 100, m.head_qx_kind),
+                       torch_ops.panel_gemm(torch_ops.lib(), x, m.head_panels, 100))
     monkeypatch.setattr("enginecore.kv_cache.available_memory_bytes", lambda: 4 * 2 * 40 * 64)  # too little
     (good, _, _, f16), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.head_qx is None

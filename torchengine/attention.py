@@ -9,7 +9,7 @@ writes this step's k/v into their slots and attends over the ragged batch:
   query length; each group is padded to [n requests, L queries] and attends
   with one masked SDPA over its requests' blocks, gathered only up to the
   group's longest kv length (never max_model_len). With the AVX2 kernels
-  (`torchengine.cpu_kernels`), float32 queries and a float32, float16 or
+  (`cpu_kernels.torch_ops`), float32 queries and a float32, float16 or
   bfloat16 cache (`--kv-cache-dtype`), all decodes are one `DecodeGroup`
   attended in place over the paged cache (no gather, no mask), the prefills
   one `PrefillGroup`, and the cache writes are one call too. The plan (index
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from enginecore.step_batch import StepBatch
 from enginecore.config import ConfigError
-from torchengine import cpu_kernels
+from cpu_kernels import torch_ops
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, *args, cpu_lib=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lib = cpu_lib  # torchengine.cpu_kernels' library (float32 queries, a KV_TYPES cache), or None
+        self.lib = cpu_lib  # cpu_kernels.torch_ops' library (float32 queries, a KV_TYPES cache), or None
 
     def plan(self, batch: StepBatch, device: torch.device, block_size: int,
              dtype: torch.dtype = torch.float32) -> tuple[RequestGroup | DecodeGroup | PrefillGroup, ...]:
@@ -213,7 +213,7 @@ class TorchAttention(AttentionBackend):
             k, v = k[:T], v[:T]
         lib = self.lib if q.dtype == k.dtype == torch.float32 else None
         if lib is not None and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D:
-            cpu_kernels.kv_write(lib, k, v, slots, key_cache, value_cache)  # (converts to a 16-bit cache's dtype)
+            torch_ops.kv_write(lib, k, v, slots, key_cache, value_cache)  # (converts to a 16-bit cache's dtype)
         else:
             if k.dtype != key_cache.dtype:  # (a no-op .to still costs a dispatch, 30 layers x every step)
                 k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
@@ -228,7 +228,7 @@ class TorchAttention(AttentionBackend):
                            else torch.zeros)(q.shape, dtype=q.dtype)
                 if q.stride(2) != 1 or q.stride(1) != D:
                     q = q.contiguous()
-                cpu_kernels.decode_attention(lib, q, g.tokens, g.kv_lens, g.block_tables, key_cache, value_cache,
+                torch_ops.decode_attention(lib, q, g.tokens, g.kv_lens, g.block_tables, key_cache, value_cache,
                                              self.sm_scale, self.sliding_window, out)
                 continue
             if isinstance(g, PrefillGroup):
@@ -236,7 +236,7 @@ class TorchAttention(AttentionBackend):
                     out = torch.zeros(q.shape, dtype=q.dtype)
                 if q.stride(2) != 1 or q.stride(1) != D:
                     q = q.contiguous()
-                cpu_kernels.prefill_attention(lib, q, g.q_start, g.q_lens, g.kv_lens, g.block_tables, key_cache,
+                torch_ops.prefill_attention(lib, q, g.q_start, g.q_lens, g.kv_lens, g.block_tables, key_cache,
                                               value_cache, self.sm_scale, self.sliding_window, out)
                 continue
             n, L = g.token_index.shape
@@ -305,8 +305,8 @@ def make_attention_backend(name: str, device: torch.device, kv_dtype: torch.dtyp
     float16 or bfloat16 cache on a CPU that runs them; they serve float32 queries)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch" and device.type == "cpu" and kv_dtype in cpu_kernels.KV_TYPES:
-        kwargs["cpu_lib"] = cpu_kernels.lib()
+    if name == "torch" and device.type == "cpu" and kv_dtype in torch_ops.KV_TYPES:
+        kwargs["cpu_lib"] = torch_ops.lib()
     if name not in _BACKENDS:
         raise ConfigError(f"--attention-backend {name!r} is not available on the torch backend "
                          f"(choose from auto, {', '.join(_BACKENDS)})")

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore import qx
+from cpu_kernels import layout as qx
 from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
-from torchengine import cpu_kernels
+from cpu_kernels import torch_ops
 
 # attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,13 +42,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos [T, 1, D] is cos(pos * freq) repeated for both halves and sin [T, 1, D] is -sin, +sin (the tables
     `Transformer.forward` looks up once a step): x * cos + swap_halves(x) * sin is transformers'
     `x * cos + rotate_half(x) * sin`, in three ops (on a CPU each op of a decode step costs more in dispatch
-    than in arithmetic, so q and k of a layer are rotated in one call). On a CPU with `torchengine.cpu_kernels`,
+    than in arithmetic, so q and k of a layer are rotated in one call). On a CPU with `cpu_kernels.torch_ops`,
     a float32 x is rotated in place, in one call.
     """
     T, H, D = x.shape
-    lib = cpu_kernels.lib_for(x)
+    lib = torch_ops.lib_for(x)
     if lib is not None and x.stride(2) == 1 and x.stride(1) == D:
-        return cpu_kernels.rope_(lib, x, cos, sin)
+        return torch_ops.rope_(lib, x, cos, sin)
     xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(T, H, 2, D // 2).flip(2).view(T, H, D)
     out = torch.addcmul(xf * cos, swapped, sin)
@@ -68,9 +68,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x) (on a CPU with the
         kernels, float32: the add in place on `residual`, in the same call)."""
-        lib = cpu_kernels.lib_for(x) if residual is None else cpu_kernels.lib_for(x, residual)
+        lib = torch_ops.lib_for(x) if residual is None else torch_ops.lib_for(x, residual)
         if lib is not None and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.is_contiguous()):
-            out = cpu_kernels.rms_norm(lib, x, self.weight, self.eps, residual)  # one call: F.rms_norm is six ops
+            out = torch_ops.rms_norm(lib, x, self.weight, self.eps, residual)  # one call: F.rms_norm is six ops
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -103,14 +103,14 @@ class _Head(_Loaded, nn.Linear):
 
 
 def bdot_panels(panels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 panels [NP, K, 16] -> QX_BDOT's [NP, K / 32, 1024] bytes (`enginecore.qx.bdot_panels`), into `out`
+    """float32 panels [NP, K, 16] -> QX_BDOT's [NP, K / 32, 1024] bytes (`cpu_kernels.layout.bdot_panels`), into `out`
     (contiguous uint8 of as many bytes) when given."""
     dst = None if out is None else out.numpy().reshape(qx.bdot_shape(tuple(panels.shape)))
-    return torch.from_numpy(qx.bdot_panels(cpu_kernels.lib(), panels.numpy(), dst))
+    return torch.from_numpy(qx.bdot_panels(torch_ops.lib(), panels.numpy(), dst))
 
 
 class Linear(_Loaded, nn.Linear):
-    """nn.Linear; on a CPU with `torchengine.cpu_kernels`, float32, once packed (`pack`, at load): the weight
+    """nn.Linear; on a CPU with `cpu_kernels.torch_ops`, float32, once packed (`pack`, at load): the weight
     in `cpu_kernels.panel_gemm`'s panels, for every step (before that, `cpu_kernels.f32_gemm`).
 
     One kernel for every row count: a token's hidden state must not depend on whether its step was a decode,
@@ -121,29 +121,29 @@ class Linear(_Loaded, nn.Linear):
 
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16] once packed; `weight` is None then
     # this float32 weight as a GGUF file's Q4_1 or Q4_0 blocks, or as bfloat16 where every value is one
-    # (`torchengine.quant.attach_qx`; qx_kind: cpu_kernels.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of
-    # up to cpu_kernels.qx_max_rows()[qx_kind] rows (the same bits). QX_BDOT (`Transformer.pack_cpu_weights(bdot=
+    # (`torchengine.quant.attach_qx`; qx_kind: torch_ops.QX_KINDS): `cpu_kernels.qx_gemm`'s panels, for steps of
+    # up to torch_ops.qx_max_rows()[qx_kind] rows (the same bits). QX_BDOT (`Transformer.pack_cpu_weights(bdot=
     # True)`): the weight in bfloat16 for every step, `panels` None
     qx: torch.Tensor | None = None
-    qx_kind = cpu_kernels.QX_KINDS["Q4_1"]
+    qx_kind = torch_ops.QX_KINDS["Q4_1"]
 
     def packable(self) -> bool:
-        return self.panels is None and self.weight is not None and cpu_kernels.lib_for(self.weight) is not None
+        return self.panels is None and self.weight is not None and torch_ops.lib_for(self.weight) is not None
 
     def pack(self, out: torch.Tensor | None = None) -> bool:
         """The weight into panels (`cpu_kernels.pack_panels`, into `out` when given), where the kernels run on
         it; the [out, in] matrix is freed. True if packed."""
         if not self.packable():
             return False
-        self.panels = cpu_kernels.pack_panels(self.weight.detach(), out)
+        self.panels = torch_ops.pack_panels(self.weight.detach(), out)
         self.weight = None
         return True
 
     def to_bdot(self, out: torch.Tensor | None = None) -> None:
-        """The packed weight rounded to bfloat16 in QX_BDOT's panels (`enginecore.qx.bdot_panels`, into the bytes
+        """The packed weight rounded to bfloat16 in QX_BDOT's panels (`cpu_kernels.layout.bdot_panels`, into the bytes
         `out` when given), which then multiply every step; the float32 panels are dropped."""
         self.qx = bdot_panels(self.panels, out)
-        self.qx_kind, self.panels = cpu_kernels.QX_KINDS["BDOT"], None
+        self.qx_kind, self.panels = torch_ops.QX_KINDS["BDOT"], None
 
     def matrix(self) -> torch.Tensor:
         """The [out, in] weight, packed or not (a copy when packed: for checks, not for steps)."""
@@ -155,14 +155,14 @@ class Linear(_Loaded, nn.Linear):
         if self.panels is not None or self.qx is not None:
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
-            if self.qx is not None and x.shape[0] <= cpu_kernels.qx_max_rows()[self.qx_kind]:
-                y = cpu_kernels.qx_gemm(cpu_kernels.lib(), x, self.qx, self.out_features, self.qx_kind)
+            if self.qx is not None and x.shape[0] <= torch_ops.qx_max_rows()[self.qx_kind]:
+                y = torch_ops.qx_gemm(torch_ops.lib(), x, self.qx, self.out_features, self.qx_kind)
             else:
-                y = cpu_kernels.panel_gemm(cpu_kernels.lib(), x, self.panels, self.out_features)
+                y = torch_ops.panel_gemm(torch_ops.lib(), x, self.panels, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
-        lib = cpu_kernels.lib_for(x, self.weight)
+        lib = torch_ops.lib_for(x, self.weight)
         if lib is not None and x.dim() == 2 and x.shape[0] > 0 and self.weight.is_contiguous():
-            y = cpu_kernels.f32_gemm(lib, x, self.weight)
+            y = torch_ops.f32_gemm(lib, x, self.weight)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -206,9 +206,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        lib = cpu_kernels.lib_for(gate_up)
+        lib = torch_ops.lib_for(gate_up)
         if lib is not None and gate_up.is_contiguous():
-            return self.down_proj(cpu_kernels.silu_mul(lib, gate_up))
+            return self.down_proj(torch_ops.silu_mul(lib, gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -252,9 +252,9 @@ class Transformer(nn.Module):
         self.lm_head_small_rows = 0
         # the LM head as a GGUF file's Q8_0 blocks, or as bfloat16 where every value is one
         # (`torchengine.quant.attach_qx`): `cpu_kernels.qx_gemm`'s panels of the same weights, of head_qx_kind,
-        # for steps of up to cpu_kernels.qx_max_rows()[head_qx_kind] rows (the same bits)
+        # for steps of up to torch_ops.qx_max_rows()[head_qx_kind] rows (the same bits)
         self.head_qx: torch.Tensor | None = None
-        self.head_qx_kind = cpu_kernels.QX_KINDS["Q8_0"]
+        self.head_qx_kind = torch_ops.QX_KINDS["Q8_0"]
         self.embed = _Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -289,26 +289,26 @@ class Transformer(nn.Module):
         return residual + x
 
     def pack_cpu_weights(self, bdot: bool = False) -> int:
-        """On a CPU with `torchengine.cpu_kernels` and float32 weights: every `Linear` (the 4-bit linears'
+        """On a CPU with `cpu_kernels.torch_ops` and float32 weights: every `Linear` (the 4-bit linears'
         float32 copies too) and the LM head into `cpu_kernels.panel_gemm`'s panels, for every step (the LM head
         also gives greedy tokens without logits: `greedy_tokens`); the [out, in] matrices are freed (a tied
         embedding is then looked up in the LM head's panels). Returns how many were packed. Call once, after
         loading (and after `torchengine.quant`, which reads the matrices).
 
-        `bdot` (`--dtype bfloat16` where `enginecore.qx.bdot_runs`): every linear and the LM head in QX_BDOT's
+        `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
         bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every step; the rest of the
         model (embedding, norms, RoPE, attention, the residual stream) float32."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.packable()]
         head = None
         if self.head_panels is None and self.head_qx is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            head = w if cpu_kernels.lib_for(w) is not None else None
-        sizes = [cpu_kernels.panels_size(m.weight) for m in linears] + ([cpu_kernels.panels_size(head)] if head is not None else [])
+            head = w if torch_ops.lib_for(w) is not None else None
+        sizes = [torch_ops.panels_size(m.weight) for m in linears] + ([torch_ops.panels_size(head)] if head is not None else [])
         if not sizes:
             return 0
         # one buffer for all of them, on huge pages where the OS gives them (`cpu_kernels.huge_page_buffer`);
         # QX_BDOT's panels take 2 bytes a float32 panel's float
-        arena, offsets = cpu_kernels.huge_page_buffer(sum(sizes) // (2 if bdot else 1)), np.cumsum([0] + sizes)
+        arena, offsets = torch_ops.huge_page_buffer(sum(sizes) // (2 if bdot else 1)), np.cumsum([0] + sizes)
         self.cpu_arena = arena
         if bdot:  # each through float32 panels of its own, dropped once rounded
             raw = arena.view(torch.uint8)
@@ -316,13 +316,13 @@ class Transformer(nn.Module):
                 m.pack()
                 m.to_bdot(raw[2 * a : 2 * b])
             if head is not None:
-                self.head_qx = bdot_panels(cpu_kernels.pack_panels(head), raw[2 * offsets[-2] : 2 * offsets[-1]])
-                self.head_qx_kind, self.lm_head = cpu_kernels.QX_KINDS["BDOT"], None
+                self.head_qx = bdot_panels(torch_ops.pack_panels(head), raw[2 * offsets[-2] : 2 * offsets[-1]])
+                self.head_qx_kind, self.lm_head = torch_ops.QX_KINDS["BDOT"], None
             return len(sizes)
         for m, a, b in zip(linears, offsets, offsets[1:]):
             m.pack(arena[a:b])
         if head is not None:
-            self.head_panels = cpu_kernels.pack_panels(head, arena[offsets[-2] : offsets[-1]])
+            self.head_panels = torch_ops.pack_panels(head, arena[offsets[-2] : offsets[-1]])
             if self.lm_head is None:
                 self.embed = PanelEmbedding(self.head_panels)
             self.lm_head = None
@@ -338,13 +338,13 @@ class Transformer(nn.Module):
             if n == 0:
                 return h.new_empty((0, self.arch.vocab_size))
             if self._head_qx(n):  # the same bits
-                return cpu_kernels.qx_gemm(cpu_kernels.lib(), h, self.head_qx, self.arch.vocab_size, self.head_qx_kind)
-            return cpu_kernels.panel_gemm(cpu_kernels.lib(), h, self.head_panels, self.arch.vocab_size)
+                return torch_ops.qx_gemm(torch_ops.lib(), h, self.head_qx, self.arch.vocab_size, self.head_qx_kind)
+            return torch_ops.panel_gemm(torch_ops.lib(), h, self.head_panels, self.arch.vocab_size)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if n > 0 and w.is_contiguous():
-            lib = cpu_kernels.lib_for(h, w)
+            lib = torch_ops.lib_for(h, w)
             if lib is not None:  # as Linear: each row's logits the same whatever the row count; 2-3x MKL at 1-4
-                return cpu_kernels.f32_gemm(lib, h, w)
+                return torch_ops.f32_gemm(lib, h, w)
         if 0 < n <= self.weights_first_rows:
             # w @ h^T: on a CPU 2-4x faster than h @ w^T for a few rows of a large vocabulary (MKL's small-M
             # gemm reads the weight badly; see jaxengine.model.dense and benchmarks/bench_dense.py). One row
@@ -355,7 +355,7 @@ class Transformer(nn.Module):
 
     def _head_qx(self, rows: int) -> bool:
         """Whether `rows` rows multiply the LM head's qx panels (`head_qx`) instead of its float32 ones."""
-        return self.head_qx is not None and rows <= cpu_kernels.qx_max_rows()[self.head_qx_kind]
+        return self.head_qx is not None and rows <= torch_ops.qx_max_rows()[self.head_qx_kind]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> [N] int64, `compute_logits(hidden).argmax(-1)` without writing the logits (the LM
@@ -368,9 +368,9 @@ class Transformer(nn.Module):
                 or self.lm_head_small is not None):
             return None
         if self._head_qx(hidden.shape[0]):  # the same tokens
-            return cpu_kernels.qx_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_qx,
+            return torch_ops.qx_gemm(torch_ops.lib(), self.final_norm(hidden), self.head_qx,
                                        self.arch.vocab_size, self.head_qx_kind, greedy=True)
-        return cpu_kernels.panel_gemm(cpu_kernels.lib(), self.final_norm(hidden), self.head_panels,
+        return torch_ops.panel_gemm(torch_ops.lib(), self.final_norm(hidden), self.head_panels,
                                       self.arch.vocab_size, greedy=True)
 
 
@@ -382,7 +382,7 @@ class PanelEmbedding(nn.Module):
         self.panels = panels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.panel_rows(self.panels, ids)
+        return torch_ops.panel_rows(self.panels, ids)
 
 
 # ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A Q4_0 / Q4_1 weight is groups of 32 values along the input dimension, each
 w = q * scale + offset with q in 0..15 (`enginecore.model_loader.Int4Groups`,
 read from the file's blocks, not dequantized). Two kernels compute with that form:
 
-- `torchengine.cpu_kernels` (x86 with AVX2, FMA and F16C, and a C compiler): the
+- `cpu_kernels.torch_ops` (x86 with AVX2, FMA and F16C, and a C compiler): the
   weights in llama.cpp's Q4_1 block layout, the activations quantized to 8 bits
   per block of 32 like llama.cpp's, integer dot products (2x torch's kernel at
   one row on a 2-core AVX2 machine). Results are the dequantized model's up to
@@ -29,16 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore import qx
+from cpu_kernels import layout as qx
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
-from enginecore.qx import gguf_linear_groups, gguf_panels
-from torchengine import cpu_kernels
+from cpu_kernels.layout import gguf_linear_groups, gguf_panels
+from cpu_kernels import torch_ops
 
 logger = logging.getLogger("xlaserve.torchengine")
 
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 MAX_ROWS = 16  # steps of at most this many tokens use torch's 4-bit kernel (measured: bench_dense)
-Q4_MAX_ROWS = cpu_kernels.MAX_ROWS  # and the AVX2 kernel's (its limit; still faster than dense f32 there)
+Q4_MAX_ROWS = torch_ops.MAX_ROWS  # and the AVX2 kernel's (its limit; still faster than dense f32 there)
 _MODULES = {"qkv_proj": "attn.qkv_proj", "o_proj": "attn.o_proj", "gate_up_proj": "mlp.gate_up_proj",
             "down_proj": "mlp.down_proj"}
 
@@ -52,9 +52,9 @@ class Int4Linear(nn.Module):
         # plain attributes, not buffers (this path is CPU-only, nothing moves them): a decode step reads them
         # 120 times, and a module's buffer lookup costs more than the attribute
         self.bias = None if dense.bias is None else dense.bias.detach()  # shares the parameter's storage
-        self.lib = cpu_kernels.load()[0] if kernel == "auto" else None  # "torch": torch's kernel
+        self.lib = torch_ops.load()[0] if kernel == "auto" else None  # "torch": torch's kernel
         if self.lib is not None:
-            self.blocks = cpu_kernels.pack(g.q, g.scale, g.offset)
+            self.blocks = torch_ops.pack(g.q, g.scale, g.offset)
             self.max_rows = Q4_MAX_ROWS if max_rows is None else min(max_rows, Q4_MAX_ROWS)
         else:
             q = torch.from_numpy(g.q.astype(np.int32))
@@ -69,7 +69,7 @@ class Int4Linear(nn.Module):
         if x.shape[0] > self.max_rows:
             return self.dense(x)
         if self.lib is not None:
-            y = cpu_kernels.gemm(self.lib, x if x.dtype == torch.float32 else x.float(), self.blocks)
+            y = torch_ops.gemm(self.lib, x if x.dtype == torch.float32 else x.float(), self.blocks)
         else:
             y = _int4_mm(x.to(torch.bfloat16), self.packed, Int4Groups.GROUP, self.scales_zeros)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
@@ -80,7 +80,7 @@ def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES, wide: bool 
         dict[str, tuple[nn.Module, qx.Groups]], qx.Groups | None]:
     """The decoder linears whose weight the GGUF file stores as a type of `types`, every fused part:
     {module path: (the module, its groups with the rows in the module's order)}, and the LM head's groups if the
-    file stores it as one of them (`enginecore.qx.gguf_linear_groups`, `wide` as there)."""
+    file stores it as one of them (`cpu_kernels.layout.gguf_linear_groups`, `wide` as there)."""
     groups, head = gguf_linear_groups(source, model.arch, types, wide)
     modules = dict(model.named_modules())
     found = {}
@@ -104,7 +104,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     The LM head gets a path for steps of few rows too (`_quantize_lm_head`): the file's Q8_0 blocks where
     the AVX2 kernel runs, else bfloat16 for one row.
     """
-    lib, why = cpu_kernels.load()
+    lib, why = torch_ops.load()
     found, head = _stored_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"), wide=False)
     found = {p: (m, g) for p, (m, g) in found.items() if isinstance(g, Int4Groups)}  # Int4Linear's float16 blocks
     modules = dict(model.named_modules())
@@ -112,7 +112,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
         parent_path, _, attr = path.rpartition(".")
         setattr(modules[parent_path], attr, Int4Linear(lin, g))
     if found:
-        logger.info("4-bit linears: %s", "the AVX2 kernel (torchengine/cpu_kernels.c)" if lib is not None
+        logger.info("4-bit linears: %s", "the AVX2 kernel (cpu_kernels/csrc)" if lib is not None
                     else f"torch's int4 kernel ({why})")
         q8 = head if isinstance(head, Int8Groups) and lib is not None and model.tp_size == 1 else None
         _quantize_lm_head(model, q8, lib)
@@ -125,9 +125,9 @@ def attach_qx(model, source: ModelSource) -> int:
     instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
     a fraction of the bytes a decode step streams.
 
-    - A GGUF file's linears and LM head stored as one of `enginecore.qx.GGUF_TYPES` (0.16 (Q4_1) to 0.38 (the
+    - A GGUF file's linears and LM head stored as one of `cpu_kernels.layout.GGUF_TYPES` (0.16 (Q4_1) to 0.38 (the
       wide form) of the bytes): each weight's blocks are checked against its float32 panels first
-      (`enginecore.qx.gguf_panels`); one that differs (another loader's arithmetic) keeps float32 only.
+      (`cpu_kernels.layout.gguf_panels`); one that differs (another loader's arithmetic) keeps float32 only.
     - Any other float32 weight whose every value is a bfloat16 (a bfloat16 checkpoint, which most Hugging Face
       models are, served in float32, the CPU's default dtype), or a float16 (a float16 checkpoint, a GGUF file's
       F16 tensors): those 16 bits (0.5 of the bytes), where they fit in a quarter of the memory available.
@@ -136,7 +136,7 @@ def attach_qx(model, source: ModelSource) -> int:
     Returns how many weights got them."""
     from torchengine.model import Linear
 
-    lib = cpu_kernels.lib()
+    lib = torch_ops.lib()
     if lib is None or getattr(model, "tp_size", 1) != 1:
         return 0
     n = 0
@@ -156,14 +156,14 @@ def attach_qx(model, source: ModelSource) -> int:
 
 def _attach_halves(model) -> int:
     """attach_qx's 16-bit part: every packed `Linear` without qx panels, and the LM head, whose values are all
-    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`enginecore.qx.half_copies`)."""
+    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`cpu_kernels.layout.half_copies`)."""
     from torchengine.model import Linear
 
     mods = {n: m for n, m in model.named_modules() if type(m) is Linear and m.qx is None and m.panels is not None}
     panels = {n: m.panels.numpy() for n, m in mods.items()}
     if model.head_qx is None and model.head_panels is not None:
         panels["the LM head"] = model.head_panels.numpy()
-    got = qx.half_copies(cpu_kernels.lib(), panels)
+    got = qx.half_copies(torch_ops.lib(), panels)
     for n, (b, k) in got.items():
         if n == "the LM head":
             model.head_qx, model.head_qx_kind = torch.from_numpy(b), k
@@ -176,8 +176,8 @@ def _quantize_lm_head(model, q8: Int8Groups | None, lib) -> None:
     """The LM head for steps of few rows: the file's Q8_0 blocks `q8` with the AVX2 kernel (exactly the
     file's weights, a quarter of float32's bytes), else a bfloat16 copy for one row (half the bytes)."""
     if q8 is not None:
-        blocks = cpu_kernels.pack8(q8.q, q8.scale)
-        model.lm_head_small = lambda h: cpu_kernels.gemm(lib, h.float(), blocks)
+        blocks = torch_ops.pack8(q8.q, q8.scale)
+        model.lm_head_small = lambda h: torch_ops.gemm(lib, h.float(), blocks)
         model.lm_head_small_rows = Q4_MAX_ROWS
         logger.info("LM head: the file's Q8_0 blocks, the AVX2 kernel for steps of <= %d rows", Q4_MAX_ROWS)
         return

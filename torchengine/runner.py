@@ -34,13 +34,13 @@ import time
 import numpy as np
 import torch
 
-from enginecore import qx
+from cpu_kernels import layout as qx
 from enginecore.buckets import Buckets
 from enginecore.config import ConfigError, EngineConfig
 from enginecore.input_batch import InputBatch
 from enginecore.kv_cache import check_cpu_kv_fits, kv_blocks_for
 from enginecore.model_loader import ModelSource
-from enginecore.native import describe_huge_pages, huge_page_array, populate_in_background, release_free_heap
+from cpu_kernels.memory import describe_huge_pages, huge_page_array, populate_in_background, release_free_heap
 from enginecore.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS, cpu_dtype_note, resolve_dtype
 from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, SampledLogprobs, empty_output, \
@@ -48,7 +48,7 @@ from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, Samp
 from enginecore.sampling_batch import filled
 from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, begin_step, prepare_step
-from torchengine import cpu_kernels
+from cpu_kernels import torch_ops
 from torchengine.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillGroup, make_attention_backend
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
@@ -133,7 +133,7 @@ class TorchModelRunner:
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16
         # (QX_BDOT: `Transformer.pack_cpu_weights(bdot=True)`); compute_dtype is the activations' (float32 then)
-        self.bdot = mc.quantization is None and qx.bdot_runs(cpu_kernels.lib, model.config, dc.platform, dtype,
+        self.bdot = mc.quantization is None and qx.bdot_runs(torch_ops.lib, model.config, dc.platform, dtype,
                                                              self.tp_size)
         self.compute_dtype = torch.float32 if self.bdot else self.dtype
         if dc.platform == "cpu" and not self.bdot and (note := cpu_dtype_note(dtype)):
@@ -161,7 +161,7 @@ class TorchModelRunner:
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
         self.tp = None  # torchengine.distributed.TPGroup when tp_size > 1
         self._pending: PendingStep | None = None
-        # (caches, model, cpu_kernels.DecodeLayers or None): the one-call decode layers bound to them
+        # (caches, model, torch_ops.DecodeLayers or None): the one-call decode layers bound to them
         self._decode_layers_bound: tuple | None = None
         self._kv_populate = threading.Event()  # stops the CPU KV cache's background commit (populate_in_background)
         # CPU: LM head + sampler 64 rows at a time (see sampler.sample_in_chunks)
@@ -186,8 +186,8 @@ class TorchModelRunner:
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
             model.weights_first_rows = CPU_WEIGHTS_FIRST_ROWS
-            lib, why = cpu_kernels.load()
-            logger.info("rank %d: CPU kernels: %s", self.rank, "AVX2 (torchengine/cpu_kernels.c)" if lib is not None
+            lib, why = torch_ops.load()
+            logger.info("rank %d: CPU kernels: %s", self.rank, "AVX2 (cpu_kernels/csrc)" if lib is not None
                         else f"torch's ops only ({why})")
         if self.config.model_config.quantization == "gguf":
             from torchengine.quant import quantize_gguf_linears
@@ -198,11 +198,11 @@ class TorchModelRunner:
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
         if self.bdot and (n := model.pack_cpu_weights(bdot=True)):
-            logger.info("rank %d: %d weights in bfloat16 (AVX512-BF16: cpu_kernels.qx_gemm's QX_BDOT), multiplied by "
+            logger.info("rank %d: %d weights in bfloat16 (AVX512-BF16: torch_ops.qx_gemm's QX_BDOT), multiplied by "
                         "their inputs rounded to bfloat16; the rest of the model in float32: %s", self.rank, n,
                         describe_huge_pages(model.cpu_arena.numpy()))
         elif self.device.type == "cpu" and (n := model.pack_cpu_weights()):
-            logger.info("rank %d: %d float32 weights in panels (cpu_kernels.panel_gemm; greedy steps take the LM "
+            logger.info("rank %d: %d float32 weights in panels (torch_ops.panel_gemm; greedy steps take the LM "
                         "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
             if (self.config.model_config.quantization != "gguf" and self.dtype == torch.float32
                     and self.tp_size == 1 and qx.enabled()):
@@ -210,7 +210,7 @@ class TorchModelRunner:
 
                 if n := attach_qx(model, self.model_source):
                     logger.info("rank %d: %d weights also as stored (a GGUF file's blocks, 16-bit values), "
-                                "the same bits, for decode steps of few rows (cpu_kernels.qx_gemm; XLASERVE_Q4X=off: "
+                                "the same bits, for decode steps of few rows (torch_ops.qx_gemm; XLASERVE_Q4X=off: "
                                 "float32 only)", self.rank, n)
         if self.device.type == "cpu":
             release_free_heap()  # (the weights packed above were freed)
@@ -395,7 +395,7 @@ class TorchModelRunner:
         return PendingStep(self._finish, batch, host=host, event=event,
                            hidden=hidden if batch.prompt_logprobs else None)
 
-    def _decode_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput:
+    def _decode_on_cpu(self, batch: StepBatch, layers: torch_ops.DecodeLayers) -> SamplerOutput:
         """A step whose every token is its request's only query, on the CPU kernels: all layers in one C call
         (the same kernels as the model's) and, for plain greedy rows, the LM head's argmax without logits. Its
         inputs stay numpy until the C calls (a torch op costs several numpy ones; at batch 1 the step is mostly
@@ -407,7 +407,7 @@ class TorchModelRunner:
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
 
-    def _step_on_cpu(self, batch: StepBatch, layers: cpu_kernels.DecodeLayers) -> SamplerOutput | None:
+    def _step_on_cpu(self, batch: StepBatch, layers: torch_ops.DecodeLayers) -> SamplerOutput | None:
         """Any other step without prompt logprobs (prefill chunks, decodes beside them) on the CPU kernels: every
         layer in one C call (`DecodeLayers.step`: the Python layers' kernels in their order, their attention's
         decode and prefill groups; the same bits), the last layer's o linear and MLP on the sampled rows alone
@@ -488,14 +488,14 @@ class TorchModelRunner:
         rows = self.model(input_ids[:T], positions[:T], attn, keep=logits_indices[:R])  # [R, H]
         return self._sample(rows, batch, lambda: st), None
 
-    def _decode_layers(self) -> cpu_kernels.DecodeLayers | None:
+    def _decode_layers(self) -> torch_ops.DecodeLayers | None:
         """The one-call layers for these caches (decode steps, and any other without prompt logprobs: `step`), None
         off the float32 CPU kernels' path."""
         if self.device.type != "cpu":
             return None
         bound = self._decode_layers_bound
         if bound is None or bound[0] is not self.kv_caches or bound[1] is not self.model:
-            bound = self._decode_layers_bound = (self.kv_caches, self.model, cpu_kernels.DecodeLayers.bind(
+            bound = self._decode_layers_bound = (self.kv_caches, self.model, torch_ops.DecodeLayers.bind(
                 self.model, self.attn_backend, self.kv_caches))
         return bound[2]
 

@@ -10,7 +10,7 @@ seeded request gives the same tokens on either backend and in any batch.
 Logprobs are those of the raw logits (top-N, ties by lower id, plus the
 sampled token's logprob and rank).
 
-On a CPU with the C kernels (`torchengine/cpu_kernels.c`), log_softmax /
+On a CPU with the C kernels (`cpu_kernels/csrc`), log_softmax /
 softmax, the top-p cut and the draw are those kernels, each row in a fixed
 order: the jax backend's sampler calls the same code, so the two backends'
 logprobs and seeded draws are the same bits for the same logits.
@@ -32,7 +32,7 @@ import torch
 
 from enginecore.sampling_batch import SamplingBatch
 from enginecore.sampling_ref import GREEDY_EPS
-from torchengine import cpu_kernels
+from cpu_kernels import torch_ops
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _row_kernels(x: torch.Tensor):
     stride), else None (torch's ops)."""
     if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
         return None
-    return cpu_kernels.lib_for(x)
+    return torch_ops.lib_for(x)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     (`row_sums`)."""
     lib = _row_kernels(x)
     if lib is not None:
-        return cpu_kernels.log_softmax(lib, x)
+        return torch_ops.log_softmax(lib, x)
     m = x.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return x - m - torch.log(row_sums(torch.exp(x - m)))
@@ -145,7 +145,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 def softmax(x: torch.Tensor) -> torch.Tensor:
     lib = _row_kernels(x)
     if lib is not None:
-        return cpu_kernels.log_softmax(lib, x, probs=True)
+        return torch_ops.log_softmax(lib, x, probs=True)
     return torch.exp(log_softmax(x))
 
 
@@ -154,7 +154,7 @@ def top_n(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     C kernels on a CPU; a stable descending sort elsewhere)."""
     lib = _row_kernels(lp)
     if lib is not None and n <= lp.shape[1]:
-        return cpu_kernels.top_n(lib, lp, n)
+        return torch_ops.top_n(lib, lp, n)
     vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # ties: lower id first
     return vals[:, :n], ids[:, :n]
 
@@ -194,8 +194,8 @@ def filter_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.use_top_p:
         p = softmax(x)
         lib = _row_kernels(p)
-        if lib is not None:  # the jax backend's cut, bit for bit (cpu_kernels.top_p_thresholds)
-            return x.masked_fill(p < cpu_kernels.top_p_thresholds(lib, p, st.top_p)[:, None], neg_inf)
+        if lib is not None:  # the jax backend's cut, bit for bit (torch_ops.top_p_thresholds)
+            return x.masked_fill(p < torch_ops.top_p_thresholds(lib, p, st.top_p)[:, None], neg_inf)
         ps = torch.sort(p, dim=-1, descending=True).values
         cum = _cumsum(ps)
         # first index where the sorted mass reaches top_p (np.searchsorted side="left")
@@ -209,7 +209,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [Rp, V], u [Rp] -> [Rp] i64: the first token whose cumulative mass exceeds u * total."""
     lib = _row_kernels(probs)
     if lib is not None:
-        return cpu_kernels.inverse_cdf(lib, probs, u)
+        return torch_ops.inverse_cdf(lib, probs, u)
     cum = _cumsum(probs)
     target = (u * cum[:, -1])[:, None].contiguous()
     idx = torch.searchsorted(cum, target, right=True)[:, 0]

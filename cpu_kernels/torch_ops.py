@@ -1,4 +1,4 @@
-"""The torch backend's AVX2 CPU kernels (`cpu_kernels.c`): built on first use, loaded with ctypes.
+"""The torch backend's AVX2 CPU kernels (`csrc/`): built on first use, loaded with ctypes.
 
 On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 
@@ -18,7 +18,7 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
 - `qx_gemm`: panel_gemm's bits (logits or the greedy argmax) from a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
   of the same float32 weights, each weight rebuilt as the loader built it (`pack_q4x`, `pack_q8x`,
   `torchengine.quant.attach_qx`; the K-quants' forms too), or from a bfloat16-exact (float16-exact) weight's 16
-  bits (`enginecore.qx.half_panels`): a decode step of up to `qx_max_rows()[kind]` rows reads a sixth (Q4) to half
+  bits (`cpu_kernels.layout.half_panels`): a decode step of up to `qx_max_rows()[kind]` rows reads a sixth (Q4) to half
   (BF16, F16) of the bytes;
 - `qx_gemm` of kind QX_BDOT: not a form of the float32 weights but bfloat16 products (`VDPBF16PS`, built with
   a target attribute, run where `bdot_supported()`: a CPU with AVX512-BF16): `--dtype bfloat16` on such a CPU
@@ -50,10 +50,12 @@ import os
 import numpy as np
 import torch
 
-from enginecore import qx
-from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared, huge_page_array
+from cpu_kernels import layout as qx
+from cpu_kernels.build import HEADERS, c_units
+from enginecore.native import build_shared
+from cpu_kernels.memory import huge_page_array
 from enginecore.platform import cpu_kernels_unavailable
-from enginecore.qx import QX_GROUP_BYTES, QX_KINDS  # noqa: F401 (this module's API too)
+from cpu_kernels.layout import QX_GROUP_BYTES, QX_KINDS  # noqa: F401 (this module's API too)
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -68,7 +70,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     why = cpu_kernels_unavailable()
     if why:
         return None, why
-    path, why = build_shared("cpu_kernels", [(CPU_KERNELS_C, "c", CPU_KERNELS_FLAGS)], ("-fopenmp",))
+    path, why = build_shared("cpu_kernels", c_units(), ("-fopenmp",), headers=HEADERS)
     if path is None:
         return None, why
     return open_library(path)
@@ -89,7 +91,7 @@ def open_library(path: str) -> tuple[ctypes.CDLL | None, str]:
         fn.restype = _CTYPES[ret.strip() or "i"]
     if (lib.q4_block_bytes() != BLOCK_BYTES or lib.q8_block_bytes() != Q8_BLOCK_BYTES
             or lib.max_rows() != MAX_ROWS or not qx.layout_matches(lib)):
-        return None, "cpu_kernels.c's block layout or row limit does not match cpu_kernels.py / enginecore.qx"
+        return None, "the C kernels' block layout or row limit does not match cpu_kernels.torch_ops / cpu_kernels.layout"
     return lib, ""
 
 
@@ -101,7 +103,7 @@ def lib() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=None)
 def qx_max_rows() -> dict[int, int]:
     """Steps of at most qx_max_rows()[kind] rows multiply a weight's qx panels of that kind, more its float32 ones
-    (`enginecore.qx.max_rows`: the limits of the tiles that run on this CPU)."""
+    (`cpu_kernels.layout.max_rows`: the limits of the tiles that run on this CPU)."""
     return qx.max_rows(lib())
 
 
@@ -167,17 +169,17 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
 
 
 def pack_q4x(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> torch.Tensor:
-    """`enginecore.qx.pack_q4x` as a tensor: a GGUF file's Q4_1 (Q4_0: offset None) groups as qx_gemm's panels."""
+    """`cpu_kernels.layout.pack_q4x` as a tensor: a GGUF file's Q4_1 (Q4_0: offset None) groups as qx_gemm's panels."""
     return torch.from_numpy(qx.pack_q4x(q, scale, offset))
 
 
 def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """`enginecore.qx.pack_q8x` as a tensor: a GGUF file's Q8_0 groups as qx_gemm's panels."""
+    """`cpu_kernels.layout.pack_q8x` as a tensor: a GGUF file's Q8_0 groups as qx_gemm's panels."""
     return torch.from_numpy(qx.pack_q8x(q, scale))
 
 
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
-    """Whether `panels` are `enginecore.qx`'s packers' (`pack_q4x`, `pack_q8x`, ...) of a [N, K] weight of `kind`
+    """Whether `panels` are `cpu_kernels.layout`'s packers' (`pack_q4x`, `pack_q8x`, ...) of a [N, K] weight of `kind`
     (what qx_gemm reads)."""
     return (kind in QX_GROUP_BYTES and K % 32 == 0 and panels.dtype == torch.uint8 and panels.is_cpu
             and panels.is_contiguous() and tuple(panels.shape) == qx.qx_shape(N, K, kind))
@@ -185,7 +187,7 @@ def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
 
 def qx_gemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, N: int, kind: int,
             greedy: bool = False) -> torch.Tensor:
-    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `enginecore.qx`'s (`kind`: QX_KINDS)
+    """x [M, K] float32 . W^T with W [N, K] packed by `pack_q4x` / `pack_q8x` / `cpu_kernels.layout`'s (`kind`: QX_KINDS)
     -> [M, N] float32, or with `greedy` each row's argmax [M] int64: the bits of `panel_gemm` over the dequantized W."""
     x = x.contiguous()
     M, K = x.shape
@@ -253,7 +255,7 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 def huge_page_buffer(nfloats: int) -> torch.Tensor:
     """An uninitialised float32 [nfloats] tensor on transparent huge pages where the OS gives them
-    (`enginecore.native.huge_page_array`): `Transformer.pack_cpu_weights` packs every linear and the LM
+    (`cpu_kernels.memory.huge_page_array`): `Transformer.pack_cpu_weights` packs every linear and the LM
     head into one."""
     return torch.from_numpy(huge_page_array(nfloats, np.float32))
 
@@ -395,7 +397,7 @@ def top_n(lib: ctypes.CDLL, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torc
     return vals, ids
 
 
-# the KV cache dtypes the kernels read and write (cpu_kernels.c's KV_F32, KV_F16, KV_BF16): a 16-bit cache
+# the KV cache dtypes the kernels read and write (cpu_kernels.h's KV_F32, KV_F16, KV_BF16): a 16-bit cache
 # is stored rounded to nearest even, as .to() rounds, and read back exactly
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

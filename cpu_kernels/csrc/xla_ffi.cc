@@ -1,4 +1,4 @@
-// jaxengine's CPU kernels as XLA FFI custom calls (float32), the machine code of torchengine/cpu_kernels.c
+// jaxengine's CPU kernels as XLA FFI custom calls (float32), the machine code of cpu_kernels/csrc
 // (linked into this library):
 //
 // - XlaserveCpuPanelLinear: y [T, N] = x [T, K] . W_l^T, every layer's W packed in panel_gemm's panels and
@@ -11,7 +11,7 @@
 // - XlaserveCpuPanelArgmax: each row's argmax of PanelLinear's product, without writing it (greedy sampling;
 //   the torch backend's greedy_tokens).
 // - XlaserveCpuQxLinear, XlaserveCpuQxArgmax: the same from the weights as stored (qx_gemm's panels of a GGUF
-//   file's blocks or a bfloat16 checkpoint's halves, enginecore/qx.py), the same bits from fewer bytes.
+//   file's blocks or a bfloat16 checkpoint's halves, cpu_kernels/layout.py), the same bits from fewer bytes.
 // - XlaserveCpuDecodeAttention: the decode rows of a ragged step over the paged cache, read in place
 //   (decode_attention_tasks with the interleaved cache's strides, or decode_split_phase's two phases for rows too
 //   few for XLA's threads).
@@ -32,7 +32,7 @@
 //   (`model.forward` on a CPU by default; compilation_config={"cpu_layers": False} goes back to the scan).
 //
 // All split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
-// for the cores). Built by jaxengine/cpu_kernels.py with the system C and C++ compilers against
+// for the cores). Built by cpu_kernels/jax_ops.py with the system C and C++ compilers against
 // jax.ffi.include_dir().
 
 #include <algorithm>
@@ -53,58 +53,18 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "cpu_kernels.h"
+
 namespace ffi = xla::ffi;
 
-extern "C" {
-int panel_gemm_plan(int M, int K, int V, int nthreads, int *unit, int *nt, int *claim);
-// head_best * in cpu_kernels.c, opaque here (head_best_bytes each)
-int head_best_bytes(void);
-void head_best_init(void *b, size_t n);
-int32_t head_best_argmax(const void *b, int n, size_t stride_bytes);
-void panel_gemm_part(const float *x, int M, int K, const float *wp, int V, float *y, void *best, int unit, int lo,
-                     int hi, int pf_hi);
-long qx_panel_bytes(int kind, int K);
-int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, void *best, int kind, int p0, int p1);
-int bdot_supported(void);
-int bdot_round(const float *x, int M, int K, uint32_t *xb);
-int bdot_gemm_part(const uint32_t *xb, int M, int K, const void *w, int N, float *y, void *best, int p0, int p1);
-void shares_init(uint64_t *s, int n, int nt);
-int shares_claim(uint64_t *s, int nt, int t, int min, int *a, int *b, int *pe);
-int decode_heads_per_task(int n, int Hq, int Hkv, int nthreads);
-int decode_split(int n, int Hkv, int nthreads);
-long decode_split_tasks(int phase, int n, const int32_t *kv_lens, int window, int Hq, int Hkv, int D, long *bytes);
-int decode_split_phase(int phase, const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
-                       const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
-                       long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale, int window,
-                       void *buf, float *out, int n, int t0, int t1, int kv_type);
-int prefill_attention_num_tasks(int n, const int32_t *q_lens, int Hkv, int bq);
-int prefill_attention_bq(void);
-int prefill_attention_tasks(const float *q, long q_stride, const int32_t *q_start, const int32_t *q_lens,
-                            const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, const void *kcache,
-                            const void *vcache, long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D,
-                            float scale, int window, float *out, long out_stride, int n, int bq, int t0, int t1,
-                            int kv_type);
-int rms_norm(const float *x, int M, int K, long x_stride, float *residual, const float *w, float eps, float *out);
-int silu_mul(const float *gu, int M, int I, float *out);
-int rope(float *x, int T, int H, int D, long x_stride, const float *cos, const float *sin);
-int kv_write(const float *k, const float *v, long k_stride, long v_stride, int T, const int64_t *slots, void *kcache,
-             void *vcache, int W, int kv_type);
-int log_softmax_rows(const float *x, int M, int V, long x_stride, float *out, int probs);
-int inverse_cdf_rows(const float *probs, int M, int V, long p_stride, const float *u, int64_t *out);
-int top_p_thresholds(const float *probs, int M, int V, long p_stride, const float *top_p, float *out);
-int decode_attention_tasks(const float *q, long q_stride, const int64_t *tokens, const int32_t *kv_lens,
-                           const int32_t *block_tables, int bt_stride, const void *kcache, const void *vcache,
-                           long kv_row, long kv_head, int block_size, int Hq, int Hkv, int D, float scale,
-                           int window, float *out, int hs, int t0, int t1, int kv_type);
-}
 
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
 
-// the cache's element type as cpu_kernels.c numbers them (KV_F32, KV_F16, KV_BF16); -1: another
+// the cache's element type as cpu_kernels.h numbers them (KV_F32, KV_F16, KV_BF16); -1: another
 int KvType(ffi::DataType t) {
-    return t == ffi::DataType::F32 ? 0 : t == ffi::DataType::F16 ? 1 : t == ffi::DataType::BF16 ? 2 : -1;
+    return t == ffi::DataType::F32 ? KV_F32 : t == ffi::DataType::F16 ? KV_F16 : t == ffi::DataType::BF16 ? KV_BF16 : -1;
 }
 int64_t KvBytes(int kv_type) { return kv_type == 0 ? 4 : 2; }
 
@@ -376,9 +336,9 @@ class Maxima {
         bp_ = buf_.data() + (64 - (uintptr_t)buf_.data() % 64) % 64;
         for (int64_t s = 0; s < sets; s++) head_best_init(set(s), (size_t)T);
     }
-    void *set(int64_t s) { return bp_ + stride_ * (size_t)s; }
+    head_best *set(int64_t s) { return reinterpret_cast<head_best *>(bp_ + stride_ * (size_t)s); }
     void argmax(int32_t *out) const {
-        for (int64_t m = 0; m < T_; m++) out[m] = head_best_argmax(bp_ + bytes_ * m, (int)sets_, stride_);
+        for (int64_t m = 0; m < T_; m++) out[m] = head_best_argmax(reinterpret_cast<const head_best *>(bp_ + bytes_ * m), (int)sets_, stride_);
     }
 
   private:
@@ -417,9 +377,8 @@ static int64_t qx_slice(int64_t NP, int64_t T, int64_t K, int64_t N, int64_t thr
     return T * K * N < kParallelWork || threads <= 1 ? NP : std::max<int64_t>(1, (NP + 2 * threads - 1) / (2 * threads));
 }
 
-// The activations of a qx call: for QX_BDOT (cpu_kernels.c; bfloat16 products) x rounded to bfloat16 once a call
+// The activations of a qx call: for QX_BDOT (qx.c; bfloat16 products) x rounded to bfloat16 once a call
 // (bdot_round), which every slice then multiplies (bdot_gemm_part); for the other kinds x itself (qx_gemm_part).
-constexpr int kQxBdot = 8;  // cpu_kernels.c's QX_BDOT (enginecore.qx.QX_KINDS["BDOT"])
 struct QxInput {
     int kind = -1;
     const float *x = nullptr;
@@ -428,12 +387,12 @@ struct QxInput {
     // false where the kind cannot run here (QX_BDOT without AVX512-BF16)
     bool set(int k, const float *in, int64_t M, int64_t K) {
         kind = k, x = in;
-        if (kind != kQxBdot) return true;
+        if (kind != QX_BDOT) return true;
         xb.resize((size_t)(M * K / 2));
         return bdot_round(in, (int)M, (int)K, xb.data()) == 0;
     }
     void part(int M, int K, const void *w, int N, float *y, void *best, int p0, int p1) const {
-        if (kind == kQxBdot)
+        if (kind == QX_BDOT)
             bdot_gemm_part(xb.data(), M, K, w, N, y, best, p0, p1);
         else
             qx_gemm_part(x, M, K, w, N, y, best, kind, p0, p1);
@@ -592,7 +551,7 @@ const char *RowOutside(const int32_t *cu, const int32_t *lens, const int32_t *bt
 
 // Decode attention of rows [0, num_decode) of q [R, Hq, D] (one query each, kv_lens[i] cached tokens
 // including its own, blocks table[i, :]) over jaxengine's cache [blocks, block_size, 2 * Hkv, D]; out
-// [R, Hq, D], rows from num_decode on zero. cpu_kernels.c's decode_attention_tasks: exact softmax in
+// [R, Hq, D], rows from num_decode on zero. attention.c's decode_attention_tasks: exact softmax in
 // float32, a task per request and kv head (or query head), spread over XLA's threads.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
@@ -673,7 +632,7 @@ ffi::Error KvWrite(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::AnyBuf
 }
 
 // Attention of the prefill and mixed rows of a ragged step (requests [decode_end, mixed_end) of
-// distribution), every query with decode attention's arithmetic (cpu_kernels.c's prefill_attention_tasks):
+// distribution), every query with decode attention's arithmetic (attention.c's prefill_attention_tasks):
 // written into `out` (aliased to `base`, whose other rows it keeps), tasks spread over XLA's threads.
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                             ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_lens,
@@ -792,7 +751,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         const long pb = qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
         if (pb <= 0 || qx_b[i]->element_count() != (size_t)(L * pnp[i] * pb))
             return ffi::Error::InvalidArgument("layers: qx panels of another shape or kind");
-        if (qx_kind[i] == kQxBdot && !bdot_supported())
+        if (qx_kind[i] == QX_BDOT && !bdot_supported())
             return ffi::Error::InvalidArgument("layers: bfloat16 products (QX_BDOT) do not run on this CPU");
         qx_w[i] = qx_b[i]->typed_data();
     }
@@ -893,7 +852,7 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     for (int64_t r = 0; r < d0; r++) dec_work += (int64_t)lens[r] * Hq * D;
     const int dec_threads = dec_work < kParallelWork ? 1 : (int)threads;
     const int hs = decode_heads_per_task((int)d0, (int)Hq, (int)Hkv, dec_threads);
-    // the decode rows in cpu_kernels.c's split order (few of them for the threads): its phase 0 with the
+    // the decode rows in attention.c's split order (few of them for the threads): its phase 0 with the
     // prefill tasks, then its phase 1, a layer, in a buffer zeroed once (each layer leaves its counts at zero)
     const bool split = decode_split((int)d0, (int)Hkv, dec_threads);
     long split_bytes = 0;
@@ -1096,7 +1055,7 @@ extern "C" int zero_pages(void *ptr, size_t n) {
     return 1;
 }
 
-// out = zeros, by zero_pages (jaxengine.cpu_kernels.zeros: the CPU KV cache)
+// out = zeros, by zero_pages (cpu_kernels.jax_ops.zeros: the CPU KV cache)
 ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out) {
     zero_pages(out->untyped_data(), out->size_bytes());
     return ffi::Error::Success();

@@ -1,4 +1,4 @@
-"""Float32 weights as they are stored: `qx_gemm`'s panels (torchengine/cpu_kernels.c), shared by both backends.
+"""Float32 weights as they are stored: `qx_gemm`'s panels (cpu_kernels/csrc), shared by both backends.
 
 A GGUF file's Q4_0 / Q4_1 / Q8_0 weights served in float32 are each one rounding of an exact product of its
 blocks' values, and a bfloat16 checkpoint's weights served in float32 are bfloat16s: `qx_gemm` rebuilds each

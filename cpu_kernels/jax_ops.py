@@ -1,4 +1,4 @@
-"""The jax backend's CPU kernels, as XLA custom calls (`cpu_kernels.cc`, linking torchengine/cpu_kernels.c).
+"""The jax backend's CPU kernels, as XLA custom calls (`csrc/xla_ffi.cc`, linking the C topics of `csrc/`).
 
 - `panel_linear(x, panels, l, n)`: `x [T, K] . W_l^T` for every layer's `W [n, K]` packed by `pack_panels`
   and stacked `[L, NP, K, 16]`, `l` a traced int32 scalar: every linear and the LM head of the jax backend
@@ -9,7 +9,7 @@
   is the torch backend's bit for bit.
 - `panel_argmax(x, panels, l, n)`: each row's argmax of that product without writing it: greedy sampling's LM
   head (the torch backend's `greedy_tokens`: the same tokens).
-- `qx_linear`, `qx_argmax` (and `layers`' qx): the same from the weights as stored (`enginecore.qx`: a GGUF
+- `qx_linear`, `qx_argmax` (and `layers`' qx): the same from the weights as stored (`cpu_kernels.layout`: a GGUF
   file's blocks, a bfloat16 checkpoint's halves; `loader.attach_cpu_qx`), the same bits from fewer bytes.
 - `decode_attention(q, cache, table, kv_lens, num_decode)`: the decode rows of a ragged step over
   jaxengine's paged cache, read in place (XLA's path gathers every row's blocks into temporaries first);
@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from enginecore import qx
-from enginecore.native import CPU_KERNELS_C, CPU_KERNELS_FLAGS, build_shared
+from cpu_kernels import layout as qx
+from cpu_kernels.build import CSRC, HEADERS, XLA_FFI_SOURCE, c_units
+from enginecore.native import build_shared
 from enginecore.platform import cpu_kernels_unavailable
 
 logger = logging.getLogger("xlaserve.jaxengine")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 PANEL_LINEAR = "xlaserve_cpu_panel_linear"
 PANEL_ARGMAX = "xlaserve_cpu_panel_argmax"
 QX_LINEAR = "xlaserve_cpu_qx_linear"
@@ -67,7 +67,7 @@ INVERSE_CDF = "xlaserve_cpu_inverse_cdf"
 TOP_P_THRESHOLDS = "xlaserve_cpu_top_p_thresholds"
 LAYERS = "xlaserve_cpu_layers"
 ZEROS = "xlaserve_cpu_zeros"
-PANEL = qx.PANEL  # output rows a panel (torchengine.cpu_kernels.PANEL)
+PANEL = qx.PANEL  # output rows a panel (cpu_kernels.torch_ops.PANEL)
 
 
 def available() -> str:
@@ -83,7 +83,7 @@ def lib() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=None)
 def qx_max_rows() -> dict[int, int]:
     """Steps of at most qx_max_rows()[kind] tokens multiply a linear's qx panels of that kind, more its float32
-    ones (`enginecore.qx.max_rows`: the limits of the tiles that run on this CPU)."""
+    ones (`cpu_kernels.layout.max_rows`: the limits of the tiles that run on this CPU)."""
     return qx.max_rows(lib())
 
 
@@ -95,9 +95,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, why
     # built against this jaxlib's FFI headers: its version is in the flags, so the library's hash
     # (enginecore.native) changes with it. No OpenMP: the work is split between XLA's threads.
-    cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-DXLASERVE_JAXLIB={jaxlib.__version__}"]
-    cflags = [f for f in CPU_KERNELS_FLAGS if f != "-fopenmp"] + ["-DXLASERVE_NO_OPENMP"]
-    path, why = build_shared("jax_cpu_kernels", [(CPU_KERNELS_C, "c", cflags), (SOURCE, "c++", cxx)])
+    cxx = ["-O2", "-std=c++17", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{CSRC}", f"-DXLASERVE_JAXLIB={jaxlib.__version__}"]
+    path, why = build_shared("jax_cpu_kernels", [*c_units(openmp=False), (XLA_FFI_SOURCE, "c++", cxx)],
+                             headers=HEADERS)
     if path is None:
         return None, why
     try:
@@ -131,13 +131,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, AttributeError, ValueError) as e:
         return None, f"cannot load {path}: {e}"
     if not qx.layout_matches(lib):
-        return None, f"{path}: the qx panels' layout does not match enginecore.qx"
+        return None, f"{path}: the qx panels' layout does not match cpu_kernels.layout"
     return lib, ""
 
 
 def pack_panels(w):
     """w [..., N, K] -> [..., ceil(N / 16), K, 16]: panels of 16 output rows, k-major, zero rows padding the
-    last (torchengine.cpu_kernels.pack_panels' layout). Row v of w is panels[..., v // 16, :, v % 16]."""
+    last (cpu_kernels.torch_ops.pack_panels' layout). Row v of w is panels[..., v // 16, :, v % 16]."""
     *lead, N, K = w.shape
     NP = -(-N // PANEL)
     w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, NP * PANEL - N), (0, 0)])
@@ -147,7 +147,7 @@ def pack_panels(w):
 def pack_onto_huge_pages(groups: dict, bdot: bool = False, keep: tuple = ()) -> dict:
     """{name: [(w, shape), ...]}, each w a float32 CPU array read as `shape` [..., N_i, K] (a reshape: a group's
     leading dims and K shared) -> {name: `pack_panels` of the group's rows concatenated}, every group in one
-    buffer on transparent huge pages where the OS gives them (`enginecore.native.huge_page_array`; each result
+    buffer on transparent huge pages where the OS gives them (`cpu_kernels.memory.huge_page_array`; each result
     zero-copy over its slice, with its source's sharding). Packed on the host by the kernels'
     `pack_panels_f32`, a leading index at a time: as jnp ops each shape was an XLA program compiled and run at
     load (~4 s of a start for the embedded model). Each source is deleted once packed (but those of the groups
@@ -155,9 +155,9 @@ def pack_onto_huge_pages(groups: dict, bdot: bool = False, keep: tuple = ()) -> 
     instead of aliasing keeps its copy (small pages): the same values either way. Traced (`abstract_inputs`'
     eval_shape of `model.pack_cpu_panels`): `pack_panels`, for the shapes.
 
-    `bdot`: each group's panels rounded to QX_BDOT's bfloat16 ones instead (`enginecore.qx.bdot_panels`: [...,
+    `bdot`: each group's panels rounded to QX_BDOT's bfloat16 ones instead (`cpu_kernels.layout.bdot_panels`: [...,
     NP, K / 32, 1024] bytes), through float32 panels of its own that are dropped once rounded."""
-    from enginecore.native import describe_huge_pages, huge_page_array
+    from cpu_kernels.memory import describe_huge_pages, huge_page_array
 
     if any(isinstance(w, jax.core.Tracer) for ws in groups.values() for w, _ in ws):
         packed = {k: pack_panels(jnp.concatenate([w.reshape(s) for w, s in ws], axis=-2)) for k, ws in groups.items()}
@@ -202,7 +202,7 @@ def pack_onto_huge_pages(groups: dict, bdot: bool = False, keep: tuple = ()) -> 
 
 
 def zeros(shape, dtype):
-    """jnp.zeros(shape, dtype) whose whole pages are handed back to the OS instead of written (`cpu_kernels.cc`'s
+    """jnp.zeros(shape, dtype) whose whole pages are handed back to the OS instead of written (`xla_ffi.cc`'s
     zero_pages; docs/design-notes.md, "Start-up"): the jax CPU KV cache."""
     return jax.ffi.ffi_call(ZEROS, jax.ShapeDtypeStruct(tuple(shape), dtype))()
 
@@ -236,7 +236,7 @@ def panel_argmax(x, panels, layer, n: int, live=None):
 
 def qx_linear(x, qx, layer, n: int, kind: int, live=None):
     """`panel_linear` from the same weights' qx panels [L, NP, K / 32, group bytes] of `kind`
-    (`enginecore.qx`: a GGUF file's blocks or a bfloat16 checkpoint's halves): the same bits."""
+    (`cpu_kernels.layout`: a GGUF file's blocks or a bfloat16 checkpoint's halves): the same bits."""
     call = jax.ffi.ffi_call(QX_LINEAR, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, qx, jnp.asarray(layer, jnp.int32).reshape(()), _live(x, live), kind=np.int32(kind))
 
