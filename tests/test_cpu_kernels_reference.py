@@ -377,6 +377,15 @@ def test_top_p_thresholds(lib):
     x[3] = np.round(x[3])
     p = ref.log_softmax_rows(x, probs=True)
     top_p = f32([0.9, 0.5, 0.95, 0.3, 1.0, 0.999])
+    # and a top_p between a row's float32 and float64 running sums at a cut k: float64's (the kernel's) cuts at
+    # k, float32's would cut later, at a smaller probability
+    ps = np.sort(p[0])[::-1]
+    c32, c64 = np.cumsum(ps), np.cumsum(ps.astype(np.float64))
+    k = next(k for k in range(1, len(ps) - 1) if ps[k] > ps[k + 1] and c64[k - 1] < np.nextafter(c32[k], f32(1))
+             <= c64[k])
+    p, top_p = np.concatenate([p, p[:1]]), np.append(top_p, np.nextafter(c32[k], f32(1)))
+    want = ref.top_p_thresholds(p, top_p)
+    assert want[-1] == ps[k]
     got = torch_ops.top_p_thresholds(lib, strided(p, 2), torch.from_numpy(top_p)).numpy()
-    assert np.array_equal(got, ref.top_p_thresholds(p, top_p))
+    assert np.array_equal(got, want)
     assert got[4] == 0
