@@ -3,7 +3,7 @@
 
 Nothing here imports torch or jax: these are the definitions `tests/test_cpu_kernels_reference.py` holds the
 kernels to, through `cpu_kernels.torch_ops`' bindings. Where a kernel promises bits, its reference computes
-them: `panel_gemm` (one float32 FMA chain a output over k in ascending order: `fma32`), the greedy head's
+them: `panel_gemm` (one float32 FMA chain per output over k in ascending order: `fma32`), the greedy head's
 argmax, the KV cache's 16-bit rounding, the qx panels' rebuilt weights. Elsewhere (sums the kernels split into
 8-lane chains, their vectorised exp) a reference computes in float64, and the tests allow the float32 rounding
 of the kernel's own order.

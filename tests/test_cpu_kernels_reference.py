@@ -70,7 +70,8 @@ def test_rope(lib, T, H, D):
     cos, sin = ref.rope_tables(pos[:, None] * inv[None])
     qkv = f32(r.standard_normal((T, H + 2, D)))
     t = torch.from_numpy(qkv.copy())  # the first H heads of each row rotated in place, a view of a wider tensor
-    torch_ops.rope_(lib, t[:, :H], torch.from_numpy(cos)[:, None].contiguous(), torch.from_numpy(sin)[:, None].contiguous())
+    tables = [torch.from_numpy(a)[:, None].contiguous() for a in (cos, sin)]  # [T, 1, D], the model's form
+    torch_ops.rope_(lib, t[:, :H], *tables)
     np.testing.assert_allclose(t[:, :H].numpy(), ref.rope(qkv[:, :H], cos, sin), rtol=1e-5, atol=1e-6)
     assert np.array_equal(t[:, H:].numpy(), qkv[:, H:])
 
@@ -178,6 +179,11 @@ def test_fma32_rounds_once():
     assert (a * b + c)[0] == 0
     want = [np.float32(float(a[i]) * float(b[i]) + float(c[i])) for i in range(3)]  # single products, exact here
     assert ref.fma32(a, b, c)[1:].tolist() == want[1:]
+    # 1 + 2^-24 + 2^-60 rounds in float64 to the float32 midpoint 1 + 2^-24, whose float32 rounding (to even) is 1;
+    # rounded once it is 1 + 2^-23 ((1 + u)(1 - u + u^2) = 1 + u^3, u = 2^-12)
+    a, b, c = f32([1 + 2**-12]), f32([(1 - 2**-12 + 2**-24) * 2**-24]), f32([1.0])
+    assert np.float32(float(a[0]) * float(b[0]) + 1.0) == 1
+    assert ref.fma32(a, b, c)[0] == np.float32(1 + 2**-23)
 
 
 # ---- GGUF blocks with quantized activations (gguf_linear.c) ---------------------------------------------
@@ -224,7 +230,8 @@ def qx_case(kind: int, N: int, K: int, seed: int):
         g = Int8Groups(r.integers(-128, 128, (N, K)).astype(np.int8), s16(0.001, 0.01, (N, G)))
         return g.dequantize(), layout.pack_q8x(g.q, g.scale)
     if kind == QX["IQ4"]:
-        g = Iq4Groups(r.integers(0, 16, (N, K)).astype(np.uint8), f32(s16(0.001, 0.01, (N, G)) * r.integers(-32, 32, (N, G))))
+        scale = f32(s16(0.001, 0.01, (N, G)) * r.integers(-32, 32, (N, G)))  # IQ4_XS's d * (sc - 32)
+        g = Iq4Groups(r.integers(0, 16, (N, K)).astype(np.uint8), scale)
         return g.dequantize(), layout.pack_q4x(g.q, g.scale, None, kind)
     if kind == QX["I8"]:  # Q6_K's form: (d * sc) * q, q in -32..31, groups of 16, offset -0.0
         scale = f32(s16(0.001, 0.01, (N, 2 * G)) * r.integers(-128, 128, (N, 2 * G)))
