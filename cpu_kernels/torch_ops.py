@@ -305,21 +305,11 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tenso
 
 
 def reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> np.ndarray:
-    """What the kernel computes, in numpy (float64 sums): q in 0..15 with `offset` (Q4) and 8-bit activations
-    per block, or int8 q without (Q8) and 16-bit activations; exact integer block sums."""
-    M, K = x.shape
-    G = K // 32
-    xb = x.reshape(M, G, 32).astype(np.float32)
-    d = np.abs(xb).max(-1) / np.float32(127 if offset is not None else 32767)  # Q8 weights: 16-bit activations
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    xq = np.rint(xb * inv[..., None]).astype(np.int64)  # [M, G, 32]
-    isum = np.einsum("ngj,mgj->mng", q.reshape(-1, G, 32).astype(np.int64), xq)  # exact
-    s = scale.astype(np.float16).astype(np.float64)
-    y = (isum * s[None] * d[:, None, :].astype(np.float64)).sum(-1)
-    if offset is not None:
-        o = offset.astype(np.float16).astype(np.float64)
-        y += (o[None] * xb.sum(-1, dtype=np.float32)[:, None, :]).sum(-1)
-    return y
+    """What the kernel computes (`cpu_kernels.reference`): Q4 with `offset` (8-bit activations), Q8 without
+    (16-bit activations)."""
+    from cpu_kernels import reference as ref
+
+    return ref.q8_linear(x, q, scale) if offset is None else ref.q4_linear(x, q, scale, offset)
 
 
 # ---------------------------------------------------------------------------------
