@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from enginecore import envs
 from enginecore.arch import ArchConfig, fused_slices, weight_spec
 from enginecore.model_loader import GGUF_FORMS, Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
 
@@ -84,9 +85,7 @@ def max_rows(lib) -> dict[int, int]:
 def enabled() -> bool:
     """Whether the runners keep the weights as stored beside float32 (`XLASERVE_Q4X=off`: float32 only, every
     kind; the variable is named for the first)."""
-    import os
-
-    return os.environ.get("XLASERVE_Q4X", "on") != "off"
+    return envs.XLASERVE_Q4X
 
 
 def bf16_exact(w: np.ndarray, chunk: int = 1 << 20) -> bool:

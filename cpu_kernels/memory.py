@@ -11,6 +11,8 @@ import threading
 
 import numpy as np
 
+from enginecore import envs
+
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 
 
@@ -63,7 +65,7 @@ def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20, owner=
     and the pages come as steps write them, as before. `XLASERVE_KV_POPULATE=off` turns it off. `owner` (the
     array that holds the mapping) is kept alive until the thread ends."""
     stop = threading.Event()
-    if os.environ.get("XLASERVE_KV_POPULATE", "on") == "off" or not sys.platform.startswith("linux") or nbytes <= 0:
+    if not envs.XLASERVE_KV_POPULATE or not sys.platform.startswith("linux") or nbytes <= 0:
         stop.set()
         return stop
 

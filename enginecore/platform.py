@@ -15,6 +15,7 @@ import os
 import platform as _platform
 import shutil
 
+from enginecore import envs
 from enginecore.config import DTYPE_ALIASES, ConfigError
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
@@ -65,8 +66,8 @@ def cpu_kernels_unavailable() -> str:
     link it) cannot run on this machine ("" if they can; building them can still fail, which
     `cpu_kernels.torch_ops.load` and `cpu_kernels.jax_ops.available` report).
     `XLASERVE_CPU_KERNELS=off` (or `torch`, its earlier name) turns them off: torch's and XLA's own ops run."""
-    setting = os.environ.get("XLASERVE_CPU_KERNELS", "auto")
-    if setting in ("off", "torch"):
+    setting = envs.XLASERVE_CPU_KERNELS
+    if setting in envs.CPU_KERNELS_OFF:
         return f"XLASERVE_CPU_KERNELS={setting}"
     if _platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({_platform.machine()})"
