@@ -9,12 +9,15 @@ blocks, buckets) do not live here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
+
+logger = logging.getLogger("xlaserve.config")
 
 
 class ConfigError(ValueError):
@@ -154,6 +157,43 @@ class ParallelConfig:
             raise ConfigError("--tensor-parallel-size and --data-parallel-size must be at least 1.")
 
 
+# --compilation-config keys the backends read (jaxengine.runner, torchengine.runner) and what each does
+COMPILATION_CONFIG_KEYS = {
+    "cpu_linears": "jax on a CPU: linears and LM head on the CPU kernels (default true)",
+    "cpu_decode_attention": "jax on a CPU: attention over the KV cache on the CPU kernels (default true)",
+    "cpu_layers": "jax on a CPU: every layer of a step in one kernel call, not a scan over layers (default true)",
+    "scan_layers": "jax: the layers as one scanned program (default true)",
+    "sampler_method": "jax: how the sampler finds top-k / top-p tokens (default topk)",
+    "logits_chunk_rows": "jax: rows of the LM head and sampler at a time (default 64 on a CPU, else all)",
+    "weights_first_rows": "jax: steps of up to this many rows multiply weights first (default 32 on a CPU)",
+    "store_executables": "jax on a CPU: keep serialized executables in the compilation cache (default true)",
+    "cudagraph_capture_sizes": "torch on CUDA: the decode batch sizes captured as CUDA graphs (default all)",
+}
+# vLLM's keys for its torch.compile / Inductor / CUDA-graph pipeline, which xlaserve does not have: accepted (with a
+# warning) so that vLLM command lines such as `-O3` start; they cannot change what is computed here
+VLLM_COMPILATION_CONFIG_KEYS = (
+    "level", "mode", "backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
+    "inductor_compile_config", "inductor_passes", "pass_config", "cudagraph_mode", "use_cudagraph",
+    "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph", "max_capture_size",
+    "max_cudagraph_capture_size", "use_inductor_graph_partition", "debug_dump_path", "compile_mm_encoder",
+)
+
+
+def check_compilation_config(value: Any) -> dict:
+    """`--compilation-config` as a dict, or a ConfigError naming each unknown key and the accepted ones."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"--compilation-config must be a JSON object (or -O LEVEL), got {value!r}.")
+    unknown = sorted(set(value) - COMPILATION_CONFIG_KEYS.keys() - set(VLLM_COMPILATION_CONFIG_KEYS))
+    if unknown:
+        hint = " (the compilation cache folder is --compilation-cache-dir)" if {"cache_dir", "local_cache_dir"} & set(
+            unknown) else ""
+        raise ConfigError(
+            f"--compilation-config: unknown key(s) {', '.join(map(repr, unknown))}{hint}. xlaserve reads "
+            f"{', '.join(COMPILATION_CONFIG_KEYS)}; vLLM's {', '.join(VLLM_COMPILATION_CONFIG_KEYS)} are accepted "
+            "and do nothing here.")
+    return value
+
+
 TPU_CHIPS = ("v5e", "v6e", "v5p")
 _TOPOLOGY_RE = re.compile(r"^(v5e|v6e|v5p):(\d+(?:x\d+){1,2})$")
 
@@ -193,6 +233,7 @@ class DeviceConfig:
     topology: str | None = None
 
     def __post_init__(self) -> None:
+        check_compilation_config(self.compilation_config)
         if self.warmup not in ("auto", "none", "decode", "all"):
             raise ConfigError(f"--warmup must be one of auto, none, decode, all; got {self.warmup!r}.")
         if self.topology is not None:
@@ -441,12 +482,15 @@ class EngineArgs:
             backend=backend,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
-            compilation_config=dict(self.compilation_config or {}),
+            compilation_config=dict(check_compilation_config(self.compilation_config or {})),
             compilation_cache_dir=self.compilation_cache_dir,
             warmup=self.warmup,
             min_token_bucket=self.min_token_bucket,
             min_seq_bucket=self.min_seq_bucket,
             topology=self.topology,
         )
+        if vllm_only := [k for k in VLLM_COMPILATION_CONFIG_KEYS if k in device_config.compilation_config]:
+            logger.warning("--compilation-config %s: vLLM's torch.compile options, a no-op in xlaserve",
+                           ", ".join(vllm_only))
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             StructuredOutputsConfig.from_dict(self.structured_outputs_config))
