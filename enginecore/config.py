@@ -319,48 +319,51 @@ SERVE_CPU_SHARED_PREFILL_TOKENS = 128
 
 @dataclass
 class EngineArgs:
-    """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs)."""
+    """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs).
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    served_model_name: list[str] | str | None = None
-    generation_config: str = "auto"
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    load_format: str = "auto"
-    quantization: str | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    max_shared_prefill_tokens: int | None = None
-    scheduling_policy: str = "fcfs"
-    max_waiting_requests: int = 4096
-    async_scheduling: bool = True
-    stream_interval: int = 1
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    platform: str = "auto"
-    backend: str = "auto"
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
+    A flag's default is its config group's (`ModelConfig.dtype`, as vLLM writes them); the few that differ are
+    None or "auto" where `create_engine_config` decides them for the platform and say so."""
+
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    seed: int = ModelConfig.seed
+    served_model_name: list[str] | str | None = ModelConfig.served_model_name
+    generation_config: str = ModelConfig.generation_config
+    max_logprobs: int = ModelConfig.max_logprobs
+    load_format: str = ModelConfig.load_format
+    quantization: str | None = ModelConfig.quantization
+    block_size: int = CacheConfig.block_size
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    max_num_seqs: int | None = None  # None: the platform's (`_max_num_seqs`)
+    max_num_batched_tokens: int | None = None  # None: the platform's and the chunking's (`create_engine_config`)
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    max_shared_prefill_tokens: int | None = None  # None: no cap, or serve's on a CPU (`apply_serving_defaults`)
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    max_waiting_requests: int = SchedulerConfig.max_waiting_requests
+    async_scheduling: bool = SchedulerConfig.async_scheduling
+    stream_interval: int = SchedulerConfig.stream_interval
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    platform: str = "auto"  # DeviceConfig holds the resolved one
+    backend: str = "auto"  # DeviceConfig holds the resolved one
+    enforce_eager: bool = DeviceConfig.enforce_eager
+    attention_backend: str = DeviceConfig.attention_backend
     compilation_config: dict | None = None
-    compilation_cache_dir: str | None = None
-    warmup: str = "auto"
-    min_token_bucket: int | None = None
-    min_seq_bucket: int | None = None
-    topology: str | None = None
+    compilation_cache_dir: str | None = DeviceConfig.compilation_cache_dir
+    warmup: str = DeviceConfig.warmup
+    min_token_bucket: int | None = DeviceConfig.min_token_bucket
+    min_seq_bucket: int | None = DeviceConfig.min_seq_bucket
+    topology: str | None = DeviceConfig.topology
     structured_outputs_config: dict | None = None
 
     @classmethod
@@ -395,6 +398,11 @@ class EngineArgs:
         if self.max_shared_prefill_tokens is None:
             self.max_shared_prefill_tokens = SERVE_CPU_SHARED_PREFILL_TOKENS
 
+    def _group(self, group: type, **decided: Any) -> Any:
+        """`group` from the flags of its fields' names, with `decided` (values resolved here) in place of those."""
+        flags = {f.name: getattr(self, f.name) for f in dataclasses.fields(group) if f.name not in decided}
+        return group(**flags, **decided)
+
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
         from enginecore.platform import cpu_auto_backend, resolve_platform_and_backend
@@ -413,7 +421,7 @@ class EngineArgs:
                                   f"{backend} --platform {platform}); without it GGUF weights are dequantized")
             if self.tensor_parallel_size != 1:
                 raise ConfigError("--quantization gguf does not run with --tensor-parallel-size > 1")
-        max_model_len = self.max_model_len or model_max_len or 8192
+        max_model_len = self.max_model_len or model_max_len or SchedulerConfig.max_model_len
         if model_max_len is not None and self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} is larger than the model's maximum "
@@ -422,18 +430,8 @@ class EngineArgs:
         served = self.served_model_name
         if isinstance(served, str):
             served = [served]
-        model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-            seed=self.seed,
-            served_model_name=tuple(served) if served else None,
-            generation_config=self.generation_config,
-            max_logprobs=self.max_logprobs,
-            load_format=self.load_format,
-            quantization=self.quantization,
-        )
+        model_config = self._group(ModelConfig, max_model_len=max_model_len,
+                                   served_model_name=tuple(served) if served else None)
         max_num_seqs = self._max_num_seqs(platform)
         if self.max_num_batched_tokens is not None:
             mnbt = self.max_num_batched_tokens
@@ -442,33 +440,11 @@ class EngineArgs:
         else:
             mnbt = max(max_model_len, 2048)
         mnbt = max(mnbt, max_num_seqs) if self.max_num_batched_tokens is None else mnbt
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=mnbt,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            max_shared_prefill_tokens=self.max_shared_prefill_tokens or 0,
-            scheduling_policy=self.scheduling_policy,
-            max_model_len=max_model_len,
-            max_waiting_requests=self.max_waiting_requests,
-            async_scheduling=self.async_scheduling,
-            stream_interval=self.stream_interval,
-        )
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-        )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-        )
+        scheduler_config = self._group(SchedulerConfig, max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt,
+                                       max_shared_prefill_tokens=self.max_shared_prefill_tokens or 0,
+                                       max_model_len=max_model_len)
+        cache_config = self._group(CacheConfig)
+        parallel_config = self._group(ParallelConfig)
         if self.attention_backend not in ("auto", "reference", "pallas", "triton", "torch"):
             raise ConfigError(
                 f"--attention-backend must be auto, reference, pallas, triton or torch; got {self.attention_backend!r}."
@@ -477,18 +453,8 @@ class EngineArgs:
             raise ConfigError("--attention-backend pallas needs --backend jax.")
         if self.attention_backend in ("triton", "torch") and backend != "torch":
             raise ConfigError(f"--attention-backend {self.attention_backend} needs --backend torch.")
-        device_config = DeviceConfig(
-            platform=platform,
-            backend=backend,
-            enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend,
-            compilation_config=dict(check_compilation_config(self.compilation_config or {})),
-            compilation_cache_dir=self.compilation_cache_dir,
-            warmup=self.warmup,
-            min_token_bucket=self.min_token_bucket,
-            min_seq_bucket=self.min_seq_bucket,
-            topology=self.topology,
-        )
+        device_config = self._group(DeviceConfig, platform=platform, backend=backend,
+                                    compilation_config=dict(check_compilation_config(self.compilation_config or {})))
         if vllm_only := [k for k in VLLM_COMPILATION_CONFIG_KEYS if k in device_config.compilation_config]:
             logger.warning("--compilation-config %s: vLLM's torch.compile options, a no-op in xlaserve",
                            ", ".join(vllm_only))
