@@ -35,7 +35,12 @@ class EnvVar:
 
     def read(self, environ: Mapping[str, str] | None = None) -> Any:
         raw = (os.environ if environ is None else environ).get(self.name)
-        return self.default() if raw is None else self.parse(raw)
+        if raw is None:
+            return self.default()
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r}: {e}") from None
 
 
 def _truthy(*values: str, strip: bool = False) -> Callable[[str], bool]:
@@ -52,16 +57,6 @@ def _not_off(raw: str) -> bool:
 
 def _cpu_kernels(raw: str) -> str:
     return raw if raw in CPU_KERNELS_OFF else "auto"
-
-
-def _float(name: str) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number (seconds)") from None
-
-    return parse
 
 
 def _strip(raw: str) -> str:
@@ -101,7 +96,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _V("VLLM_API_KEY", "unset", _const(None), _text,
        "The API key `serve` requires without --api-key, and the one `chat` / `complete` send without "
        "--api-key or OPENAI_API_KEY (vLLM's name)."),
-    _V("VLLM_LOG_STATS_INTERVAL", "10", _const(10.0), _float("VLLM_LOG_STATS_INTERVAL"),
+    _V("VLLM_LOG_STATS_INTERVAL", "10", _const(10.0), float,
        "Seconds between the server's stats lines (vLLM's name)."),
     _V("VLLM_SERVER_DEV_MODE", "0", _const(False), _truthy("1", "true", "yes", "on", strip=True),
        "`1`: the server's development endpoints, /reset_prefix_cache and /server_info (vLLM's name)."),
@@ -110,7 +105,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _V("XLASERVE_TEST_BACKEND", "each test's own", _const(None), _text,
        "Tests only: the backend the server tests start (tests/test_api_server.py: jax where importable, else "
        "torch; tests/test_structured_outputs_server.py: torch).", test_only=True),
-    _V("XLASERVE_TEST_STARTUP_TIMEOUT", "600", _const(600.0), _float("XLASERVE_TEST_STARTUP_TIMEOUT"),
+    _V("XLASERVE_TEST_STARTUP_TIMEOUT", "600", _const(600.0), float,
        "Tests only: seconds a test server may take to get ready (tests/test_api_server.py).", test_only=True),
 )
 environment_variables: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}

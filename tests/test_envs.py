@@ -65,7 +65,7 @@ def test_values_are_parsed_at_each_access(monkeypatch, name, raw, value):
 
 def test_bad_numbers_name_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "often")
-    with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL='often' is not a number"):
+    with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL='often': could not convert"):
         envs.VLLM_LOG_STATS_INTERVAL
 
 
