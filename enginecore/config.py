@@ -185,8 +185,8 @@ def check_compilation_config(value: Any) -> dict:
         raise ConfigError(f"--compilation-config must be a JSON object (or -O LEVEL), got {value!r}.")
     unknown = sorted(set(value) - COMPILATION_CONFIG_KEYS.keys() - set(VLLM_COMPILATION_CONFIG_KEYS))
     if unknown:
-        hint = " (the compilation cache folder is --compilation-cache-dir)" if {"cache_dir", "local_cache_dir"} & set(
-            unknown) else ""
+        cache_keys = {"cache_dir", "local_cache_dir"} & set(unknown)
+        hint = " (the compilation cache folder is --compilation-cache-dir)" if cache_keys else ""
         raise ConfigError(
             f"--compilation-config: unknown key(s) {', '.join(map(repr, unknown))}{hint}. xlaserve reads "
             f"{', '.join(COMPILATION_CONFIG_KEYS)}; vLLM's {', '.join(VLLM_COMPILATION_CONFIG_KEYS)} are accepted "
@@ -302,18 +302,16 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
-# A server's step budget on a CPU. A step there is compute-bound from a few rows on, so a 2048-token prefill
-# chunk holds every running request's next token for its whole length (~2 s for the embedded model on 2 cores):
-# 512-token chunks cut the median TTFT at concurrency 16 from 2.4 s to 1.45 s at the same output tok/s
-# (benchmarks/README.md, bench_peers, session 26). Offline (`LLM`) keeps 2048: there the larger chunks ran
-# 2-5% faster.
+# A server's step budget on a CPU. A step there is compute-bound from a few rows on, so a long prefill chunk holds
+# every running request's next token for its whole length: smaller chunks cut the median TTFT under load at the
+# same output tok/s. Offline (`LLM`) keeps 2048, where larger chunks ran faster. Measured with `python -m
+# benchmarks.bench_peers --servers ours --concurrency 1,4,16` (benchmarks/HISTORY.md, bench_peers).
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 512
 # ... and its prompt tokens while more than one request could share a step (`SchedulerConfig.
-# max_shared_prefill_tokens`). Prompts that arrive together then get their first tokens one after the other
-# instead of all at the end of one long step, and running requests' next tokens wait for 128 prompt tokens, not
-# 512: median TTFT at concurrency 4 / 16 ~0.6x / ~0.4x, output tok/s 0.92-1.05x (benchmarks/README.md,
-# session 34). A request alone keeps the 512-token steps (a 1500-token prompt's TTFT 4-11% shorter than in
-# 128-token chunks).
+# max_shared_prefill_tokens`): prompts that arrive together then get their first tokens one after the other instead
+# of all at the end of one long step, and running requests' next tokens wait for 128 prompt tokens, not 512 (lower
+# median TTFT at concurrency 4 and 16, about the same output tok/s; the same bench_peers command, `--ours-args
+# "--max-shared-prefill-tokens 0"` for the uncapped steps). A request alone keeps the 512-token steps.
 SERVE_CPU_SHARED_PREFILL_TOKENS = 128
 
 
