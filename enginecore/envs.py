@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "xlaserve")
@@ -108,7 +109,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _V("XLASERVE_TEST_STARTUP_TIMEOUT", "600", _const(600.0), float,
        "Tests only: seconds a test server may take to get ready (tests/test_api_server.py).", test_only=True),
 )
-environment_variables: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
+environment_variables: Mapping[str, EnvVar] = MappingProxyType({v.name: v for v in ENV_VARS})
 
 if TYPE_CHECKING:
     XLASERVE_CACHE: str
