@@ -32,7 +32,7 @@ class EnvVar:
     default: Callable[[], Any]
     parse: Callable[[str], Any]
     why: str
-    test_only: bool = False  # read by tests/ (or benchmarks/), never by the engine or the server
+    test_only: bool = False  # read by tests/ alone (directly: they need not import the engine), never by the server
 
     def read(self, environ: Mapping[str, str] | None = None) -> Any:
         raw = (os.environ if environ is None else environ).get(self.name)
