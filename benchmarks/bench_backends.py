@@ -19,7 +19,7 @@ that roofline.
 --rounds N runs the engines N times in turn (the order rotated each round) and reports each engine's median
 tok/s, and each ratio as the median of the rounds' ratios with its range: on a shared VM whose speed drifts
 by up to 2x between minutes, engines measured minutes apart can differ more than the engines themselves
-(batch 32, one round each, three runs within an hour: jax/HF 1.4x, 1.7x and 1.8x).
+(benchmarks/README.md, bench_backends).
 
 An engine may name a KV-cache dtype, `--engines torch,torch:float16,transformers`: our engine with
 `--kv-cache-dtype float16` (half the bytes a decode step's attention reads; not float32's bits); and

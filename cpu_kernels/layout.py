@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from enginecore import envs
 from enginecore.arch import ArchConfig, fused_slices, weight_spec
 from enginecore.model_loader import GGUF_FORMS, Int4Groups, Int8Groups, Iq4Groups, ModelSource, WideGroups
 
@@ -34,20 +35,13 @@ QX_KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "BF16": 3, "Q4_K": 4, "I8": 5, "F16
 GGUF_TYPES = tuple(t for form in GGUF_FORMS for t in form.TYPES)
 # steps of at most this many rows multiply a weight's `qx_gemm` panels (where it has them) instead of its float32
 # ones: the same bits in fewer bytes (Q4 0.16, Q8_0 0.27, BF16 0.5 of float32's), until rebuilding the weights
-# costs more than streaming float32 (`max_rows(lib)` picks the table of the tiles that run). QX_MAX_ROWS: the
-# 256-bit tiles, which rebuild them for every 4 (BF16, F16: 6) rows (a decode step's linears, SmolLM2-135M, 2-core
-# Zen 4, `bench_kernels_ab --what qx [--qx-kind bf16]`: Q4 2.9x at 1 row, 2.3x at 4, 1.0-1.25x at 8, 0.8x at 12;
-# BF16 1.9x at 1, 2.1x at 4, 1.8x at 6, 1.4x at 8, 1.1x at 12, 1.04x at 16; Q4_K as Q4_1; I8 2.2x at 1, 1.6x at 4,
-# 1.1-1.3x at 8, 0.9x at 10; F16 as BF16; IQ4 as Q4). QX512_MAX_ROWS: the AVX-512 tiles, which rebuild them once
-# for up to 16 rows (session 36, the same machine: Q4_1, Q4_K, I8 and IQ4 1.8-2.9x at 1 row, 1.9x at 4, 1.35-1.4x
-# at 8, 1.05-1.07x at 12, 1.05-1.12x at 16, 1.01-1.05x at 20, 0.91-0.93x at 24; BF16 and F16 1.2x at 16, 1.15x at
-# 20, 1.03x at 24). The 256-bit tiles run where the CPU has no AVX-512 (or the compiler predates GCC 10), so their
-# limits are now a Zen 3's: on a 2-core one (session 37) Q4 2.15x at 1 row, 1.7x at 4, 1.13x at 8, 0.92x at 12; BF16
-# 1.5x at 1 and 4, 0.96x at 8-16; I8 1.2-1.3x at 1-4, 0.93x at 8; then (session 38) float32's panels took the k-blocked
-# order from 6 rows there (the C file's COMPUTE_BOUND_ROWS_AVX2), and against it (`--rows 5,6,7,8,10 --reps 12`, best /
-# median) Q4 ran 1.39 / 1.31x at 5, 0.97 / 0.93x at 6, 1.07-1.15x at 7-8, 0.80-0.85x at 10; BF16 1.61-1.69x at 5, 1.30x
-# at 6, 0.95-1.11x at 7-8, 0.88-0.94x at 10, 0.71-0.81x at 12; I8 0.85-0.96x at 5-8, 0.70x at 10: BF16 and F16 stop at 8
-# (were 12), I8 at 4 (was 8). BDOT: every step (no float32 panels)
+# costs more than streaming float32 (`max_rows(lib)` picks the table of the tiles that run). Each limit is the
+# largest row count at which the stored panels still beat float32's, measured with `python -m
+# benchmarks.bench_kernels_ab --what qx [--qx-kind bf16|i8|q4k|iq4|f16] --rows ...` (the results in
+# benchmarks/README.md and HISTORY.md, bench_kernels_ab). QX_MAX_ROWS: the 256-bit tiles, which rebuild the
+# weights for every 4 (BF16, F16: 6) rows; they run where the CPU has no AVX-512, so their limits are set on a
+# Zen 3 against float32's k-blocked order from 6 rows (the C file's COMPUTE_BOUND_ROWS_AVX2). QX512_MAX_ROWS: the
+# AVX-512 tiles, which rebuild them once for up to 16 rows (set on a Zen 4). BDOT: every step (no float32 panels)
 QX_MAX_ROWS = {QX_KINDS["Q4_0"]: 8, QX_KINDS["Q4_1"]: 8, QX_KINDS["Q8_0"]: 8, QX_KINDS["BF16"]: 8,
                QX_KINDS["Q4_K"]: 8, QX_KINDS["I8"]: 4, QX_KINDS["F16"]: 8, QX_KINDS["IQ4"]: 8,
                QX_KINDS["BDOT"]: 1 << 30}
@@ -84,9 +78,7 @@ def max_rows(lib) -> dict[int, int]:
 def enabled() -> bool:
     """Whether the runners keep the weights as stored beside float32 (`XLASERVE_Q4X=off`: float32 only, every
     kind; the variable is named for the first)."""
-    import os
-
-    return os.environ.get("XLASERVE_Q4X", "on") != "off"
+    return envs.XLASERVE_Q4X
 
 
 def bf16_exact(w: np.ndarray, chunk: int = 1 << 20) -> bool:

@@ -11,6 +11,8 @@ import threading
 
 import numpy as np
 
+from enginecore import envs
+
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 
 
@@ -57,13 +59,14 @@ def populate_in_background(addr: int, nbytes: int, chunk: int = 32 << 20, owner=
     time (madvise MADV_POPULATE_WRITE: each page faulted in writable, its contents untouched, so steps may write
     the memory meanwhile); returns an Event that stops it (set it before the memory is unmapped). A CPU KV cache
     is a mapping the OS hands out page by page as steps first write it (fast to start); the first write of a
-    page then costs a fault, ~2.3 s a GiB of huge pages on a 2-core Zen 4 (a 4096-token prefill's KV writes
-    0.22 s of its 3.0 s, the next pass 0.014 s): this moves that work off the steps, to while a new server
-    waits for requests. Where the kernel has no MADV_POPULATE_WRITE (or outside Linux) the thread stops at once
-    and the pages come as steps write them, as before. `XLASERVE_KV_POPULATE=off` turns it off. `owner` (the
+    page then costs a fault, seconds a GiB of huge pages (docs/design-notes.md): this moves that work off the
+    steps, to while a new server waits for requests (`python -m benchmarks.bench_peers --servers ours` with
+    `XLASERVE_KV_POPULATE=off` against on; benchmarks/HISTORY.md, bench_peers). Where the kernel has no
+    MADV_POPULATE_WRITE (or outside Linux) the thread stops at once and the pages come as steps write them, as
+    before. `XLASERVE_KV_POPULATE=off` turns it off. `owner` (the
     array that holds the mapping) is kept alive until the thread ends."""
     stop = threading.Event()
-    if os.environ.get("XLASERVE_KV_POPULATE", "on") == "off" or not sys.platform.startswith("linux") or nbytes <= 0:
+    if not envs.XLASERVE_KV_POPULATE or not sys.platform.startswith("linux") or nbytes <= 0:
         stop.set()
         return stop
 

@@ -472,7 +472,7 @@ class DecodeLayers:
     (`step`: of any step, `step_layers`): the kernels the Python layers call, in their order, so the hidden states
     are bit-identical to `Transformer.forward`'s with these kernels; ~15 Python-level calls a layer fewer (a step
     of 15 decodes and a 126-token prompt chunk of the embedded model: 156-174 -> 150-151 ms in float32, 91-108 ->
-    85-86 ms in bfloat16, session 36).
+    85-86 ms in bfloat16).
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
     torch's own 4-bit kernel, tensor parallelism, q/k norms, another attention backend); then the model runs

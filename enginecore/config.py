@@ -9,12 +9,15 @@ blocks, buckets) do not live here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
+
+logger = logging.getLogger("xlaserve.config")
 
 
 class ConfigError(ValueError):
@@ -154,6 +157,43 @@ class ParallelConfig:
             raise ConfigError("--tensor-parallel-size and --data-parallel-size must be at least 1.")
 
 
+# --compilation-config keys the backends read (jaxengine.runner, torchengine.runner) and what each does
+COMPILATION_CONFIG_KEYS = {
+    "cpu_linears": "jax on a CPU: linears and LM head on the CPU kernels (default true)",
+    "cpu_decode_attention": "jax on a CPU: attention over the KV cache on the CPU kernels (default true)",
+    "cpu_layers": "jax on a CPU: every layer of a step in one kernel call, not a scan over layers (default true)",
+    "scan_layers": "jax: the layers as one scanned program (default true)",
+    "sampler_method": "jax: how the sampler finds top-k / top-p tokens (default topk)",
+    "logits_chunk_rows": "jax: rows of the LM head and sampler at a time (default 64 on a CPU, else all)",
+    "weights_first_rows": "jax: steps of up to this many rows multiply weights first (default 32 on a CPU)",
+    "store_executables": "jax on a CPU: keep serialized executables in the compilation cache (default true)",
+    "cudagraph_capture_sizes": "torch on CUDA: the decode batch sizes captured as CUDA graphs (default all)",
+}
+# vLLM's keys for its torch.compile / Inductor / CUDA-graph pipeline, which xlaserve does not have: accepted (with a
+# warning) so that vLLM command lines such as `-O3` start; they cannot change what is computed here
+VLLM_COMPILATION_CONFIG_KEYS = (
+    "level", "mode", "backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
+    "inductor_compile_config", "inductor_passes", "pass_config", "cudagraph_mode", "use_cudagraph",
+    "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph", "max_capture_size",
+    "max_cudagraph_capture_size", "use_inductor_graph_partition", "debug_dump_path", "compile_mm_encoder",
+)
+
+
+def check_compilation_config(value: Any) -> dict:
+    """`--compilation-config` as a dict, or a ConfigError naming each unknown key and the accepted ones."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"--compilation-config must be a JSON object (or -O LEVEL), got {value!r}.")
+    unknown = sorted(set(value) - COMPILATION_CONFIG_KEYS.keys() - set(VLLM_COMPILATION_CONFIG_KEYS))
+    if unknown:
+        cache_keys = {"cache_dir", "local_cache_dir"} & set(unknown)
+        hint = " (the compilation cache folder is --compilation-cache-dir)" if cache_keys else ""
+        raise ConfigError(
+            f"--compilation-config: unknown key(s) {', '.join(map(repr, unknown))}{hint}. xlaserve reads "
+            f"{', '.join(COMPILATION_CONFIG_KEYS)}; vLLM's {', '.join(VLLM_COMPILATION_CONFIG_KEYS)} are accepted "
+            "and do nothing here.")
+    return value
+
+
 TPU_CHIPS = ("v5e", "v6e", "v5p")
 _TOPOLOGY_RE = re.compile(r"^(v5e|v6e|v5p):(\d+(?:x\d+){1,2})$")
 
@@ -193,6 +233,7 @@ class DeviceConfig:
     topology: str | None = None
 
     def __post_init__(self) -> None:
+        check_compilation_config(self.compilation_config)
         if self.warmup not in ("auto", "none", "decode", "all"):
             raise ConfigError(f"--warmup must be one of auto, none, decode, all; got {self.warmup!r}.")
         if self.topology is not None:
@@ -261,65 +302,66 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
-# A server's step budget on a CPU. A step there is compute-bound from a few rows on, so a 2048-token prefill
-# chunk holds every running request's next token for its whole length (~2 s for the embedded model on 2 cores):
-# 512-token chunks cut the median TTFT at concurrency 16 from 2.4 s to 1.45 s at the same output tok/s
-# (benchmarks/README.md, bench_peers, session 26). Offline (`LLM`) keeps 2048: there the larger chunks ran
-# 2-5% faster.
+# A server's step budget on a CPU. A step there is compute-bound from a few rows on, so a long prefill chunk holds
+# every running request's next token for its whole length: smaller chunks cut the median TTFT under load at the
+# same output tok/s. Offline (`LLM`) keeps 2048, where larger chunks ran faster. Measured with `python -m
+# benchmarks.bench_peers --servers ours --concurrency 1,4,16` (benchmarks/HISTORY.md, bench_peers).
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 512
 # ... and its prompt tokens while more than one request could share a step (`SchedulerConfig.
-# max_shared_prefill_tokens`). Prompts that arrive together then get their first tokens one after the other
-# instead of all at the end of one long step, and running requests' next tokens wait for 128 prompt tokens, not
-# 512: median TTFT at concurrency 4 / 16 ~0.6x / ~0.4x, output tok/s 0.92-1.05x (benchmarks/README.md,
-# session 34). A request alone keeps the 512-token steps (a 1500-token prompt's TTFT 4-11% shorter than in
-# 128-token chunks).
+# max_shared_prefill_tokens`): prompts that arrive together then get their first tokens one after the other instead
+# of all at the end of one long step, and running requests' next tokens wait for 128 prompt tokens, not 512 (lower
+# median TTFT at concurrency 4 and 16, about the same output tok/s; the same bench_peers command, `--ours-args
+# "--max-shared-prefill-tokens 0"` for the uncapped steps). A request alone keeps the 512-token steps.
 SERVE_CPU_SHARED_PREFILL_TOKENS = 128
 
 
 @dataclass
 class EngineArgs:
-    """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs)."""
+    """Every engine flag, named as the CLI flag with underscores (vLLM's EngineArgs).
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    served_model_name: list[str] | str | None = None
-    generation_config: str = "auto"
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    load_format: str = "auto"
-    quantization: str | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    max_shared_prefill_tokens: int | None = None
-    scheduling_policy: str = "fcfs"
-    max_waiting_requests: int = 4096
-    async_scheduling: bool = True
-    stream_interval: int = 1
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    platform: str = "auto"
-    backend: str = "auto"
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
+    A flag's default is its config group's (`ModelConfig.dtype`, as vLLM writes them); the few that differ are
+    None or "auto" where `create_engine_config` decides them for the platform and say so."""
+
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    seed: int = ModelConfig.seed
+    served_model_name: list[str] | str | None = ModelConfig.served_model_name
+    generation_config: str = ModelConfig.generation_config
+    max_logprobs: int = ModelConfig.max_logprobs
+    load_format: str = ModelConfig.load_format
+    quantization: str | None = ModelConfig.quantization
+    block_size: int = CacheConfig.block_size
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    max_num_seqs: int | None = None  # None: the platform's (`_max_num_seqs`)
+    max_num_batched_tokens: int | None = None  # None: the platform's and the chunking's (`create_engine_config`)
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    max_shared_prefill_tokens: int | None = None  # None: no cap, or serve's on a CPU (`apply_serving_defaults`)
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    max_waiting_requests: int = SchedulerConfig.max_waiting_requests
+    async_scheduling: bool = SchedulerConfig.async_scheduling
+    stream_interval: int = SchedulerConfig.stream_interval
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    platform: str = "auto"  # DeviceConfig holds the resolved one
+    backend: str = "auto"  # DeviceConfig holds the resolved one
+    enforce_eager: bool = DeviceConfig.enforce_eager
+    attention_backend: str = DeviceConfig.attention_backend
     compilation_config: dict | None = None
-    compilation_cache_dir: str | None = None
-    warmup: str = "auto"
-    min_token_bucket: int | None = None
-    min_seq_bucket: int | None = None
-    topology: str | None = None
+    compilation_cache_dir: str | None = DeviceConfig.compilation_cache_dir
+    warmup: str = DeviceConfig.warmup
+    min_token_bucket: int | None = DeviceConfig.min_token_bucket
+    min_seq_bucket: int | None = DeviceConfig.min_seq_bucket
+    topology: str | None = DeviceConfig.topology
     structured_outputs_config: dict | None = None
 
     @classmethod
@@ -354,6 +396,11 @@ class EngineArgs:
         if self.max_shared_prefill_tokens is None:
             self.max_shared_prefill_tokens = SERVE_CPU_SHARED_PREFILL_TOKENS
 
+    def _group(self, group: type, **decided: Any) -> Any:
+        """`group` from the flags of its fields' names, with `decided` (values resolved here) in place of those."""
+        flags = {f.name: getattr(self, f.name) for f in dataclasses.fields(group) if f.name not in decided}
+        return group(**flags, **decided)
+
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Validate and freeze. `model_max_len` is the model's own limit, if known."""
         from enginecore.platform import cpu_auto_backend, resolve_platform_and_backend
@@ -372,7 +419,7 @@ class EngineArgs:
                                   f"{backend} --platform {platform}); without it GGUF weights are dequantized")
             if self.tensor_parallel_size != 1:
                 raise ConfigError("--quantization gguf does not run with --tensor-parallel-size > 1")
-        max_model_len = self.max_model_len or model_max_len or 8192
+        max_model_len = self.max_model_len or model_max_len or SchedulerConfig.max_model_len
         if model_max_len is not None and self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} is larger than the model's maximum "
@@ -381,18 +428,8 @@ class EngineArgs:
         served = self.served_model_name
         if isinstance(served, str):
             served = [served]
-        model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-            seed=self.seed,
-            served_model_name=tuple(served) if served else None,
-            generation_config=self.generation_config,
-            max_logprobs=self.max_logprobs,
-            load_format=self.load_format,
-            quantization=self.quantization,
-        )
+        model_config = self._group(ModelConfig, max_model_len=max_model_len,
+                                   served_model_name=tuple(served) if served else None)
         max_num_seqs = self._max_num_seqs(platform)
         if self.max_num_batched_tokens is not None:
             mnbt = self.max_num_batched_tokens
@@ -401,33 +438,11 @@ class EngineArgs:
         else:
             mnbt = max(max_model_len, 2048)
         mnbt = max(mnbt, max_num_seqs) if self.max_num_batched_tokens is None else mnbt
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=mnbt,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            max_shared_prefill_tokens=self.max_shared_prefill_tokens or 0,
-            scheduling_policy=self.scheduling_policy,
-            max_model_len=max_model_len,
-            max_waiting_requests=self.max_waiting_requests,
-            async_scheduling=self.async_scheduling,
-            stream_interval=self.stream_interval,
-        )
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-        )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-        )
+        scheduler_config = self._group(SchedulerConfig, max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt,
+                                       max_shared_prefill_tokens=self.max_shared_prefill_tokens or 0,
+                                       max_model_len=max_model_len)
+        cache_config = self._group(CacheConfig)
+        parallel_config = self._group(ParallelConfig)
         if self.attention_backend not in ("auto", "reference", "pallas", "triton", "torch"):
             raise ConfigError(
                 f"--attention-backend must be auto, reference, pallas, triton or torch; got {self.attention_backend!r}."
@@ -436,17 +451,10 @@ class EngineArgs:
             raise ConfigError("--attention-backend pallas needs --backend jax.")
         if self.attention_backend in ("triton", "torch") and backend != "torch":
             raise ConfigError(f"--attention-backend {self.attention_backend} needs --backend torch.")
-        device_config = DeviceConfig(
-            platform=platform,
-            backend=backend,
-            enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend,
-            compilation_config=dict(self.compilation_config or {}),
-            compilation_cache_dir=self.compilation_cache_dir,
-            warmup=self.warmup,
-            min_token_bucket=self.min_token_bucket,
-            min_seq_bucket=self.min_seq_bucket,
-            topology=self.topology,
-        )
+        device_config = self._group(DeviceConfig, platform=platform, backend=backend,
+                                    compilation_config=dict(check_compilation_config(self.compilation_config or {})))
+        if vllm_only := [k for k in VLLM_COMPILATION_CONFIG_KEYS if k in device_config.compilation_config]:
+            logger.warning("--compilation-config %s: vLLM's torch.compile options, a no-op in xlaserve",
+                           ", ".join(vllm_only))
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, device_config,
                             StructuredOutputsConfig.from_dict(self.structured_outputs_config))

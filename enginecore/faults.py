@@ -24,10 +24,11 @@ matching request id (X-Request-Id) would trigger the fault.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Mapping
+
+from enginecore import envs
 
 ENV = "XLASERVE_FAULT_INJECTION"
 SITES = ("output", "update", "step")
@@ -60,9 +61,10 @@ class FaultInjector:
         return cls(tuple(rules))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector | None":
-        """None (the usual case) when the variable is unset or empty: call sites then cost one `is None`."""
-        spec = environ.get(ENV, "").strip()
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "FaultInjector | None":
+        """None (the usual case) when the variable is unset or empty: call sites then cost one `is None`.
+        `environ`: the process's environment unless given."""
+        spec = envs.environment_variables[ENV].read(environ)
         if not spec:
             return None
         injector = cls.parse(spec)

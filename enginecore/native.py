@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 
+from enginecore import envs
 from enginecore.platform import c_compiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +78,7 @@ def build_shared(name: str, units: list[tuple[str, str, list[str]]], link_flags:
         return None, f"cannot read the sources or query the compilers: {e}"
     link_flags = ["-shared", *link_flags]
     h.update(" ".join(link_flags).encode())
-    cache = os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "kernels")
+    cache = envs.cache_dir("kernels")
     path = os.path.join(cache, f"{name}-{h.hexdigest()[:16]}.so")
     if os.path.isfile(path):
         return path, ""

@@ -15,6 +15,7 @@ import os
 import platform as _platform
 import shutil
 
+from enginecore import envs
 from enginecore.config import DTYPE_ALIASES, ConfigError
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
@@ -65,8 +66,8 @@ def cpu_kernels_unavailable() -> str:
     link it) cannot run on this machine ("" if they can; building them can still fail, which
     `cpu_kernels.torch_ops.load` and `cpu_kernels.jax_ops.available` report).
     `XLASERVE_CPU_KERNELS=off` (or `torch`, its earlier name) turns them off: torch's and XLA's own ops run."""
-    setting = os.environ.get("XLASERVE_CPU_KERNELS", "auto")
-    if setting in ("off", "torch"):
+    setting = envs.XLASERVE_CPU_KERNELS
+    if setting in envs.CPU_KERNELS_OFF:
         return f"XLASERVE_CPU_KERNELS={setting}"
     if _platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({_platform.machine()})"
@@ -88,15 +89,12 @@ def cpu_auto_backend(dtype: str = "auto", data_parallel_size: int = 1, attention
     for its own features, orbax weights (the flag or the folder) and an XLA compilation cache, unless
     `--attention-backend torch` asks for torch.
 
-    Measured on a 2-core AVX2 machine (benchmarks/README.md, bench_peers, four interleaved runs): with the
-    kernels, torch serves the embedded model in float32 at 1.2-1.4x jax's output tokens/s at concurrency 1,
-    4 and 16; without them (torch's own ops) jax is the faster one. bfloat16: where the CPU multiplies bfloat16
-    natively (AVX512-BF16, AMX) torch: on AVX512-BF16 both backends multiply the linears in bfloat16 on the
-    kernels (QX_BDOT: the embedded model served at 1.5x float32's output tokens/s at concurrency 16 on a 2-core
-    Zen 4) and torch starts with nothing to compile; on AMX alone torch's own bfloat16 ops use oneDNN (a
-    decode step of the embedded model 30 ms at batch 1 on that Zen 4 against jax's 0.2 s: XLA:CPU multiplies
-    bfloat16 in float32, converting all the stacked weights to float32 every step; `cpu_dtype_note`); elsewhere
-    jax, as measured before.
+    Why: with the kernels torch serves float32 faster than jax; without them (torch's own ops) jax is the faster
+    one. bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX): torch, which on AVX512-BF16 runs the
+    linears in bfloat16 on the kernels (QX_BDOT) with nothing to compile, and on AMX alone uses oneDNN, where
+    XLA:CPU converts every stacked weight to float32 each step (`cpu_dtype_note`); elsewhere jax. Measured with
+    `python -m benchmarks.bench_peers --servers ours --ours-args "--backend jax"` against `--backend torch`
+    (benchmarks/README.md and HISTORY.md, bench_peers).
     """
     if data_parallel_size != 1 or tensor_parallel_size != 1 or attention_backend not in ("auto", "torch"):
         return "jax"
@@ -143,7 +141,7 @@ def cpu_dtype_note(dtype: str) -> str:
 
 
 # CPU: linears of 2 to this many rows run weights first (jaxengine.model.dense; torch's LM head), where
-# XLA:CPU and MKL are 1.4-3.5x faster than in the usual orientation (benchmarks/bench_dense.py)
+# XLA:CPU and MKL are faster than in the usual orientation (`python -m benchmarks.bench_dense`)
 CPU_WEIGHTS_FIRST_ROWS = 32
 
 

@@ -23,6 +23,7 @@ import threading
 import types
 from dataclasses import dataclass
 
+from enginecore import envs
 from enginecore.model_loader import ModelLoadError, ModelSource
 
 logger = logging.getLogger("xlaserve.tokenizer")
@@ -208,7 +209,7 @@ def _build_bpe_from_gguf(path: str, fast, reader=None):
 
 
 def _cache_dir() -> str:
-    return os.path.join(os.environ.get("XLASERVE_CACHE", os.path.expanduser("~/.cache/xlaserve")), "tokenizers")
+    return envs.cache_dir("tokenizers")
 
 
 def _load_gguf_tokenizer(path: str, reader=None):

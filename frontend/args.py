@@ -21,7 +21,7 @@ import re
 import sys
 import typing
 
-from enginecore.config import EngineArgs
+from enginecore.config import COMPILATION_CONFIG_KEYS, EngineArgs
 from frontend.reasoning_parsers import REASONING_PARSERS
 from frontend.tool_parsers import TOOL_PARSERS
 from frontend.vllm_compat import add_compat_flags, check_compat_flags
@@ -94,8 +94,10 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "enforce_eager": ("DeviceConfig", "No CUDA graphs / no jit of the step (debugging).", None),
     "attention_backend": ("DeviceConfig", "Attention implementation.",
                           ("auto", "reference", "pallas", "triton", "torch")),
-    "compilation_config": ("DeviceConfig", "Compilation options as JSON, e.g. '{\"level\": 3}'; also "
-                           "--compilation-config.level 3, -O3, -O.level 3.", None),
+    "compilation_config": ("DeviceConfig", "Compilation options as JSON, e.g. '{\"cpu_layers\": false}'; also "
+                           "--compilation-config.cpu_layers false, -O.cpu_layers false. Keys: "
+                           + ", ".join(COMPILATION_CONFIG_KEYS) + "; vLLM's (level, mode, backend, ...; -O3 is "
+                           "level 3) are accepted and do nothing; any other key is an error.", None),
     "compilation_cache_dir": ("DeviceConfig", "Persistent compilation cache folder.", None),
     "warmup": ("DeviceConfig", "Step shapes to compile (jax) / capture (torch, CUDA graphs) before serving: all "
                "(the default of `serve`), decode (pure-decode steps only), none (compile on first use), auto "

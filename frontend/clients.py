@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from enginecore import envs
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://localhost:8000/v1", help="The server's /v1 URL (default: %(default)s).")
@@ -36,7 +38,7 @@ def register(subparsers) -> None:
 def _connect(args):
     from openai import OpenAI
 
-    key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY") or "EMPTY"
+    key = args.api_key or os.environ.get("OPENAI_API_KEY") or envs.VLLM_API_KEY or "EMPTY"
     client = OpenAI(base_url=args.url, api_key=key, max_retries=0)
     model = args.model_name or client.models.list().data[0].id
     return client, model

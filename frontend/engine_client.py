@@ -389,9 +389,8 @@ class AsyncEngineClient:
         """Every message of the engine, in order. The socket's file descriptor wakes the loop when messages may
         have arrived (edge-triggered: ZeroMQ signals changes, not a level), so each wake drains the queue with
         non-blocking reads until it is empty, and ZMQ_EVENTS is asked once more before sleeping. zmq.asyncio's
-        futures and poller callbacks cost more than that a message: with them, and the stats decoded in every
-        message (the engine now sends them only when they change), the API process spent 0.91-1.05 ms of CPU a
-        streamed token at concurrency 1 on a 2-core VM; now 0.77-0.91 (its CPU is the engine's loss there)."""
+        futures and poller callbacks cost more than that a message, and on a CPU host the API process's CPU is the
+        engine's loss (the API process's CPU a streamed token: benchmarks/HISTORY.md, bench_peers)."""
         loop = asyncio.get_running_loop()
         sock = self._out
         fd = sock.getsockopt(zmq.FD)

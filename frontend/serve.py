@@ -26,13 +26,10 @@ import socket
 import sys
 import threading
 
+from enginecore import envs
 from frontend.args import build_serve_parser, parse_serve_args, serving_engine_args
 
 logger = logging.getLogger("xlaserve.serve")
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def register(subparsers) -> None:
@@ -101,15 +98,15 @@ def _http_options(ns: argparse.Namespace):
     from frontend.api_server import HTTPOptions
 
     keys = list(ns.api_key or [])
-    if not keys and os.environ.get("VLLM_API_KEY"):
-        keys = [os.environ["VLLM_API_KEY"]]
+    if not keys and envs.VLLM_API_KEY:
+        keys = [envs.VLLM_API_KEY]
     return HTTPOptions(
         api_keys=keys, root_path=ns.root_path or "", allowed_origins=ns.allowed_origins,
         allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
         allow_credentials=ns.allow_credentials, disable_fastapi_docs=ns.disable_fastapi_docs,
         enable_request_id_headers=ns.enable_request_id_headers,
         enable_server_load_tracking=ns.enable_server_load_tracking,
-        max_request_body_bytes=ns.max_request_body_bytes, dev_mode=env_flag("VLLM_SERVER_DEV_MODE"),
+        max_request_body_bytes=ns.max_request_body_bytes, dev_mode=envs.VLLM_SERVER_DEV_MODE,
     )
 
 
@@ -266,7 +263,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
         app = build_app(state, http_opts)
         server = _make_uvicorn_server(_uvicorn_config(ns, app),
                                       lambda forced: drain(state, client, ns.shutdown_timeout, forced))
-        keep_alive = env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+        keep_alive = envs.VLLM_KEEP_ALIVE_ON_ENGINE_DEATH
 
         def on_dead(reason: str) -> None:
             if keep_alive:
@@ -278,7 +275,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
 
         client.on_dead.append(on_dead)
         if not ns.disable_log_stats:
-            interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+            interval = envs.VLLM_LOG_STATS_INTERVAL
             stats_task = asyncio.create_task(StatsLogger(metrics, interval).run())
         where = f"unix:{ns.uds}" if ns.uds else f"http{'s' if ns.ssl_certfile else ''}://{ns.host}:{ns.port}"
         logger.info("xlaserve %s API server on %s serving %s (max_model_len %d, %d KV blocks of %d tokens)",

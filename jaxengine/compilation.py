@@ -25,13 +25,14 @@ import jax
 from jax import monitoring
 
 from cpu_kernels.build import sources_digest
+from enginecore import envs
 
 logger = logging.getLogger("xlaserve.jax")
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_MISS_EVENT = "/jax/compilation_cache/cache_misses"
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "xlaserve", "xla")
+DEFAULT_CACHE_DIR = envs.DEFAULT_XLA_CACHE_DIR
 
 
 class RecompilationError(RuntimeError):
@@ -39,12 +40,12 @@ class RecompilationError(RuntimeError):
 
 
 def check_recompilation_enabled() -> bool:
-    return os.environ.get("XLASERVE_CHECK_RECOMPILATION", "0").lower() in ("1", "true", "yes")
+    return envs.XLASERVE_CHECK_RECOMPILATION
 
 
 def resolve_cache_dir(configured: str | None) -> str | None:
     """--compilation-cache-dir, else $VLLM_XLA_CACHE_PATH, else the default. '' or 'none' disables."""
-    path = configured if configured is not None else os.environ.get("VLLM_XLA_CACHE_PATH", DEFAULT_CACHE_DIR)
+    path = configured if configured is not None else envs.VLLM_XLA_CACHE_PATH
     if path is None or path.strip().lower() in ("", "none", "off"):
         return None
     return os.path.abspath(os.path.expanduser(path))

@@ -305,3 +305,38 @@ def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
     monkeypatch.setattr(sys, "stderr", now)
     logging.getLogger("xlaserve.test").info("engine %s", "ready")
     assert "INFO" in now.getvalue() and "[xlaserve.test] engine ready" in now.getvalue()
+
+
+def test_unknown_compilation_config_keys_are_refused():
+    """--compilation-config keys the backends read and vLLM's (no-ops here) pass; any other is a ConfigError that
+    names it and the accepted keys, and `serve` exits 2 with that message before loading weights."""
+    from enginecore.config import COMPILATION_CONFIG_KEYS, VLLM_COMPILATION_CONFIG_KEYS
+
+    def config(*argv):
+        return engine_args_from_namespace(parse("--platform", "cpu", *argv)).create_engine_config(model_max_len=2048)
+
+    assert config("-O3", "--compilation-config.cpu_layers", "false").device_config.compilation_config == {
+        "level": 3, "cpu_layers": False}
+    assert config("-O.backend=inductor").device_config.compilation_config == {"backend": "inductor"}
+    for key in (*COMPILATION_CONFIG_KEYS, *VLLM_COMPILATION_CONFIG_KEYS):
+        EngineArgs(platform="cpu", compilation_config={key: 1}).create_engine_config(model_max_len=2048)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'cpu_layer', 'x'\. xlaserve reads cpu_linears, .*"
+                                          r"cudagraph_capture_sizes; vLLM's level, mode"):
+        config("--compilation-config", '{"x": {"y": 1}, "cpu_layer": false}')
+    with pytest.raises(ConfigError, match="--compilation-cache-dir"):
+        config("--compilation-config.cache_dir", "/tmp/c")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        config("--compilation-config", "3")
+    r = run_cli("serve", "--platform", "cpu", "--compilation-config.scan_layer", "false")
+    assert r.returncode == 2
+    assert "--compilation-config: unknown key(s) 'scan_layer'" in r.stderr
+
+
+def test_vllm_compilation_config_keys_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="xlaserve.config"):
+        EngineArgs(platform="cpu", compilation_config={"level": 3, "cpu_layers": True}).create_engine_config(2048)
+    assert "--compilation-config level: vLLM's torch.compile options, a no-op" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xlaserve.config"):
+        EngineArgs(platform="cpu", compilation_config={"cpu_layers": True}).create_engine_config(2048)
+    assert "compilation-config" not in caplog.text
