@@ -110,7 +110,7 @@ def test_tiny_arch_greedy_matches_transformers(arch, kernels, tiny_model_dir, pr
     if kernels == "torch":
         from cpu_kernels import torch_ops
 
-        monkeypatch.setattr(cpu_kernels, "lib", lambda: None)
+        monkeypatch.setattr(torch_ops, "lib", lambda: None)
     d = tiny_model_dir(arch)
     llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -137,13 +137,14 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
     """On a CPU with the kernels the LM head is packed in panels at load: the embedding and the logits are
     transformers', and greedy_tokens is the argmax of compute_logits at every row count (one arithmetic)."""
     from cpu_kernels import torch_ops
+    from torchengine.cpu_transform import CpuLMHead, apply_cpu_kernels
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     d = tiny_model_dir(arch)
     model = torch_llm(d).llm_engine.core.runner.model
     hf = hf_model(d)
-    assert model.head_panels is not None and model.lm_head is None
+    assert type(model.lm_head) is CpuLMHead and model.lm_head.panels is not None  # the [V, H] matrix freed
     ids = torch.tensor([0, 5, 49151, 1234, 16, 15])
     assert torch.equal(model.embed(ids), hf.model.embed_tokens.weight[ids])
     h = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
@@ -155,10 +156,10 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
             assert torch.equal(model.greedy_tokens(h[:n]), logits[:n].argmax(-1)), n
             assert torch.equal(model.compute_logits(h[:n]), logits[:n]), n
         assert model.compute_logits(h[:0]).shape == (0, 49152) and model.greedy_tokens(h[:0]) is None
-    assert model.pack_cpu_weights() == 0  # packed once
+    assert apply_cpu_kernels(model).packed == 0  # packed once
     # every linear and the head in one buffer (on huge pages where the OS gives them)
     storages = {m.panels.untyped_storage().data_ptr() for m in model.modules() if getattr(m, "panels", None) is not None}
-    assert storages == {model.head_panels.untyped_storage().data_ptr()}
+    assert storages == {model.lm_head.panels.untyped_storage().data_ptr()}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -270,17 +271,19 @@ def test_linear_packed_in_panels():
     """A packed Linear (every float32 linear on a CPU with the kernels): its matrix unpacks exactly, its
     outputs are the float64 product's (+ bias) at any row count, rows the same alone as together; no rows."""
     from cpu_kernels import torch_ops
+    from torchengine.cpu_transform import CpuLinear
     from torchengine.model import Linear
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     g = torch.Generator().manual_seed(0)
-    lin = Linear(70, 37, bias=True).requires_grad_(False)
+    dense = Linear(70, 37, bias=True).requires_grad_(False)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(37, 70, generator=g))
-        lin.bias.copy_(torch.randn(37, generator=g))
-    w = lin.weight.clone()
-    assert lin.pack() and lin.weight is None and not lin.pack()
+        dense.weight.copy_(torch.randn(37, 70, generator=g))
+        dense.bias.copy_(torch.randn(37, generator=g))
+    w = dense.weight.clone()
+    lin = CpuLinear.pack(dense, torch_ops.lib())
+    assert lin.panels is not None and not hasattr(lin, "weight")
     assert torch.equal(lin.matrix(), w)
     x = torch.randn(13, 70, generator=g)
     with torch.inference_mode():
