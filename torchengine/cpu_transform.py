@@ -147,7 +147,7 @@ class CpuRMSNorm(RMSNorm):
     any other input on torch's ops."""
 
     def __init__(self, norm: RMSNorm, lib: ctypes.CDLL):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # (not RMSNorm's: this one takes the loaded norm's weight, not a new one)
         self.eps, self.weight, self.lib = norm.eps, norm.weight, lib
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
