@@ -8,9 +8,10 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   machine);
 - the float32 glue of every CPU step (`rms_norm`, `rope_`, `silu_mul`, `kv_write`, `decode_attention`):
   one call each instead of several torch ops, whose dispatch costs more than their arithmetic at a decode
-  step's sizes (`torchengine.model` and `torchengine.attention` use them when `lib()` is not None);
+  step's sizes (`torchengine.cpu_transform`'s modules and `torchengine.attention` use them when `lib()` is not
+  None);
 - `panel_gemm`: every float32 linear of a CPU step (decoder linears and LM head, any number of rows), from
-  weights packed once at load in panels of 16 output rows (`pack_panels`, `Transformer.pack_cpu_weights`):
+  weights packed once at load in panels of 16 output rows (`pack_panels`, `torchengine.cpu_transform`):
   no horizontal sums, and for greedy steps the LM head's argmax folded into the tiles, so the [rows, vocab]
   logits are never written (at 64 rows of a hidden-64 model: 3.0 ms where f32_gemm's logits + argmax took
   5.5); 1.05-1.4x f32_gemm from 16 rows on, 1.5-2.7x at one row, on hot weights (bench_dense's shapes);
@@ -22,8 +23,8 @@ On an x86 CPU with AVX2, FMA and F16C and a C compiler (`$CC`, else `cc`/`gcc`):
   (BF16, F16) of the bytes;
 - `qx_gemm` of kind QX_BDOT: not a form of the float32 weights but bfloat16 products (`VDPBF16PS`, built with
   a target attribute, run where `bdot_supported()`: a CPU with AVX512-BF16): `--dtype bfloat16` on such a CPU
-  keeps the float32 model and multiplies every linear and the LM head so (`Transformer.pack_cpu_weights(bdot=
-  True)`), twice float32's multiply-adds a cycle;
+  keeps the float32 model and multiplies every linear and the LM head so (`bdot_panels`,
+  `torchengine.cpu_transform.apply_cpu_kernels(bdot=True)`), twice float32's multiply-adds a cycle;
 - `decode_layers` (`DecodeLayers`): all the layers of a decode step in one call, the kernels above in the
   order the Python layers call them (bit-identical hidden states), without ~15 Python-level calls a layer;
   `step_layers` (`DecodeLayers.step`) the same for any other step but one with prompt logprobs (prompt chunks
@@ -178,6 +179,13 @@ def pack_q8x(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(qx.pack_q8x(q, scale))
 
 
+def bdot_panels(panels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 panels [NP, K, 16] -> QX_BDOT's [NP, K / 32, 1024] bytes (`cpu_kernels.layout.bdot_panels`), into `out`
+    (contiguous uint8 of as many bytes) when given."""
+    dst = None if out is None else out.numpy().reshape(qx.bdot_shape(tuple(panels.shape)))
+    return torch.from_numpy(qx.bdot_panels(lib(), panels.numpy(), dst))
+
+
 def _qx_shape_ok(panels: torch.Tensor, N: int, K: int, kind: int) -> bool:
     """Whether `panels` are `cpu_kernels.layout`'s packers' (`pack_q4x`, `pack_q8x`, ...) of a [N, K] weight of `kind`
     (what qx_gemm reads)."""
@@ -255,8 +263,8 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 def huge_page_buffer(nfloats: int) -> torch.Tensor:
     """An uninitialised float32 [nfloats] tensor on transparent huge pages where the OS gives them
-    (`cpu_kernels.memory.huge_page_array`): `Transformer.pack_cpu_weights` packs every linear and the LM
-    head into one."""
+    (`cpu_kernels.memory.huge_page_array`): `torchengine.cpu_transform` packs every linear and the LM head
+    into one."""
     return torch.from_numpy(huge_page_array(nfloats, np.float32))
 
 
@@ -449,30 +457,21 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
                 + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS])
 
 
-def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
+def _linear_parts(m) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int] | None:
     """(float32 weight panels, bias, 4-bit blocks or None, their row limit) of a decoder linear the C layers can
-    run: a packed `torchengine.model.Linear` (its `qx` panels go separately; QX_BDOT's have no float32 panels: None),
-    or `torchengine.quant.Int4Linear` on this library's Q4 kernel."""
-    from torchengine.model import Linear
-    from torchengine.quant import Int4Linear
-
-    if type(m) is Linear and m.panels is not None:
-        return m.panels, m.bias, None, 0
-    if type(m) is Linear and m.qx is not None and m.qx_kind == QX_KINDS["BDOT"]:  # every step in its qx panels
-        return None, m.bias, None, 0
-    if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear and m.dense.panels is not None
-            and m.blocks.shape[1] == m.dense.in_features // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
-            and m.max_rows <= MAX_ROWS):
-        return m.dense.panels, m.bias, m.blocks, m.max_rows
-    return None
+    run, from its `decode_parts()` (`torchengine.cpu_transform.CpuLinear`: its `qx` panels go separately, QX_BDOT's
+    have no float32 panels: None; `torchengine.quant.Int4Linear` on this library's Q4 kernel); None for any other
+    module (then the model runs as usual)."""
+    parts = getattr(m, "decode_parts", None)
+    return None if parts is None else parts()
 
 
 class DecodeLayers:
     """Every layer of a decode step (each token its request's only query token) in one C call, `decode_layers`
     (`step`: of any step, `step_layers`): the kernels the Python layers call, in their order, so the hidden states
-    are bit-identical to `Transformer.forward`'s with these kernels; ~15 Python-level calls a layer fewer (a step
-    of 15 decodes and a 126-token prompt chunk of the embedded model: 156-174 -> 150-151 ms in float32, 91-108 ->
-    85-86 ms in bfloat16).
+    are bit-identical to `Transformer.forward`'s with these kernels (`torchengine.cpu_transform`'s modules, whose
+    buffers it reads); ~15 Python-level calls a layer fewer (a step of 15 decodes and a 126-token prompt chunk of
+    the embedded model: 156-174 -> 150-151 ms in float32, 91-108 -> 85-86 ms in bfloat16).
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
     torch's own 4-bit kernel, tensor parallelism, q/k norms, another attention backend); then the model runs
@@ -511,11 +510,10 @@ class DecodeLayers:
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":
-        from torchengine.attention import TorchAttention
-
         lib_ = lib()
-        if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or not isinstance(backend, TorchAttention)
-                or backend.lib is None or len(kv_caches) != len(model.layers)):
+        # the attention: `torchengine.attention.TorchAttention` on these kernels (`lib`), whose groups `step` reads
+        if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or getattr(backend, "lib", None) is None
+                or len(kv_caches) != len(model.layers)):
             return None
         f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
         for ly, (kc, vc) in zip(model.layers, kv_caches):

@@ -23,9 +23,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from enginecore import LLM, SamplingParams, qx  # noqa: E402
-from tests.outputs import assert_same_outputs  # noqa: E402
+from cpu_kernels import layout as qx  # noqa: E402
 from cpu_kernels import torch_ops  # noqa: E402
+from enginecore import LLM, SamplingParams  # noqa: E402
+from tests.outputs import assert_same_outputs  # noqa: E402
+from torchengine.cpu_transform import CpuLinear  # noqa: E402
 
 BDOT = qx.QX_KINDS["BDOT"]
 
@@ -109,16 +111,16 @@ def test_the_engine_runs_bfloat16_on_the_kernels(tiny_bf16_llama_dir, one_call_v
     try:
         runner = llm.llm_engine.core.runner
         assert runner.bdot and runner.compute_dtype == torch.float32
-        lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+        lins = [m for m in runner.model.modules() if isinstance(m, CpuLinear) and m.qx is not None]
         assert len(lins) == 4 * runner.model.arch.num_hidden_layers
         assert all(m.qx_kind == BDOT and m.panels is None for m in lins)
-        assert runner.model.head_qx_kind == BDOT and runner.model.head_panels is None
-        assert runner.model.lm_head is None  # (the checkpoint's untied head: in head_qx)
-        arena = runner.model.cpu_arena  # all of them in one buffer (on huge pages where the OS gives them)
+        head = runner.model.lm_head  # (the checkpoint's untied head: in its qx panels, the matrix freed)
+        assert type(head).__name__ == "CpuLMHead" and head.qx_kind == BDOT and head.panels is None
+        arena = runner.cpu_arena  # all of them in one buffer (on huge pages where the OS gives them)
         lo = arena.data_ptr()
         assert all(lo <= q.data_ptr() and q.data_ptr() + q.nbytes <= lo + arena.nbytes
-                   for q in [m.qx for m in lins] + [runner.model.head_qx])
-        assert sum(m.qx.nbytes for m in lins) + runner.model.head_qx.nbytes == arena.nbytes
+                   for q in [m.qx for m in lins] + [head.qx])
+        assert sum(m.qx.nbytes for m in lins) + head.qx.nbytes == arena.nbytes
         ps = [{"prompt_token_ids": p} for p in prompts]
         assert one_call_vs_python_layers(llm, ps, sp)
         out = llm.generate(ps, sp, use_tqdm=False)

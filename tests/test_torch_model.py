@@ -110,7 +110,7 @@ def test_tiny_arch_greedy_matches_transformers(arch, kernels, tiny_model_dir, pr
     if kernels == "torch":
         from cpu_kernels import torch_ops
 
-        monkeypatch.setattr(cpu_kernels, "lib", lambda: None)
+        monkeypatch.setattr(torch_ops, "lib", lambda: None)
     d = tiny_model_dir(arch)
     llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -137,13 +137,14 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
     """On a CPU with the kernels the LM head is packed in panels at load: the embedding and the logits are
     transformers', and greedy_tokens is the argmax of compute_logits at every row count (one arithmetic)."""
     from cpu_kernels import torch_ops
+    from torchengine.cpu_transform import CpuLMHead, apply_cpu_kernels
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     d = tiny_model_dir(arch)
     model = torch_llm(d).llm_engine.core.runner.model
     hf = hf_model(d)
-    assert model.head_panels is not None and model.lm_head is None
+    assert type(model.lm_head) is CpuLMHead and model.lm_head.panels is not None  # the [V, H] matrix freed
     ids = torch.tensor([0, 5, 49151, 1234, 16, 15])
     assert torch.equal(model.embed(ids), hf.model.embed_tokens.weight[ids])
     h = torch.randn(70, 64, generator=torch.Generator().manual_seed(0))
@@ -155,10 +156,10 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
             assert torch.equal(model.greedy_tokens(h[:n]), logits[:n].argmax(-1)), n
             assert torch.equal(model.compute_logits(h[:n]), logits[:n]), n
         assert model.compute_logits(h[:0]).shape == (0, 49152) and model.greedy_tokens(h[:0]) is None
-    assert model.pack_cpu_weights() == 0  # packed once
+    assert apply_cpu_kernels(model).packed == 0  # packed once
     # every linear and the head in one buffer (on huge pages where the OS gives them)
     storages = {m.panels.untyped_storage().data_ptr() for m in model.modules() if getattr(m, "panels", None) is not None}
-    assert storages == {model.head_panels.untyped_storage().data_ptr()}
+    assert storages == {model.lm_head.panels.untyped_storage().data_ptr()}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -270,17 +271,19 @@ def test_linear_packed_in_panels():
     """A packed Linear (every float32 linear on a CPU with the kernels): its matrix unpacks exactly, its
     outputs are the float64 product's (+ bias) at any row count, rows the same alone as together; no rows."""
     from cpu_kernels import torch_ops
+    from torchengine.cpu_transform import CpuLinear
     from torchengine.model import Linear
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     g = torch.Generator().manual_seed(0)
-    lin = Linear(70, 37, bias=True).requires_grad_(False)
+    dense = Linear(70, 37, bias=True).requires_grad_(False)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(37, 70, generator=g))
-        lin.bias.copy_(torch.randn(37, generator=g))
-    w = lin.weight.clone()
-    assert lin.pack() and lin.weight is None and not lin.pack()
+        dense.weight.copy_(torch.randn(37, 70, generator=g))
+        dense.bias.copy_(torch.randn(37, generator=g))
+    w = dense.weight.clone()
+    lin = CpuLinear.pack(dense, torch_ops.lib())
+    assert lin.panels is not None and not hasattr(lin, "weight")
     assert torch.equal(lin.matrix(), w)
     x = torch.randn(13, 70, generator=g)
     with torch.inference_mode():
@@ -288,3 +291,53 @@ def test_linear_packed_in_panels():
         torch.testing.assert_close(y, (x.double() @ w.double().t() + lin.bias.double()).float(), rtol=1e-5, atol=1e-4)
         assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(13)]), y)
         assert lin(x[:0]).shape == (0, 37)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # an untied head, a tied one, q/k norms
+def test_cpu_transform_swaps_in_the_kernels_modules(arch, tiny_model_dir, caplog, monkeypatch):
+    """`apply_cpu_kernels` swaps every linear, the hidden-size norms, RoPE, the MLP activation and the LM head (a
+    tied embedding too) for the kernels' modules, which give the plain torch model's hidden states and logits up
+    to float32 rounding; q/k norms stay torch's, and say so in the log; without the kernels nothing is swapped."""
+    import logging
+
+    from cpu_kernels import torch_ops
+    from enginecore.model_loader import resolve_model
+    from torchengine import cpu_transform as ct
+    from torchengine.model import Linear, RMSNorm, apply_rope, build_model, load_weights, silu_and_mul
+
+    if torch_ops.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    src = resolve_model(tiny_model_dir(arch))
+
+    def model():
+        m = build_model(src.config, 64, torch.device("cpu"), torch.float32)
+        load_weights(m, src.iter_weights())
+        return m
+
+    plain, cpu = model(), model()
+    with caplog.at_level(logging.INFO, logger="xlaserve.torchengine"):
+        got = ct.apply_cpu_kernels(cpu)
+    assert got.packed == 4 * len(cpu.layers) + 1 and got.arena is not None
+    types = {type(m) for m in cpu.modules()}
+    assert Linear not in types and ct.CpuLinear in types and type(cpu.lm_head) is ct.CpuLMHead
+    assert (type(cpu.embed) is ct.PanelEmbedding) == src.config.tie_word_embeddings
+    assert all(type(n) is ct.CpuRMSNorm for ly in cpu.layers for n in (ly.attn_norm, ly.mlp_norm))
+    assert type(cpu.final_norm) is ct.CpuRMSNorm
+    assert all(isinstance(ly.attn.rope_fn, ct.CpuRope) and isinstance(ly.mlp.act_fn, ct.CpuSiluAndMul)
+               for ly in cpu.layers)
+    qk_norms = [ly.attn.q_norm for ly in cpu.layers if ly.attn.q_norm is not None]
+    assert all(type(n) is RMSNorm for n in qk_norms) and len(qk_norms) == (2 if arch == "qwen3" else 0)
+    assert ("the q/k norms run on torch's ops" in caplog.text) == (arch == "qwen3")
+    ids, pos = torch.tensor([5, 900, 17, 49151, 3]), torch.arange(5)
+    attn = lambda i, q, k, v: q  # noqa: E731 (no cache: the layers' own arithmetic)
+    with torch.inference_mode():
+        want, h = plain(ids, pos, attn), cpu(ids, pos, attn)
+        torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cpu.compute_logits(h), plain.compute_logits(h), rtol=1e-4, atol=1e-5)
+        assert torch.equal(cpu.greedy_tokens(h), cpu.compute_logits(h).argmax(-1))
+        assert plain.greedy_tokens(h) is None
+    monkeypatch.setattr(torch_ops, "load", lambda: (None, "XLASERVE_CPU_KERNELS=off"))
+    off = model()
+    assert ct.apply_cpu_kernels(off).packed == 0
+    assert {type(m) for m in off.modules()} == {type(m) for m in plain.modules()}
+    assert all(ly.attn.rope_fn is apply_rope and ly.mlp.act_fn is silu_and_mul for ly in off.layers)

@@ -24,6 +24,7 @@ from enginecore import LLM, SamplingParams  # noqa: E402
 from enginecore.config import ConfigError, EngineArgs  # noqa: E402
 from enginecore.model_loader import Int4Groups, resolve_model  # noqa: E402
 from tests.outputs import assert_same_outputs  # noqa: E402
+from torchengine.cpu_transform import CpuLinear  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +291,9 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     from types import SimpleNamespace
 
     from enginecore.model_loader import Int8Groups
-    from cpu_kernels import torch_ops, quant
+    from cpu_kernels import torch_ops
+    from torchengine import quant
+    from torchengine.cpu_transform import CpuLMHead
     from torchengine.model import Linear
 
     if torch_ops.lib() is None:
@@ -310,8 +313,7 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     def linear(w):
         lin = Linear(K, N, bias=False)
         lin.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(w)), requires_grad=False)
-        assert lin.pack()  # attach_qx reads the panels pack_cpu_weights leaves
-        return lin
+        return CpuLinear.pack(lin, torch_ops.lib())  # attach_qx reads the panels apply_cpu_kernels leaves
 
     nudged = g1.dequantize()
     nudged[7, 9] = np.nextafter(nudged[7, 9], np.float32(1))
@@ -319,7 +321,8 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     signed[signed == 0] = -signed[signed == 0]
     assert (signed == 0).any()
     good, q40, bad, zeros = linear(g1.dequantize()), linear(w0), linear(nudged), linear(signed)
-    model = SimpleNamespace(head_panels=torch_ops.pack_panels(torch.from_numpy(head.dequantize())), head_qx=None,
+    model = SimpleNamespace(lm_head=CpuLMHead(torch_ops.pack_panels(torch.from_numpy(head.dequantize())), N,
+                                              torch_ops.lib()),
                             named_modules=lambda: enumerate((good, q40, bad, zeros)))
     monkeypatch.setattr(quant, "_stored_linears", lambda m, s, types=None, wide=True: (
         {"a": (good, g1), "b": (bad, g1), "c": (q40, g0), "d": (zeros, g0)}, head))
@@ -331,8 +334,8 @@ def test_attach_qx_keeps_float32_only_where_the_blocks_differ(monkeypatch, caplo
     for lin in (good, q40):
         assert torch.equal(torch_ops.qx_gemm(lib, x, lin.qx, N, lin.qx_kind),
                            torch_ops.panel_gemm(lib, x, lin.panels, N))
-    assert torch.equal(torch_ops.qx_gemm(lib, x, model.head_qx, N, torch_ops.QX_KINDS["Q8_0"]),
-                       torch_ops.panel_gemm(lib, x, model.head_panels, N))
+    assert torch.equal(torch_ops.qx_gemm(lib, x, model.lm_head.qx, N, torch_ops.QX_KINDS["Q8_0"]),
+                       torch_ops.panel_gemm(lib, x, model.lm_head.panels, N))
     assert quant.attach_qx(model, SimpleNamespace(kind="hf")) == 0  # a Hugging Face folder has no blocks
 
 
@@ -753,9 +756,9 @@ def test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits(engin
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     runner = f.llm_engine.core.runner
-    lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+    lins = [m for m in runner.model.modules() if isinstance(m, CpuLinear) and m.qx is not None]
     assert len(lins) == 4 * runner.model.arch.num_hidden_layers
-    assert all(m.qx_kind == torch_ops.QX_KINDS["Q4_1"] for m in lins) and runner.model.head_qx is not None
+    assert all(m.qx_kind == torch_ops.QX_KINDS["Q4_1"] for m in lins) and runner.model.lm_head.qx is not None
     layers = runner._decode_layers()
     assert layers is not None and layers.layers[0].down_qx is not None
     assert layers.layers[0].qx_rows == torch_ops.qx_max_rows()[torch_ops.QX_KINDS["Q4_1"]]
@@ -772,9 +775,9 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # the head's argmax, no logits
     assert one_call_vs_python_layers(llm, prompts, sp)
     with_qx, tokens = llm.generate(prompts, sp, use_tqdm=False), llm.generate(prompts, greedy, use_tqdm=False)
-    saved, head = [(m, m.qx) for m in lins], runner.model.head_qx
+    saved, head = [(m, m.qx) for m in lins], runner.model.lm_head.qx
     try:
-        runner.model.head_qx = None
+        runner.model.lm_head.qx = None
         for m in lins:
             m.qx = None
         runner._decode_layers_bound = None  # bound again, without them
@@ -783,7 +786,7 @@ def _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers) -> 
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == \
             [o.outputs[0].token_ids for o in tokens]
     finally:
-        runner.model.head_qx = head
+        runner.model.lm_head.qx = head
         for m, t in saved:
             m.qx = t
         runner._decode_layers_bound = None
@@ -805,10 +808,10 @@ def test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits(
               max_num_seqs=4, enable_prefix_caching=False)
     try:
         runner = llm.llm_engine.core.runner
-        lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+        lins = [m for m in runner.model.modules() if isinstance(m, CpuLinear) and m.qx is not None]
         assert len(lins) == 4 * runner.model.arch.num_hidden_layers
         kind = torch_ops.QX_KINDS["BF16" if dtype == "bfloat16" else "F16"]
-        assert all(m.qx_kind == kind for m in lins) and runner.model.head_qx_kind == kind
+        assert all(m.qx_kind == kind for m in lins) and runner.model.lm_head.qx_kind == kind
         assert runner._decode_layers().layers[0].qx_rows == torch_ops.qx_max_rows()[kind]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
         _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
@@ -840,8 +843,8 @@ def test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits(mix
         assert kinds[11] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["IQ4"])  # IQ4_XS
         assert kinds[15] == (K["Q4_1"], K["Q8_0"], K["Q4_1"], K["Q4_K"])
         assert kinds[21] == (K["Q4_1"], K["Q8_0"], K["IQ4"], K["I8"])  # IQ4_NL, Q6_K
-        assert runner.model.head_qx_kind == K["Q8_0"]
-        lins = [m for m in runner.model.modules() if getattr(m, "qx", None) is not None]
+        assert runner.model.lm_head.qx_kind == K["Q8_0"]
+        lins = [m for m in runner.model.modules() if isinstance(m, CpuLinear) and m.qx is not None]
         prompts = [{"prompt_token_ids": list(range(300 + i, 320 + 7 * i))} for i in range(3)]
         _same_with_and_without_qx(llm, lins, prompts, one_call_vs_python_layers)
     finally:
@@ -855,7 +858,9 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
     of the memory available."""
     from types import SimpleNamespace
 
-    from cpu_kernels import torch_ops, quant
+    from cpu_kernels import torch_ops
+    from torchengine import quant
+    from torchengine.cpu_transform import CpuLMHead
     from torchengine.model import Linear
 
     if torch_ops.lib() is None:
@@ -867,26 +872,26 @@ def test_attach_qx_gives_bfloat16_panels_only_to_bfloat16_weights_that_fit(monke
             w[n - 1, k - 1] = torch.nextafter(w[n - 1, k - 1], torch.tensor(2.0))  # one ulp: not a bfloat16
         lin = Linear(k, n, bias=False)
         lin.weight = torch.nn.Parameter(w, requires_grad=False)
-        assert lin.pack()  # attach_qx reads the panels pack_cpu_weights leaves
-        return lin
+        return CpuLinear.pack(lin, torch_ops.lib())  # attach_qx reads the panels apply_cpu_kernels leaves
 
     def model():
         f16 = linear(40, 64)
         f16.panels = torch_ops.pack_panels(torch.randn(40, 64).half().float())  # float16s, not bfloat16s
         lins = (linear(40, 64), linear(40, 64, off=True), linear(40, 48), f16)
         head = torch_ops.pack_panels(torch.randn(100, 64).bfloat16().float())  # the embedding, tied
-        return lins, SimpleNamespace(head_panels=head, head_qx=None, named_modules=lambda: enumerate(lins))
+        return lins, SimpleNamespace(lm_head=CpuLMHead(head, 100, torch_ops.lib()),
+                                     named_modules=lambda: enumerate(lins))
 
     (good, off, narrow, f16), m = model()
     assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 3
-    assert good.qx_kind == m.head_qx_kind == torch_ops.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
+    assert good.qx_kind == m.lm_head.qx_kind == torch_ops.QX_KINDS["BF16"] and off.qx is None and narrow.qx is None
     assert f16.qx_kind == torch_ops.QX_KINDS["F16"]
     x = torch.randn(3, 64)
-    assert torch.equal(torch_ops.qx_gemm(torch_ops.lib(), x, m.head_qx, 100, m.head_qx_kind),
-                       torch_ops.panel_gemm(torch_ops.lib(), x, m.head_panels, 100))
+    assert torch.equal(torch_ops.qx_gemm(torch_ops.lib(), x, m.lm_head.qx, 100, m.lm_head.qx_kind),
+                       torch_ops.panel_gemm(torch_ops.lib(), x, m.lm_head.panels, 100))
     monkeypatch.setattr("enginecore.kv_cache.available_memory_bytes", lambda: 4 * 2 * 40 * 64)  # too little
     (good, _, _, f16), m = model()
-    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.head_qx is None
+    assert quant.attach_qx(m, SimpleNamespace(kind="hf")) == 0 and good.qx is None and m.lm_head.qx is None
     assert f16.qx is None
 
 

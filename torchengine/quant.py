@@ -33,6 +33,7 @@ from cpu_kernels import layout as qx
 from enginecore.model_loader import Int4Groups, Int8Groups, ModelSource
 from cpu_kernels.layout import gguf_linear_groups, gguf_panels
 from cpu_kernels import torch_ops
+from torchengine.cpu_transform import CpuLinear, CpuLMHead
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -75,6 +76,17 @@ class Int4Linear(nn.Module):
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def decode_parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None:
+        """What `torch_ops.DecodeLayers` reads, where it runs this linear as `forward` does (the AVX2 kernel's
+        blocks, the dense copy in `CpuLinear`'s float32 panels): (panels, bias, blocks, row limit)."""
+        dense = getattr(self.dense, "decode_parts", None)
+        parts = None if dense is None else dense()
+        if (self.lib is None or parts is None or parts[0] is None or not self.blocks.is_contiguous()
+                or self.blocks.shape[1] != self.dense.in_features // 32 * torch_ops.BLOCK_BYTES
+                or self.max_rows > torch_ops.MAX_ROWS):
+            return None
+        return parts[0], self.bias, self.blocks, self.max_rows
+
 
 def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES, wide: bool = True) -> tuple[
         dict[str, tuple[nn.Module, qx.Groups]], qx.Groups | None]:
@@ -92,9 +104,9 @@ def _stored_linears(model, source: ModelSource, types=qx.GGUF_TYPES, wide: bool 
     return found, head
 
 
-def _shape(m: nn.Module) -> tuple[int, ...]:
-    """A linear's [out, in], its weight's shape or, packed (`Linear.pack` frees the weight), its features'."""
-    return tuple(m.weight.shape) if m.weight is not None else (m.out_features, m.in_features)
+def _shape(m: nn.Module) -> tuple[int, ...] | None:
+    """A linear's [out, in] (`Linear`'s or, packed, `CpuLinear`'s); None for another module."""
+    return (m.out_features, m.in_features) if hasattr(m, "out_features") else None
 
 
 def quantize_gguf_linears(model, source: ModelSource) -> int:
@@ -121,7 +133,7 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
 
 def attach_qx(model, source: ModelSource) -> int:
     """Without --quantization: give float32 weights that are stored in fewer bytes a copy as those bytes,
-    `cpu_kernels.qx_gemm`'s panels (`Linear.qx`, the LM head's `head_qx`), which steps of few rows multiply
+    `cpu_kernels.qx_gemm`'s panels (`CpuLinear.qx`, `CpuLMHead.qx`), which steps of few rows multiply
     instead of the float32 panels: the same bits (each weight rebuilt exactly as loaded, the same FMA chains),
     a fraction of the bytes a decode step streams.
 
@@ -132,41 +144,45 @@ def attach_qx(model, source: ModelSource) -> int:
       models are, served in float32, the CPU's default dtype), or a float16 (a float16 checkpoint, a GGUF file's
       F16 tensors): those 16 bits (0.5 of the bytes), where they fit in a quarter of the memory available.
 
-    Call after `pack_cpu_weights`: both read the float32 panels (as `jaxengine.loader.attach_cpu_qx` does).
-    Returns how many weights got them."""
-    from torchengine.model import Linear
-
+    Call after `torchengine.cpu_transform.apply_cpu_kernels`: both read the float32 panels (as
+    `jaxengine.loader.attach_cpu_qx` does). Returns how many weights got them."""
     lib = torch_ops.lib()
     if lib is None or getattr(model, "tp_size", 1) != 1:
         return 0
     n = 0
+    lm_head = _packed_head(model)
     if getattr(source, "kind", None) == "gguf":
         found, head = _stored_linears(model, source)
         for path, (lin, g) in found.items():
-            if type(lin) is Linear and lin.panels is not None and lin.qx is None:
+            if type(lin) is CpuLinear and lin.panels is not None and lin.qx is None:
                 if got := gguf_panels(lib, path, g, lin.panels.numpy()):
                     lin.qx, lin.qx_kind = torch.from_numpy(got[0]), got[1]
                     n += 1
-        if head is not None and model.head_panels is not None and model.head_qx is None:
-            if got := gguf_panels(lib, "the LM head", head, model.head_panels.numpy()):
-                model.head_qx, model.head_qx_kind = torch.from_numpy(got[0]), got[1]
+        if head is not None and lm_head is not None:
+            if got := gguf_panels(lib, "the LM head", head, lm_head.panels.numpy()):
+                lm_head.qx, lm_head.qx_kind = torch.from_numpy(got[0]), got[1]
                 n += 1
     return n + _attach_halves(model)
 
 
-def _attach_halves(model) -> int:
-    """attach_qx's 16-bit part: every packed `Linear` without qx panels, and the LM head, whose values are all
-    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`cpu_kernels.layout.half_copies`)."""
-    from torchengine.model import Linear
+def _packed_head(model) -> CpuLMHead | None:
+    """The model's LM head where it is in float32 panels without qx ones yet."""
+    head = getattr(model, "lm_head", None)
+    return head if type(head) is CpuLMHead and head.panels is not None and head.qx is None else None
 
-    mods = {n: m for n, m in model.named_modules() if type(m) is Linear and m.qx is None and m.panels is not None}
+
+def _attach_halves(model) -> int:
+    """attach_qx's 16-bit part: every `CpuLinear` without qx panels, and the LM head, whose values are all
+    bfloat16s, or else all float16s, gets them as QX_BF16 / QX_F16 panels (`cpu_kernels.layout.half_copies`)."""
+    mods = {n: m for n, m in model.named_modules() if type(m) is CpuLinear and m.qx is None and m.panels is not None}
     panels = {n: m.panels.numpy() for n, m in mods.items()}
-    if model.head_qx is None and model.head_panels is not None:
-        panels["the LM head"] = model.head_panels.numpy()
+    head = _packed_head(model)
+    if head is not None:
+        panels["the LM head"] = head.panels.numpy()
     got = qx.half_copies(torch_ops.lib(), panels)
     for n, (b, k) in got.items():
         if n == "the LM head":
-            model.head_qx, model.head_qx_kind = torch.from_numpy(b), k
+            head.qx, head.qx_kind = torch.from_numpy(b), k
         else:
             mods[n].qx, mods[n].qx_kind = torch.from_numpy(b), k
     return len(got)

@@ -132,7 +132,7 @@ class TorchModelRunner:
         self.dtype = _DTYPES[dtype]
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else _DTYPES[cc.kv_cache_dtype]
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model with its linears and LM head in bfloat16
-        # (QX_BDOT: `Transformer.pack_cpu_weights(bdot=True)`); compute_dtype is the activations' (float32 then)
+        # (QX_BDOT: `apply_cpu_kernels(bdot=True)`); compute_dtype is the activations' (float32 then)
         self.bdot = mc.quantization is None and qx.bdot_runs(torch_ops.lib, model.config, dc.platform, dtype,
                                                              self.tp_size)
         self.compute_dtype = torch.float32 if self.bdot else self.dtype
@@ -156,6 +156,8 @@ class TorchModelRunner:
         if self.attn_backend.name == "triton" and self.kv_dtype != self.dtype:
             raise ConfigError(f"--kv-cache-dtype {cc.kv_cache_dtype} must equal the model dtype with the triton attention")
         self.model = None
+        # torchengine.cpu_transform's one buffer of every weight's panels, None where it packed none
+        self.cpu_arena: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_tokens = torch.zeros(sc.max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [S + 1]
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
@@ -197,13 +199,27 @@ class TorchModelRunner:
                 raise ConfigError(f"--quantization gguf: {self.model_source.path} has no Q4_0/Q4_1 linear weights "
                                   "(a .gguf file is needed; other types are dequantized without the flag)")
             logger.info("rank %d: %d linears kept 4-bit (--quantization gguf)", self.rank, n)
-        if self.bdot and (n := model.pack_cpu_weights(bdot=True)):
+        if self.device.type == "cpu":
+            self._apply_cpu_kernels(model)
+            release_free_heap()  # (the weights packed there were freed)
+        self.model = model
+        logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
+                    self.device, time.perf_counter() - t0)
+
+    def _apply_cpu_kernels(self, model) -> None:
+        """The CPU kernels' modules swapped in where they run (`torchengine.cpu_transform`), then, for a float32
+        model, the weights also as stored (`torchengine.quant.attach_qx`)."""
+        from torchengine.cpu_transform import apply_cpu_kernels
+
+        packed = apply_cpu_kernels(model, bdot=self.bdot)
+        self.cpu_arena, n = packed.arena, packed.packed
+        if n and self.bdot:
             logger.info("rank %d: %d weights in bfloat16 (AVX512-BF16: torch_ops.qx_gemm's QX_BDOT), multiplied by "
                         "their inputs rounded to bfloat16; the rest of the model in float32: %s", self.rank, n,
-                        describe_huge_pages(model.cpu_arena.numpy()))
-        elif self.device.type == "cpu" and (n := model.pack_cpu_weights()):
+                        describe_huge_pages(self.cpu_arena.numpy()))
+        elif n:
             logger.info("rank %d: %d float32 weights in panels (torch_ops.panel_gemm; greedy steps take the LM "
-                        "head's argmax): %s", self.rank, n, describe_huge_pages(model.cpu_arena.numpy()))
+                        "head's argmax): %s", self.rank, n, describe_huge_pages(self.cpu_arena.numpy()))
             if (self.config.model_config.quantization != "gguf" and self.dtype == torch.float32
                     and self.tp_size == 1 and qx.enabled()):
                 from torchengine.quant import attach_qx
@@ -212,11 +228,6 @@ class TorchModelRunner:
                     logger.info("rank %d: %d weights also as stored (a GGUF file's blocks, 16-bit values), "
                                 "the same bits, for decode steps of few rows (torch_ops.qx_gemm; XLASERVE_Q4X=off: "
                                 "float32 only)", self.rank, n)
-        if self.device.type == "cpu":
-            release_free_heap()  # (the weights packed above were freed)
-        self.model = model
-        logger.info("rank %d: loaded %s (%s) on %s in %.1fs", self.rank, self.model_source.name, self.dtype,
-                    self.device, time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         """Release the graphs, the model and the cache, then stop the other ranks.
@@ -226,7 +237,7 @@ class TorchModelRunner:
         """
         self._kv_populate.set()
         self.cuda_graphs, self.kv_caches, self.model, self._pending = None, [], None, None
-        self._decode_layers_bound = None
+        self._decode_layers_bound, self.cpu_arena = None, None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -453,7 +464,7 @@ class TorchModelRunner:
         takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
         nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
         size)."""
-        return (self.model is not None and self.model.cpu_arena is not None and self.tp_size == 1
+        return (self.model is not None and self.cpu_arena is not None and self.tp_size == 1
                 and self.config.model_config.quantization != "gguf")
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
