@@ -14,14 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from enginecore.flags import DTYPE_ALIASES, ConfigError  # noqa: F401 (ConfigError: this module's API too)
 from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
-
-
-class ConfigError(ValueError):
-    """An invalid flag or combination of flags; the message names the flag."""
-
-
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 Platform = Literal["auto", "tpu", "cuda", "cpu"]
 Backend = Literal["auto", "jax", "torch"]

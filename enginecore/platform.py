@@ -13,9 +13,9 @@ from __future__ import annotations
 import glob
 import os
 import platform as _platform
-import shutil
 
-from enginecore.config import DTYPE_ALIASES, ConfigError
+from enginecore.flags import DTYPE_ALIASES, ConfigError
+from enginecore.native import c_compiler
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
 BACKENDS = ("auto", "jax", "torch")
@@ -51,13 +51,6 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def c_compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
 
 
 def cpu_kernels_unavailable() -> str:

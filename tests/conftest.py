@@ -243,7 +243,7 @@ def smollm2_tokenizer(smollm2_source):
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(tmp_path_factory, smollm2_source):
     """The embedded model written out as a Hugging Face folder (f32 safetensors + tokenizer)."""
-    from enginecore.model_loader import save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
 
     return save_hf_folder(smollm2_source, str(tmp_path_factory.mktemp("smollm2_hf")))
 
