@@ -331,7 +331,7 @@ def tiny_f16_llama_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def one_call_vs_python_layers(monkeypatch):
-    """Factory: generate with the torch runner's one-call decode layers (torch_ops.DecodeLayers), then with
+    """Factory: generate with the torch runner's one-call decode layers (cpu_layers.DecodeLayers), then with
     the Python layers, and assert the same tokens and logprobs to the bit. Returns whether the one-call path
     ran at all."""
 
