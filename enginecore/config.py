@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from enginecore.flags import DTYPE_ALIASES, ConfigError  # noqa: F401 (ConfigError: this module's API too)
+from enginecore.flags import DTYPE_ALIASES, ConfigError
 from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
 
 Platform = Literal["auto", "tpu", "cuda", "cpu"]

@@ -35,6 +35,7 @@ from enginecore.model_checks import (
     safetensors_entries,
     read_gguf,
 )
+from enginecore.native import gguf_block, gguf_dequantizer
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -537,8 +538,6 @@ def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS blocks (flat uint8) ->
     float32, flat: `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a
     partial block, or where the dequantizer cannot be built."""
-    from enginecore.native import gguf_block, gguf_dequantizer
-
     block = gguf_block(ggml_type)
     if block is None or data.size % block[1] or (fn := gguf_dequantizer()) is None:
         return None

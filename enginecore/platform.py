@@ -15,6 +15,7 @@ import os
 import platform as _platform
 
 from enginecore.flags import DTYPE_ALIASES, ConfigError
+from enginecore.model_loader import is_orbax_checkpoint
 from enginecore.native import c_compiler
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
@@ -111,8 +112,6 @@ def _jax_features(attention_backend: str, load_format: str, model: str | None,
     `--attention-backend torch` asks for torch."""
     if attention_backend == "torch":
         return False
-    from enginecore.model_loader import is_orbax_checkpoint
-
     return load_format == "orbax" or compilation_cache_dir is not None or (
         load_format == "auto" and bool(model) and is_orbax_checkpoint(model))
 

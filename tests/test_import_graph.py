@@ -14,7 +14,8 @@ The layers, lowest first; a package imports its own modules and those of lower l
 
     enginecore                                    pure Python + numpy: no jax, torch, flax, triton
     cpu_kernels, pallas_kernels, triton_kernels   kernel wings, independent of each other
-    jaxengine, torchengine                        backends, independent of each other
+    jaxengine, torchengine                        backends, independent of each other (nor does either
+                                                  reach the other's framework through a module it imports)
     frontend
     benchmarks
 """
@@ -35,7 +36,10 @@ LAYERS = (
 )
 PACKAGES = tuple(p for layer in LAYERS for p in layer)
 LAYER_OF = {p: i for i, layer in enumerate(LAYERS) for p in layer}
-FRAMEWORKS = ("jax", "jaxlib", "flax", "orbax", "torch", "triton")  # none of them under enginecore
+JAX = ("jax", "jaxlib", "flax", "orbax")
+TORCH = ("torch", "triton")
+# what a package's modules may not import, nor any project module they import (directly or further down)
+FORBIDDEN = {"enginecore": JAX + TORCH, "jaxengine": TORCH, "torchengine": JAX}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -210,10 +214,31 @@ def test_no_upward_or_sideways_imports():
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
-def test_enginecore_imports_no_framework():
-    bad = [f"{m} (line {line}) imports {top}" for m, tops in sorted(EXTERNAL.items()) if m.split(".")[0] == "enginecore"
-           for top, line in sorted(tops.items()) if top in FRAMEWORKS]
-    assert not bad, "enginecore is pure Python + numpy:\n" + "\n".join(bad)
+def _reached_from(package: str) -> dict[str, list[str]]:
+    """Every project module the package's modules import, directly or further down: {module: the shortest
+    chain of imports from one of the package's modules to it}."""
+    chains = {m: [m] for m in sorted(MODULES) if m.split(".")[0] == package}
+    queue = deque(chains)
+    while queue:
+        m = queue.popleft()
+        for n in sorted(EDGES[m]):
+            if n not in chains:
+                chains[n] = chains[m] + [n]
+                queue.append(n)
+    return chains
+
+
+def test_no_framework_where_it_does_not_belong():
+    """enginecore never imports jax or torch (pure Python + numpy), the jax backend never torch, the torch backend
+    never jax: neither in their own modules nor in any module they import (a kernel wing's other binding)."""
+    bad = []
+    for package, frameworks in FORBIDDEN.items():
+        for m, chain in sorted(_reached_from(package).items()):
+            for top, line in sorted(EXTERNAL.get(m, {}).items()):
+                if top in frameworks:
+                    via = "" if len(chain) == 1 else f" (reached by {' -> '.join(chain)})"
+                    bad.append(f"{package}: {m} (line {line}) imports {top}{via}")
+    assert not bad, "frameworks where they do not belong:\n" + "\n".join(bad)
 
 
 def test_the_backend_table_names_real_factories():

@@ -242,6 +242,7 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
     def leave_group(self) -> None:
+        """Leave the tensor-parallel group (no-op without one); every rank does so at about the same time."""
         if self.tp is not None:
             self.tp.shutdown()
             self.tp = None
