@@ -110,7 +110,7 @@ def test_tiny_arch_greedy_matches_transformers(arch, kernels, tiny_model_dir, pr
     if kernels == "torch":
         from cpu_kernels import torch_ops
 
-        monkeypatch.setattr(cpu_kernels, "lib", lambda: None)
+        monkeypatch.setattr(torch_ops, "lib", lambda: None)
     d = tiny_model_dir(arch)
     llm = torch_llm(d, max_num_batched_tokens=32, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

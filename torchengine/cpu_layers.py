@@ -12,9 +12,8 @@ import ctypes
 import numpy as np
 import torch
 
-# the C struct and the helpers of the bindings this binds to
-from cpu_kernels.torch_ops import (BLOCK_BYTES, KV_TYPES, MAX_ROWS, QX_KINDS, _LINEARS, _check, _DecodeLayer,
-                                   _qx_shape_ok, lib, qx_max_rows)
+# names read off the module at each call (`torch_ops.lib()`): patching torch_ops.lib reaches this code too
+from cpu_kernels import torch_ops
 from torchengine.attention import TorchAttention
 from torchengine.model import Linear
 from torchengine.quant import Int4Linear
@@ -26,11 +25,11 @@ def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | 
     or `torchengine.quant.Int4Linear` on the library's Q4 kernel."""
     if type(m) is Linear and m.panels is not None:
         return m.panels, m.bias, None, 0
-    if type(m) is Linear and m.qx is not None and m.qx_kind == QX_KINDS["BDOT"]:  # every step in its qx panels
+    if type(m) is Linear and m.qx is not None and m.qx_kind == torch_ops.QX_KINDS["BDOT"]:  # every step in its qx
         return None, m.bias, None, 0
     if (type(m) is Int4Linear and m.lib is not None and type(m.dense) is Linear and m.dense.panels is not None
-            and m.blocks.shape[1] == m.dense.in_features // 32 * BLOCK_BYTES and m.blocks.is_contiguous()
-            and m.max_rows <= MAX_ROWS):
+            and m.blocks.shape[1] == m.dense.in_features // 32 * torch_ops.BLOCK_BYTES and m.blocks.is_contiguous()
+            and m.max_rows <= torch_ops.MAX_ROWS):
         return m.dense.panels, m.bias, m.blocks, m.max_rows
     return None
 
@@ -55,10 +54,11 @@ class DecodeLayers:
         self.eps, self.scale, self.window = arch.rms_norm_eps, backend.sm_scale, backend.sliding_window or 0
         self.kv_caches = kv_caches  # the list bound (the runner allocates a new one when it resizes the cache)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.layers = (_DecodeLayer * len(model.layers))()
+        self.layers = (torch_ops._DecodeLayer * len(model.layers))()
         self.qx = []  # the qx panels the structs point to, kept alive with them
         for c, ly, (kc, vc) in zip(self.layers, model.layers, kv_caches):
-            mods = dict(zip(_LINEARS, (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)))
+            mods = dict(zip(torch_ops._LINEARS,
+                            (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)))
             parts = {name: _linear_parts(m) for name, m in mods.items()}
             c.attn_norm, c.mlp_norm = ptr(ly.attn_norm.weight), ptr(ly.mlp_norm.weight)
             c.key_cache, c.value_cache, c.qkv_b = ptr(kc), ptr(vc), ptr(parts["qkv"][1])
@@ -68,10 +68,10 @@ class DecodeLayers:
                 setattr(c, f"{name}_rows", rows)
             # each linear's qx panels (a GGUF file's blocks or a bfloat16 checkpoint's halves of the same float32
             # weights), where it has them, for steps of up to the fewest rows their kinds take
-            c.qx_rows, limits = 0, qx_max_rows()
+            c.qx_rows, limits = 0, torch_ops.qx_max_rows()
             for name, m in mods.items():
                 t = getattr(m, "qx", None)
-                if t is not None and _qx_shape_ok(t, m.out_features, m.in_features, m.qx_kind):
+                if t is not None and torch_ops._qx_shape_ok(t, m.out_features, m.in_features, m.qx_kind):
                     setattr(c, f"{name}_qx", ptr(t))
                     setattr(c, f"{name}_qx_kind", m.qx_kind)
                     c.qx_rows = min(c.qx_rows or limits[m.qx_kind], limits[m.qx_kind])
@@ -79,7 +79,7 @@ class DecodeLayers:
 
     @classmethod
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":
-        lib_ = lib()
+        lib_ = torch_ops.lib()
         if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or not isinstance(backend, TorchAttention)
                 or backend.lib is None or len(kv_caches) != len(model.layers)):
             return None
@@ -91,7 +91,7 @@ class DecodeLayers:
                 return None
             if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight)):
                 return None
-            if not (kc.dtype == vc.dtype == kv_caches[0][0].dtype in KV_TYPES and kc.is_contiguous()
+            if not (kc.dtype == vc.dtype == kv_caches[0][0].dtype in torch_ops.KV_TYPES and kc.is_contiguous()
                     and vc.is_contiguous() and kc.is_cpu):
                 return None
         if not (f32(model.rope_cos) and f32(model.rope_sin)):
@@ -109,12 +109,13 @@ class DecodeLayers:
         assert len(kv_lens) >= T and block_tables.shape[0] >= T
         ws = torch.empty(self.lib.decode_workspace(T, H, Hq, Hkv, D, I), dtype=torch.float32)
         out = torch.empty((T, H), dtype=torch.float32)
-        _check(self.lib.decode_layers(
+        torch_ops._check(self.lib.decode_layers(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(),
             self.model.rope_cos.shape[0], self.model.rope_cos.data_ptr(),
             self.model.rope_sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, block_tables.ctypes.data,
             block_tables.shape[1], self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
-            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(), KV_TYPES[self.kv_caches[0][0].dtype]),
+            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            torch_ops.KV_TYPES[self.kv_caches[0][0].dtype]),
             "decode_layers")
         return out
 
@@ -133,13 +134,14 @@ class DecodeLayers:
                                                     prefill.block_tables)
         ws = torch.empty(self.lib.decode_workspace(T, H, Hq, Hkv, D, I), dtype=torch.float32)
         out = torch.empty((T if keep is None else len(keep), H), dtype=torch.float32)
-        _check(self.lib.step_layers(
+        torch_ops._check(self.lib.step_layers(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), T, positions.data_ptr(),
             self.model.rope_cos.shape[0], self.model.rope_cos.data_ptr(), self.model.rope_sin.data_ptr(),
             slots.data_ptr(), 0 if decode is None else dec[0].shape[0], *map(ptr, dec),
             1 if decode is None else dec[2].shape[1], 0 if prefill is None else pre[0].shape[0], *map(ptr, pre),
             1 if prefill is None else pre[3].shape[1], None if keep is None else keep.ctypes.data,
             0 if keep is None else len(keep), self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
-            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(), KV_TYPES[self.kv_caches[0][0].dtype]),
+            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            torch_ops.KV_TYPES[self.kv_caches[0][0].dtype]),
             "step_layers")
         return out
