@@ -8,7 +8,7 @@ is an edge to the submodule `P.x` where there is one, else to `P` (its `__init__
 packages an import runs on the way (`import a.b` runs `a/__init__`; a circle through an `__init__` still shows,
 as an edge to the package itself), a module importing itself (`torchengine.tp_runner`'s `__main__` block), and
 lookups by a computed name (`importlib.import_module(name)`: `enginecore.runner`'s backend table, checked
-below, and `frontend.cli`'s subcommands, both frontend modules).
+below, and `frontend.cli`'s subcommands, which are frontend modules too).
 
 The layers, lowest first; a package imports its own modules and those of lower layers only:
 

@@ -8,8 +8,8 @@ broadcast over the gloo group as one of the typed commands below, so every rank 
 `InputBatch` replica and meets rank 0 in the same collectives (the all-reduces of the row-parallel layers).
 Only rank 0 samples. `shutdown()` broadcasts `Shutdown` and joins the ranks.
 
-This module sits above `torchengine.runner` and `torchengine.distributed`, which import neither it nor each
-other's callers.
+It sits above `torchengine.runner` (one rank) and `torchengine.distributed` (the group, the processes); neither
+imports it.
 """
 
 from __future__ import annotations
