@@ -47,7 +47,8 @@ HF_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "smollm2-
 
 def hf_folder(dtype: str) -> str:
     """The embedded model as a Hugging Face folder (written once, then reused)."""
-    from enginecore.model_loader import resolve_model, save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
+    from enginecore.model_loader import resolve_model
 
     path = HF_CACHE.format(dtype=dtype)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):

@@ -131,7 +131,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from enginecore.model_loader import resolve_model, save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
+    from enginecore.model_loader import resolve_model
 
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(100, 40000, input_len - 1).tolist() for _ in range(max(batches))]

@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.install_only:
             return 0 if all(v == "installed" for v in install_notes.values()) else 1
 
-    from enginecore.model_loader import embedded_model_path, resolve_model, save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
+    from enginecore.model_loader import embedded_model_path, resolve_model
     from enginecore.tokenizer import load_tokenizer
 
     from frontend.bench.datasets import TextPromptBuilder, word_pool

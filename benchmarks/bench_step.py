@@ -46,7 +46,8 @@ def tiny_model_dir() -> str:
     import torch
     import transformers as tf
 
-    from enginecore.model_loader import resolve_model, save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
+    from enginecore.model_loader import resolve_model
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

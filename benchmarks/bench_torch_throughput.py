@@ -116,7 +116,8 @@ class Transformers:
 
 
 def smollm2_folder(dtype: str) -> str:
-    from enginecore.model_loader import resolve_model, save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
+    from enginecore.model_loader import resolve_model
 
     path = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", f"smollm2-hf-{dtype}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):

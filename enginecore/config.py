@@ -15,16 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from enginecore.flags import DTYPE_ALIASES, ConfigError
 from enginecore.sampling_params import DEFAULT_MAX_LOGPROBS
 
 logger = logging.getLogger("xlaserve.config")
 
-
-class ConfigError(ValueError):
-    """An invalid flag or combination of flags; the message names the flag."""
-
-
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 Platform = Literal["auto", "tpu", "cuda", "cpu"]
 Backend = Literal["auto", "jax", "torch"]

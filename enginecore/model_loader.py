@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -36,6 +35,7 @@ from enginecore.model_checks import (
     safetensors_entries,
     read_gguf,
 )
+from enginecore.native import gguf_block, gguf_dequantizer
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -538,8 +538,6 @@ def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray | None:
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS blocks (flat uint8) ->
     float32, flat: `enginecore.native.gguf_dequantizer`, the gguf package's values; None for other types, a
     partial block, or where the dequantizer cannot be built."""
-    from enginecore.native import gguf_block, gguf_dequantizer
-
     block = gguf_block(ggml_type)
     if block is None or data.size % block[1] or (fn := gguf_dequantizer()) is None:
         return None
@@ -583,41 +581,3 @@ def _gguf_hf_name(path: str, name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_MAP:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_MAP[parts[2]]}.{parts[3]}"
     raise ModelLoadError(f"{path}: unexpected tensor {name}")
-
-
-# ---------------------------------------------------------------------------------
-# saving (used by tests and `xlaserve convert`)
-
-
-def _np_dtype(name: str):
-    """numpy dtype of a dtype name; bfloat16 comes from ml_dtypes (numpy does not know the name)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def save_hf_folder(src: ModelSource, out_dir: str, dtype: str = "float32") -> str:
-    """Write config.json + model.safetensors + tokenizer files for `src` into out_dir."""
-    from safetensors.numpy import save_file
-
-    from enginecore.tokenizer import load_tokenizer
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        d = src.config.to_hf_dict()
-        d["torch_dtype"] = dtype
-        json.dump(d, f, indent=2)
-    weights = {}
-    for name, arr in src.iter_weights():
-        if name == "lm_head.weight" and src.config.tie_word_embeddings:
-            continue
-        weights[name] = np.ascontiguousarray(arr.astype(_np_dtype(dtype)))
-    save_file(weights, os.path.join(out_dir, "model.safetensors"))
-    tok = load_tokenizer(src)
-    tok.hf.save_pretrained(out_dir)
-    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(gen, f)
-    return out_dir

@@ -24,7 +24,6 @@ import threading
 import numpy as np
 
 from enginecore import envs
-from enginecore.platform import c_compiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # enginecore/gguf_dequant.c: GGUF's blocks (GGUF_DEQUANT_TYPES) to float32 at load (portable C)
@@ -38,6 +37,13 @@ def gguf_block(ggml_type: int) -> tuple[int, int] | None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] if ggml_type in GGUF_DEQUANT_TYPES else None
+
+
+def c_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
 
 
 def cxx_compiler() -> str | None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import glob
 import os
 import platform as _platform
-import shutil
 
 from enginecore import envs
-from enginecore.config import DTYPE_ALIASES, ConfigError
+from enginecore.flags import DTYPE_ALIASES, ConfigError
+from enginecore.model_loader import is_orbax_checkpoint
+from enginecore.native import c_compiler
 
 PLATFORMS = ("auto", "tpu", "cuda", "cpu")
 BACKENDS = ("auto", "jax", "torch")
@@ -52,13 +53,6 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def c_compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
 
 
 def cpu_kernels_unavailable() -> str:
@@ -116,8 +110,6 @@ def _jax_features(attention_backend: str, load_format: str, model: str | None,
     `--attention-backend torch` asks for torch."""
     if attention_backend == "torch":
         return False
-    from enginecore.model_loader import is_orbax_checkpoint
-
     return load_format == "orbax" or compilation_cache_dir is not None or (
         load_format == "auto" and bool(model) and is_orbax_checkpoint(model))
 

@@ -15,7 +15,7 @@ from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 
 _RUNNERS = {
     "jax": ("jaxengine.runner", "JaxModelRunner"),
-    "torch": ("torchengine.runner", "create_runner"),
+    "torch": ("torchengine.tp_runner", "create_runner"),
 }
 
 

@@ -19,8 +19,8 @@ import time
 
 import jax
 
-from enginecore.model_loader import (ORBAX_MARKER, ORBAX_SUBDIR, ModelLoadError, ModelSource,
-                                     is_orbax_checkpoint, save_hf_folder)
+from enginecore.hf_folder import save_hf_folder
+from enginecore.model_loader import ORBAX_MARKER, ORBAX_SUBDIR, ModelLoadError, ModelSource, is_orbax_checkpoint
 from enginecore.arch import ArchConfig
 from jaxengine.model import LayerParams, ModelParams, abstract_params, is_spec, jnp_dtype
 

@@ -243,7 +243,7 @@ def smollm2_tokenizer(smollm2_source):
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(tmp_path_factory, smollm2_source):
     """The embedded model written out as a Hugging Face folder (f32 safetensors + tokenizer)."""
-    from enginecore.model_loader import save_hf_folder
+    from enginecore.hf_folder import save_hf_folder
 
     return save_hf_folder(smollm2_source, str(tmp_path_factory.mktemp("smollm2_hf")))
 
@@ -331,7 +331,7 @@ def tiny_f16_llama_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def one_call_vs_python_layers(monkeypatch):
-    """Factory: generate with the torch runner's one-call decode layers (torch_ops.DecodeLayers), then with
+    """Factory: generate with the torch runner's one-call decode layers (cpu_layers.DecodeLayers), then with
     the Python layers, and assert the same tokens and logprobs to the bit. Returns whether the one-call path
     ran at all."""
 

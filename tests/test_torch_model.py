@@ -164,7 +164,7 @@ def test_lm_head_in_panels(arch, tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_layers_in_one_call_are_bit_identical(arch, tiny_model_dir, prompts, one_call_vs_python_layers):
-    """Decode steps run every layer in one C call (torch_ops.DecodeLayers) where the model is on the float32
+    """Decode steps run every layer in one C call (cpu_layers.DecodeLayers) where the model is on the float32
     kernels' path: the same tokens and the same logprobs, to the bit, as the Python layers (a bias on q/k/v:
     qwen2; q/k norms are not in the C path: qwen3 runs the Python layers both times), whether the rows are
     plain greedy, want logprobs or draw with a penalty."""
@@ -203,18 +203,19 @@ def test_steps_with_prompt_tokens_run_the_layers_in_one_call_too(tiny_model_dir,
     rows alone): the Python layers' tokens and logprobs to the bit. A step with prompt logprobs keeps the Python
     layers; groups that do not hold each of the step's tokens once are refused, not read past."""
     from cpu_kernels import torch_ops
+    from torchengine.cpu_layers import DecodeLayers
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     llm = torch_llm(tiny_model_dir("llama"), max_num_batched_tokens=16, block_size=8)
-    seen, real = [], torch_ops.DecodeLayers.step
+    seen, real = [], DecodeLayers.step
 
     def spy(self, x, positions, slots, decode, prefill, keep):
         seen.append((0 if decode is None else len(decode.tokens), 0 if prefill is None else len(prefill.q_lens),
                      x.shape[0], None if keep is None else len(keep)))
         return real(self, x, positions, slots, decode, prefill, keep)
 
-    monkeypatch.setattr(torch_ops.DecodeLayers, "step", spy)
+    monkeypatch.setattr(DecodeLayers, "step", spy)
     reqs = [{"prompt_token_ids": list(range(100 + 7 * i, 100 + 7 * i + n))} for i, n in enumerate((5, 23, 41, 9))]
     for sp in (SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
                SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)):

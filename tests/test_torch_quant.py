@@ -727,7 +727,7 @@ def test_engine_answers_like_the_dequantized_model(engines):
 
 
 def test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically(engines, one_call_vs_python_layers):
-    """A gguf decode step's layers in one C call (torch_ops.DecodeLayers): the Q4 kernel for steps of up to
+    """A gguf decode step's layers in one C call (cpu_layers.DecodeLayers): the Q4 kernel for steps of up to
     its row limit, the float32 weights beyond, as Int4Linear chooses; the same tokens and logprobs, to the bit,
     as the Python layers."""
     from cpu_kernels import torch_ops

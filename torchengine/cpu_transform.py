@@ -17,7 +17,7 @@ bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every
 
 Each kernel computes a row the same way whatever the number of rows in the call (so a request's tokens do not
 depend on its neighbours), and each CPU module falls back to torch's ops for an input its kernel does not take.
-The one-call layers (`torch_ops.DecodeLayers`) read these modules' panels (`decode_parts`). What the kernels do
+The one-call layers (`torchengine.cpu_layers.DecodeLayers`) read these modules' panels (`decode_parts`). What the kernels do
 not cover stays torch's, logged once: the per-head q/k norms, a model that is not float32.
 """
 
@@ -84,7 +84,7 @@ class CpuLinear(nn.Module):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def decode_parts(self) -> tuple[torch.Tensor | None, torch.Tensor | None, None, int] | None:
-        """What `torch_ops.DecodeLayers` reads: (float32 panels, bias, no 4-bit blocks, 0); its qx panels
+        """What `torchengine.cpu_layers.DecodeLayers` reads: (float32 panels, bias, no 4-bit blocks, 0); its qx panels
         separately."""
         if self.panels is None and not (self.qx is not None and self.qx_kind == BDOT):
             return None

@@ -253,18 +253,17 @@ class Transformer(nn.Module):
 
 
 def build_model(arch: ArchConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
-                tp: tuple[int, int, object] | None = None) -> Transformer:
+                transform: Callable[[Transformer], object] | None = None) -> Transformer:
     """An uninitialised model on `device` (no random init: weights come from `load_weights`).
 
-    `tp=(rank, world_size, group)` applies the tensor-parallel transform while the model is still on the
-    meta device, so a rank allocates only its share and `load_weights` reads only that share.
+    `transform(model)` runs while the model is still on the meta device: tensor parallelism
+    (`torchengine.tensor_parallel.apply_tensor_parallel`) shards it there, so a rank allocates only its share and
+    `load_weights` reads only that share. (A transform handed in: this file stays single-device code.)
     """
     with torch.device("meta"):
         model = Transformer(arch, max_positions)
-        if tp is not None:
-            from torchengine.tensor_parallel import apply_tensor_parallel
-
-            apply_tensor_parallel(model, *tp)
+        if transform is not None:
+            transform(model)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()
     return model.eval().requires_grad_(False)

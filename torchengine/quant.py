@@ -77,7 +77,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def decode_parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None:
-        """What `torch_ops.DecodeLayers` reads, where it runs this linear as `forward` does (the AVX2 kernel's
+        """What `torchengine.cpu_layers.DecodeLayers` reads, where it runs this linear as `forward` does (the AVX2 kernel's
         blocks, the dense copy in `CpuLinear`'s float32 panels): (panels, bias, blocks, row limit)."""
         dense = getattr(self.dense, "decode_parts", None)
         parts = None if dense is None else dense()

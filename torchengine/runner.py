@@ -10,7 +10,7 @@ there) -> one copy of the results to the host, collected by the handle's
 `result()` -> `finish_step`. On CUDA the copy is asynchronous, so the engine
 builds the next step while this one runs. On a CPU, where the one-call C
 layers run the model (float32 kernels, one rank, no q/k norms:
-`cpu_kernels.DecodeLayers.bind`), a decode step (each token its request's
+`cpu_layers.DecodeLayers.bind`), a decode step (each token its request's
 only query) skips the device batch: numpy straight into those layers and,
 for plain greedy rows, the LM head's argmax (`_decode_on_cpu`; at batch 1 a
 step is mostly such glue).
@@ -18,13 +18,15 @@ step is mostly such glue).
 Devices: `--platform cpu` runs float32 with the plain-torch attention;
 `--platform cuda` runs bfloat16 with the Triton kernels and CUDA graphs
 (`--enforce-eager` turns them off). `--tensor-parallel-size N` runs one
-process per rank (`torchengine.distributed`): `TensorParallelRunner` is rank
-0's view of them; every rank runs the same steps (sampling included, so each
-keeps its own copy of the tokens) and rank 0 returns the outputs.
+process per rank, each a `TorchModelRunner` in one `torchengine.distributed`
+group (`init_method`: its rendezvous); `torchengine.tp_runner` starts them and
+is rank 0's view of them; every rank runs the same steps (sampling included,
+so each keeps its own copy of the tokens) and rank 0 returns the outputs.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -50,8 +52,11 @@ from enginecore.sampling_params import SamplingParams
 from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from cpu_kernels import torch_ops
 from torchengine.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillGroup, make_attention_backend
+from torchengine.cpu_layers import DecodeLayers
+from torchengine.distributed import TPGroup
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
+from torchengine.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -163,7 +168,7 @@ class TorchModelRunner:
         self.cuda_graphs = None  # torchengine.cuda_graph.CUDAGraphs once captured
         self.tp = None  # torchengine.distributed.TPGroup when tp_size > 1
         self._pending: PendingStep | None = None
-        # (caches, model, torch_ops.DecodeLayers or None): the one-call decode layers bound to them
+        # (caches, model, DecodeLayers or None): the one-call decode layers bound to them
         self._decode_layers_bound: tuple | None = None
         self._kv_populate = threading.Event()  # stops the CPU KV cache's background commit (populate_in_background)
         # CPU: LM head + sampler 64 rows at a time (see sampler.sample_in_chunks)
@@ -177,14 +182,13 @@ class TorchModelRunner:
 
     def load_model(self) -> None:
         if self.tp_size > 1:
-            from torchengine.distributed import TPGroup
-
             self.tp = TPGroup.create(self.config, self.rank, self.device, self._init_method)
         t0 = time.perf_counter()
         with torch.inference_mode():
             # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
-            tp = (self.rank, self.tp_size, self.tp.group) if self.tp is not None else None
-            model = build_model(self.arch, self.max_model_len + 1, self.device, self.compute_dtype, tp=tp)
+            shard = None if self.tp is None else functools.partial(
+                apply_tensor_parallel, rank=self.rank, world_size=self.tp_size, group=self.tp.group)
+            model = build_model(self.arch, self.max_model_len + 1, self.device, self.compute_dtype, transform=shard)
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
             model.weights_first_rows = CPU_WEIGHTS_FIRST_ROWS
@@ -230,7 +234,12 @@ class TorchModelRunner:
                                 "float32 only)", self.rank, n)
 
     def shutdown(self) -> None:
-        """Release the graphs, the model and the cache, then stop the other ranks.
+        """Release the graphs, the model and the cache, then leave the tensor-parallel group (if any)."""
+        self.release()
+        self.leave_group()
+
+    def release(self) -> None:
+        """Drop the graphs, the model and the cache; the group stays (`leave_group`).
 
         The graphs go first: they hold the captured all-reduces, and NCCL (>= 2.26) waits for every graph
         using a communicator to be destroyed before it destroys the communicator.
@@ -242,20 +251,12 @@ class TorchModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        if self.tp is not None:
-            self.tp.shutdown(self.rank)
-            self.tp = None
 
-    def serve_rank(self) -> None:
-        """Ranks > 0: run rank 0's calls until it shuts down (each step to its end: these ranks return nothing)."""
-        while True:
-            name, args = self.tp.broadcast(None)
-            if name == "shutdown":
-                self.shutdown()
-                return
-            out = getattr(self, name)(*args)
-            if name == "execute":
-                out.result()
+    def leave_group(self) -> None:
+        """Leave the tensor-parallel group (no-op without one); every rank does so at about the same time."""
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -406,7 +407,7 @@ class TorchModelRunner:
         return PendingStep(self._finish, batch, host=host, event=event,
                            hidden=hidden if batch.prompt_logprobs else None)
 
-    def _decode_on_cpu(self, batch: StepBatch, layers: torch_ops.DecodeLayers) -> SamplerOutput:
+    def _decode_on_cpu(self, batch: StepBatch, layers: DecodeLayers) -> SamplerOutput:
         """A step whose every token is its request's only query, on the CPU kernels: all layers in one C call
         (the same kernels as the model's) and, for plain greedy rows, the LM head's argmax without logits. Its
         inputs stay numpy until the C calls (a torch op costs several numpy ones; at batch 1 the step is mostly
@@ -418,7 +419,7 @@ class TorchModelRunner:
                         torch.from_numpy(slots), batch.kv_lens, batch.block_tables)  # [T, H]: row i is request i
         return self._sample(hidden, batch, lambda: SamplingTensors.from_batch(batch.sampling, self.device, None, T))
 
-    def _step_on_cpu(self, batch: StepBatch, layers: torch_ops.DecodeLayers) -> SamplerOutput | None:
+    def _step_on_cpu(self, batch: StepBatch, layers: DecodeLayers) -> SamplerOutput | None:
         """Any other step without prompt logprobs (prefill chunks, decodes beside them) on the CPU kernels: every
         layer in one C call (`DecodeLayers.step`: the Python layers' kernels in their order, their attention's
         decode and prefill groups; the same bits), the last layer's o linear and MLP on the sampled rows alone
@@ -499,14 +500,14 @@ class TorchModelRunner:
         rows = self.model(input_ids[:T], positions[:T], attn, keep=logits_indices[:R])  # [R, H]
         return self._sample(rows, batch, lambda: st), None
 
-    def _decode_layers(self) -> torch_ops.DecodeLayers | None:
+    def _decode_layers(self) -> DecodeLayers | None:
         """The one-call layers for these caches (decode steps, and any other without prompt logprobs: `step`), None
         off the float32 CPU kernels' path."""
         if self.device.type != "cpu":
             return None
         bound = self._decode_layers_bound
         if bound is None or bound[0] is not self.kv_caches or bound[1] is not self.model:
-            bound = self._decode_layers_bound = (self.kv_caches, self.model, torch_ops.DecodeLayers.bind(
+            bound = self._decode_layers_bound = (self.kv_caches, self.model, DecodeLayers.bind(
                 self.model, self.attn_backend, self.kv_caches))
         return bound[2]
 
@@ -551,49 +552,3 @@ class TorchModelRunner:
             vals, ids = top_n(lp, k)  # ties: lower id first
             parts.append([x.cpu().numpy() for x in (tgt, rank, ids, vals)])
         return PromptLogprobs(*(np.concatenate(x) for x in zip(*parts)))
-
-
-class TensorParallelRunner:
-    """Rank 0 of `--tensor-parallel-size N`: each call is broadcast to the other ranks, then run here.
-
-    The other ranks (`torchengine.distributed` workers) run the same calls on their own
-    `TorchModelRunner`, meeting rank 0 in the collectives; only rank 0's results are returned.
-    """
-
-    def __init__(self, config: EngineConfig, model: ModelSource):
-        self.local = TorchModelRunner(config, model, rank=0)
-
-    def _call_all(self, name: str, *args):
-        if self.local.tp is not None:
-            self.local.tp.broadcast((name, args))
-        return getattr(self.local, name)(*args)
-
-    def load_model(self) -> None:
-        self.local.load_model()  # creates the group: the other ranks load theirs on their own
-
-    def determine_num_blocks(self) -> int:
-        return self._call_all("determine_num_blocks")
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks)
-
-    def warmup(self) -> dict:
-        return self._call_all("warmup")
-
-    def execute(self, so: SchedulerOutput):
-        return self._call_all("execute", so)
-
-    def shutdown(self) -> None:
-        self.local.shutdown()  # broadcasts "shutdown" itself
-
-    def __getattr__(self, name):  # model, input_batch, kv_caches ... for tests and tools
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
-
-def create_runner(config: EngineConfig, model: ModelSource):
-    """The torch backend's runner: one rank, or rank 0 of a tensor-parallel group."""
-    if config.parallel_config.tensor_parallel_size > 1:
-        return TensorParallelRunner(config, model)
-    return TorchModelRunner(config, model)

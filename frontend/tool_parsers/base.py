@@ -310,17 +310,21 @@ def scan_calls(p: Parse, calls, text: str, i: int, final: bool) -> Parse:
     return p
 
 
-def scan_call_array(text: str, i: int, final: bool, p: Parse) -> None:
-    """The call objects of a JSON array whose `[` ends before `i`, appended to `p` (ValueError: malformed)."""
+def scan_call_list(text: str, i: int, final: bool, p: Parse, sep: str = ",", close: str | None = "]") -> None:
+    """The call objects from `i` on, separated by `sep`, appended to `p`: by default those of a JSON array whose
+    `[` ends before `i`; with `close=None` a list that ends with the text, where a last `sep` may end it too
+    (Llama 3's `;`). ValueError: malformed, or other text after a call."""
     while True:
         call, end = parse_call_object(text, i, final)
         p.calls.append(call)
         if end is None:
             return
         i = skip_ws(text, end)
-        if i >= len(text) or text[i] == "]":
+        if i >= len(text) or text[i] == close:
             return
-        if text[i] != ",":
-            raise ValueError("expected ',' or ']'")
+        if text[i] != sep:
+            raise ValueError(f"expected {sep!r}{f' or {close!r}' if close else ''} at {i}")
         i += 1
+        if close is None and skip_ws(text, i) >= len(text):
+            return
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from frontend.tool_parsers.base import (Parse, PartialCall, ToolParser, after_next_marker, content_until,
-                                        parse_call_object, scan_call_array, scan_calls, scan_value, skip_ws)
+                                        parse_call_object, scan_call_list, scan_calls, scan_value, skip_ws)
 
 
 class HermesToolParser(ToolParser):
@@ -51,20 +51,8 @@ class Llama3JsonToolParser(ToolParser):
 
     @staticmethod
     def _calls(text: str, i: int, final: bool, p: Parse) -> None:
-        while True:
-            call, end = parse_call_object(text, i, final)
-            p.calls.append(call)
-            if end is None:
-                return
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ";":
-                i = skip_ws(text, i + 1)
-                if i >= len(text):
-                    return
-                continue
-            if i < len(text):
-                p.error = True  # text after the calls: not a tool call after all
-            return
+        # text after the calls (scan_call_list's ValueError): not a tool call after all
+        scan_call_list(text, i, final, p, sep=";", close=None)
 
 
 class MistralToolParser(ToolParser):
@@ -83,7 +71,7 @@ class MistralToolParser(ToolParser):
         i = skip_ws(text, start + len(self.START))
         if i >= len(text):
             return p
-        return scan_calls(p, scan_call_array if text[i] == "[" else self._named, text, i + (text[i] == "["), final)
+        return scan_calls(p, scan_call_list if text[i] == "[" else self._named, text, i + (text[i] == "["), final)
 
     def _named(self, text: str, i: int, final: bool, p: Parse) -> None:
         while i < len(text):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from enginecore.sampling_params import SamplingParamsError, StructuredOutputsParams
-from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, scan_call_array, scan_calls, skip_ws
+from frontend.tool_parsers.base import Parse, PartialCall, ToolParser, scan_call_list, scan_calls, skip_ws
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -168,4 +168,4 @@ class RequiredToolParser(ToolParser):
         if text[i] != "[":
             p.error = True
             return p
-        return scan_calls(p, scan_call_array, text, i + 1, final)
+        return scan_calls(p, scan_call_list, text, i + 1, final)
