@@ -132,3 +132,8 @@ class DecodeLayers:
             slots.data_ptr(), 0 if decode is None else dec[0].shape[0], *map(ptr, dec),
             1 if decode is None else dec[2].shape[1], 0 if prefill is None else pre[0].shape[0], *map(ptr, pre),
             1 if prefill is None else pre[3].shape[1], None if keep is None else keep.ctypes.data,
+            0 if keep is None else len(keep), self.kv_caches[0][0].shape[1], H, Hq, Hkv, D, I, self.eps, self.scale,
+            self.window, ws.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            torch_ops.KV_TYPES[self.kv_caches[0][0].dtype]),
+            "step_layers")
+        return out
