@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-
-from enginecore import sampling_ref as ref  # noqa: E402
-from jaxengine import sampler as S  # noqa: E402
+from cpu_kernels import jax_ops
+from enginecore import sampling_ref as ref
+from jaxengine import sampler as S
 
 V = 4096
 METHODS = ("sort", "bisect", "topk")
 
 
-def _cpu_kernels_why() -> str:
-    try:
-        from cpu_kernels import jax_ops
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
-        return f"{type(e).__name__}: {e}"
-    return jax_ops.available()
-
-
 # "cpu": sample(..., cpu_kernels=True), the torch sampler's C kernels as custom calls (where they run)
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(bool(_cpu_kernels_why()), reason="no CPU kernels here"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(bool(jax_ops.available()), reason="no CPU kernels here"))
 VARIANTS = (*METHODS, CPU)
 _sample = jax.jit(S.sample, static_argnames=("mode", "num_logprobs", "method", "cpu_kernels"))
 
