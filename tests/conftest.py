@@ -39,15 +39,60 @@ def pytest_unconfigure(config):
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
+# `make test-fast` runs `-m "not slow"`: what it leaves out is marked slow here, in one place, beside the tests
+# marked in their own files: whole files (and tests) that start servers, run kernels in the Pallas or Triton
+# interpreter, spawn processes, or build and compile whole engines. `make test` runs everything.
+SLOW_FILES = {
+    "test_api_server.py": "servers",
+    "test_api_torch_smoke.py": "a server",
+    "test_bench_frontend.py": "servers",
+    "test_reliability_server.py": "servers",
+    "test_structured_outputs_server.py": "a server",
+    "test_soak.py": "a server under load",
+    "test_pallas_attention.py": "the Pallas interpreter",
+    "test_triton_kernels.py": "the Triton interpreter",
+    "test_torch_cuda_path_cpu.py": "the Triton interpreter",
+    "test_torch_tp.py": "processes",
+    "test_async_scheduling.py": "engines",
+    "test_cpu_bfloat16.py": "engines",
+    "test_jax_model.py": "engines",
+    "test_jax_runtime.py": "engines: warmup, tensor parallelism, orbax",
+    "test_torch_engine.py": "engines",
+    "test_torch_model.py": "engines",
+    "test_tpu_aot.py": "whole programs compiled for TPUs",
+}
+SLOW_TESTS = {  # file::test (every parametrization)
+    "test_torch_attention.py::test_triton_attention_wrapper": "the Triton interpreter",
+    "test_torch_quant.py::test_engine_answers_like_the_dequantized_model": "engines",
+    "test_torch_quant.py::test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_flag_refused_where_it_cannot_run": "engines",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    stale = [f for f in SLOW_FILES if not os.path.isfile(os.path.join(here, f))]
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     skip_tpu = pytest.mark.skip(reason="needs a TPU")
     has_tpu = bool(glob.glob("/dev/accel*"))
+    modules = {}
     for item in items:
+        name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        modules[item.path.name] = getattr(item, "module", None)
+        if item.path.name in SLOW_FILES or name in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and not has_tpu:
             item.add_marker(skip_tpu)
+    # a renamed file or test would silently join the fast run: a stale entry stops the run instead
+    stale += [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
+              and not hasattr(m, t.split("::")[1])]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py marks slow what does not exist: {', '.join(stale)}")
 
 
 @pytest.fixture(autouse=True)
