@@ -20,7 +20,6 @@ import logging
 
 import numpy as np
 import pytest
-
 import torch
 
 from cpu_kernels import layout as qx
