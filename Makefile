@@ -1,4 +1,4 @@
-# The two commands: `make serve` and `make test`. Each sets up .venv first.
+# The two commands: `make serve` and `make test` (and `make test-fast`, its inner loop). Each sets up .venv first.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +18,7 @@ PORT ?= 8000
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test setup clean bench
+.PHONY: serve test test-fast setup clean bench
 
 setup: $(STAMP)
 
@@ -38,6 +38,12 @@ serve: $(STAMP)
 test: export OMP_WAIT_POLICY := PASSIVE
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop, a few minutes: the unit tests, without what tests/conftest.py and the files mark slow (servers,
+# interpreted kernels, processes, whole engines). `make test` stays the whole suite and CI's command.
+test-fast: export OMP_WAIT_POLICY := PASSIVE
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_backends

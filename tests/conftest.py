@@ -30,6 +30,7 @@ if _XLA_CACHE:
 
 import pytest  # noqa: E402
 
+from tests.gguf_writer import requantized_gguf  # noqa: E402
 from tests.outputs import assert_same_outputs  # noqa: E402
 
 
@@ -38,15 +39,60 @@ def pytest_unconfigure(config):
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
+# `make test-fast` runs `-m "not slow"`: what it leaves out is marked slow here, in one place, beside the tests
+# marked in their own files: whole files (and tests) that start servers, run kernels in the Pallas or Triton
+# interpreter, spawn processes, or build and compile whole engines. `make test` runs everything.
+SLOW_FILES = {
+    "test_api_server.py": "servers",
+    "test_api_torch_smoke.py": "a server",
+    "test_bench_frontend.py": "servers",
+    "test_reliability_server.py": "servers",
+    "test_structured_outputs_server.py": "a server",
+    "test_soak.py": "a server under load",
+    "test_pallas_attention.py": "the Pallas interpreter",
+    "test_triton_kernels.py": "the Triton interpreter",
+    "test_torch_cuda_path_cpu.py": "the Triton interpreter",
+    "test_torch_tp.py": "processes",
+    "test_async_scheduling.py": "engines",
+    "test_cpu_bfloat16.py": "engines",
+    "test_jax_model.py": "engines",
+    "test_jax_runtime.py": "engines: warmup, tensor parallelism, orbax",
+    "test_torch_engine.py": "engines",
+    "test_torch_model.py": "engines",
+    "test_tpu_aot.py": "whole programs compiled for TPUs",
+}
+SLOW_TESTS = {  # file::test (every parametrization)
+    "test_torch_attention.py::test_triton_attention_wrapper": "the Triton interpreter",
+    "test_torch_quant.py::test_engine_answers_like_the_dequantized_model": "engines",
+    "test_torch_quant.py::test_decode_layers_in_one_call_run_the_4_bit_linears_bit_identically": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_a_mixed_gguf_files_types_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_a_16_bit_checkpoints_values_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_float32_decode_multiplies_the_files_4_bit_blocks_to_the_same_bits": "engines",
+    "test_torch_quant.py::test_flag_refused_where_it_cannot_run": "engines",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    stale = [f for f in SLOW_FILES if not os.path.isfile(os.path.join(here, f))]
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     skip_tpu = pytest.mark.skip(reason="needs a TPU")
     has_tpu = bool(glob.glob("/dev/accel*"))
+    modules = {}
     for item in items:
+        name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        modules[item.path.name] = getattr(item, "module", None)
+        if item.path.name in SLOW_FILES or name in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and not has_tpu:
             item.add_marker(skip_tpu)
+    # a renamed file or test would silently join the fast run: a stale entry stops the run instead
+    stale += [t for t in SLOW_TESTS if (m := modules.get(t.split("::")[0])) is not None
+              and not hasattr(m, t.split("::")[1])]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py marks slow what does not exist: {', '.join(stale)}")
 
 
 @pytest.fixture(autouse=True)
@@ -90,8 +136,8 @@ def smollm2_source():
 @pytest.fixture(scope="session")
 def mixed_gguf(tmp_path_factory):
     """The embedded GGUF with its linears in the types a llama.cpp K-quant or IQ4_XS file mixes: v Q8_0 in even
-    layers (q and k Q4_1: qkv of both forms there), o Q5_0, down Q4_K in layers 0-9 and 15-19 (`_q4_k`, `_q6_k`,
-    `_iq4`: the gguf package has no encoders for these), IQ4_XS in 10-14 and Q6_K from 20, gate and up IQ4_NL
+    layers (q and k Q4_1: qkv of both forms there), o Q5_0, down Q4_K in layers 0-9 and 15-19 (tests/gguf_writer.py
+    encodes these: the gguf package cannot), IQ4_XS in 10-14 and Q6_K from 20, gate and up IQ4_NL
     from layer 20, the rest as stored (Q4_1, a Q8_0 embedding); its tokenizer and metadata copied."""
     import gguf
 
@@ -123,114 +169,11 @@ def iq4_gguf(tmp_path_factory):
 
 
 def _requantized_gguf(tmp_path_factory, name: str, types) -> str:
-    """The embedded GGUF with each tensor that `types(tensor name, layer)` names a GGML type for requantized to it
-    (the gguf package's encoder, or `_q4_k`, `_q6_k`, `_iq4`), the rest as stored; its tokenizer and metadata
-    copied. Returns its path."""
-    import gguf
-
+    """The embedded GGUF requantized as `types(tensor name, layer)` says (tests.gguf_writer.requantized_gguf)."""
     from enginecore.model_loader import embedded_model_path
 
-    src = gguf.GGUFReader(embedded_model_path())
     path = str(tmp_path_factory.mktemp(f"{name}_gguf") / f"{name}.gguf")
-    w = gguf.GGUFWriter(path, src.fields["general.architecture"].contents())
-    for f in src.fields.values():
-        if f.name != "general.architecture" and not f.name.startswith("GGUF."):
-            array = f.types[0] == gguf.GGUFValueType.ARRAY
-            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
-    T = gguf.GGMLQuantizationType
-    encoders = {T.Q4_K: _q4_k, T.Q6_K: _q6_k, T.IQ4_NL: lambda a: _iq4(a, 32), T.IQ4_XS: lambda a: _iq4(a, 256)}
-    for t in src.tensors:
-        data, ty = t.data, t.tensor_type
-        to = types(t.name, int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1)
-        if to is not None:
-            w32 = gguf.quants.dequantize(data, ty)
-            data, ty = (encoders[to](w32) if to in encoders else gguf.quants.quantize(w32, to)), to
-        w.add_tensor(t.name, data, raw_dtype=ty)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return path
-
-
-def _q4_k(w):
-    """float32 [N, K] (K a multiple of 256) -> GGUF Q4_K super-blocks [N, K / 256 * 144] uint8, roughly (per 32
-    weights (d * sc) * q - dmin * mn, six-bit sc and mn packed in 12 bytes, q's nibbles as the gguf package reads
-    them)."""
-    import numpy as np
-
-    N, K = w.shape
-    x = w.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
-    lo = np.minimum(x.min(axis=2), 0)
-    s = (x.max(axis=2) - lo) / 15
-    d = (s.max(axis=1) / 63).astype(np.float16).astype(np.float32)
-    dmin = (-lo.min(axis=1) / 63).astype(np.float16).astype(np.float32)
-
-    def six(a, u):
-        return np.clip(np.round(np.divide(a, u[:, None], out=np.zeros_like(a), where=u[:, None] > 0)), 0, 63)
-
-    sc, mn = six(s, d).astype(np.uint8), six(-lo, dmin).astype(np.uint8)
-    eff, off = (d[:, None] * sc)[..., None], (dmin[:, None] * mn)[..., None]
-    q = np.clip(np.round(np.divide(x + off, eff, out=np.zeros_like(x), where=eff != 0)), 0, 15).astype(np.uint8)
-    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
-                             (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4], axis=1)
-    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
-    out = np.concatenate([d.astype(np.float16)[:, None].view(np.uint8), dmin.astype(np.float16)[:, None].view(
-        np.uint8), scales, qs], axis=1)
-    return out.reshape(N, -1)
-
-
-def _iq4(w, block):
-    """float32 [N, K] -> GGUF IQ4_NL blocks (block 32: d, 16 bytes of nibbles) or IQ4_XS super-blocks (256: d, the
-    eight sub-blocks' six-bit scales sc, d * (sc - 32) theirs, in two bits each of a uint16 and four bytes of
-    nibbles, then 8 x 16 bytes), [N, K / block * bytes] uint8, roughly: each weight the index of the nearest of
-    IQ4_NL's 16 values times its scale; nibbles as the gguf package reads them (element j < 16 the low one of byte
-    j, j + 16 its high one, a sub-block of 32 at a time)."""
-    import gguf
-    import numpy as np
-
-    N, K = w.shape
-    values = np.asarray(gguf.quants.IQ4_NL.kvalues, np.float32)
-    x = w.reshape(-1, block // 32, 32).astype(np.float32)  # [blocks, sub-blocks, 32]
-    s = np.abs(x).max(axis=2) / 127  # per sub-block
-    if block == 32:
-        d = s[:, 0].astype(np.float16)
-        eff = d.astype(np.float32)[:, None]
-        head = [d[:, None].view(np.uint8)]
-    else:
-        d = (s.max(axis=1) / 31).astype(np.float16)
-        sc = np.clip(np.round(np.divide(s, d.astype(np.float32)[:, None], out=np.zeros_like(s),
-                                        where=d[:, None] > 0)), -32, 31).astype(np.int64) + 32
-        eff = d.astype(np.float32)[:, None] * (sc - 32).astype(np.float32)
-        hi = sum((sc[:, j] >> 4) << (2 * j) for j in range(8)).astype("<u2")
-        lo = (sc[:, 0::2] & 15) | (sc[:, 1::2] & 15) << 4
-        head = [d[:, None].view(np.uint8), hi[:, None].view(np.uint8), lo.astype(np.uint8)]
-    scaled = np.divide(x, eff[..., None], out=np.zeros_like(x), where=eff[..., None] != 0)
-    idx = np.abs(scaled[..., None] - values).argmin(axis=-1).astype(np.uint8)  # [blocks, sub-blocks, 32]
-    qs = (idx[..., :16] | idx[..., 16:] << 4).reshape(len(x), -1)
-    return np.concatenate([*head, qs], axis=1).reshape(N, -1)
-
-
-def _q6_k(w):
-    """float32 [N, K] (K a multiple of 256) -> GGUF Q6_K super-blocks [N, K / 256 * 210] uint8, roughly (per 16
-    weights a scale d * sc, q - 32 in [-32, 31]; ql's nibbles and qh's 2-bit pairs laid out as the gguf package
-    reads them)."""
-    import numpy as np
-
-    N, K = w.shape
-    x = w.reshape(-1, 16, 16).astype(np.float32)  # [blocks, groups of 16, 16]
-    s = np.abs(x).max(axis=2) / 31  # per group
-    d = (s.max(axis=1) / 127).astype(np.float16).astype(np.float32)  # per block
-    sc = np.clip(np.round(np.divide(s, d[:, None], out=np.zeros_like(s), where=d[:, None] > 0)), -128, 127)
-    eff = (d[:, None] * sc)[..., None]
-    q = np.clip(np.round(np.divide(x, eff, out=np.zeros_like(x), where=eff != 0)), -32, 31).astype(np.int64) + 32
-    q = q.reshape(-1, 2, 128)  # [blocks, half h, r]
-    ql = np.zeros((len(q), 2, 64), np.int64)
-    qh = np.zeros((len(q), 2, 32), np.int64)
-    for part in range(2):  # r // 64: the nibble
-        ql |= (q[:, :, part * 64 : (part + 1) * 64] & 15) << (4 * part)
-    for part in range(4):  # r // 32: the 2-bit pair
-        qh |= (q[:, :, part * 32 : (part + 1) * 32] >> 4) << (2 * part)
-    out = np.concatenate([ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8),
-                          sc.astype(np.int8).view(np.uint8), d.astype(np.float16)[:, None].view(np.uint8)], axis=1)
-    return out.reshape(N, -1)
+    return requantized_gguf(embedded_model_path(), path, types)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ kills it.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import json
 import os
 import signal
@@ -34,14 +33,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = float(os.environ.get("XLASERVE_TEST_STARTUP_TIMEOUT", "600"))
 
 
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-BACKEND = os.environ.get("XLASERVE_TEST_BACKEND") or ("jax" if _importable("jaxengine.runner") else "torch")
+BACKEND = os.environ.get("XLASERVE_TEST_BACKEND") or "jax"
 # shared by the server and run-batch, so run-batch finds the server's programs in the XLA cache
 ENGINE_FLAGS = ["--backend", BACKEND, "--platform", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "256", "--max-logprobs", "5"]

@@ -5,7 +5,6 @@ finishes or aborts it, frees the port and exits 0.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import socket
 import threading
@@ -20,14 +19,6 @@ from tests.test_api_server import MODEL, ServerProcess
 pytestmark = pytest.mark.slow
 
 
-def _torch_runner_available() -> bool:
-    try:
-        return importlib.util.find_spec("torchengine.runner") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _torch_runner_available(), reason="torchengine.runner is not importable in this checkout")
 def test_torch_backend_in_process_smoke_and_sigterm(tmp_path):
     srv = ServerProcess([MODEL, "--backend", "torch", "--platform", "cpu", "--disable-frontend-multiprocessing",
                          "--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",

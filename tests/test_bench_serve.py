@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +14,6 @@ from benchmarks._server import ServerProcess
 from frontend.bench import main as bench_main
 from frontend.bench.serve import ServeConfig, prepare, run_serve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK_GAP = 0.02  # seconds between the scripted server's chunks
 
 
@@ -144,30 +140,9 @@ def test_serve_reports_failures_when_the_server_errors(scripted_server):
 # ---- our real server ------------------------------------------------------------------
 
 
-def _backend_flags() -> list[str]:
-    """The default backend (jax on CPU) while its runner exists, else torch."""
-    import importlib.util
-
-    return [] if importlib.util.find_spec("jaxengine.runner") else ["--backend", "torch"]
-
-
-def _serve_available() -> str | None:
-    try:
-        r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", "--help"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return "`python -m frontend.cli serve --help` timed out"
-    if r.returncode != 0:
-        return f"`xlaserve serve` is not available yet (frontend.cli serve --help exited {r.returncode})"
-    return None
-
-
 @pytest.mark.slow
 def test_serve_against_our_server(tmp_path):
-    reason = _serve_available()
-    if reason:
-        pytest.skip(reason)
-    srv = ServerProcess(["--max-model-len", "256", "--max-num-seqs", "4", *_backend_flags()],
+    srv = ServerProcess(["--max-model-len", "256", "--max-num-seqs", "4"],
                         str(tmp_path / "server.log"), env={"JAX_PLATFORMS": "cpu"})
     try:
         cfg = ServeConfig(base_url=srv.url, num_prompts=4, random_input_len=32,

@@ -81,6 +81,20 @@ async def final_output(stream):
     return out
 
 
+async def until(cond, what: str, timeout: float = 10.0, every: float = 0.01) -> None:
+    """Wait, without blocking the event loop, until `cond()` holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+def idle(client) -> bool:
+    """The client has read the engine's stats of an idle engine: no request running, no block used."""
+    return client.stats.num_used_blocks == 0 and client.stats.num_running_reqs == 0
+
+
 def test_wire_roundtrip():
     sp = SamplingParams(n=2, temperature=0.7, top_k=5, stop=["x"], stop_token_ids=[3], logit_bias={7: -1.0},
                         seed=2**63 + 5, logprobs=2, output_kind=RequestOutputKind.DELTA)
@@ -114,7 +128,7 @@ def test_generate_stop_string_aborts_and_frees_blocks(parts):
             s = await client.add_request("b", "Hello there", params(max_tokens=12, ignore_eos=True, stop=[stop]))
             out = (await final_output(s)).outputs[0]
             assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[:text.index(stop)]
-            await asyncio.sleep(0.2)
+            await until(lambda: idle(client), "the engine's stats after both requests ended")
             assert await client.call("check_invariants")
             assert client.stats.num_used_blocks == 0 and client.stats.num_running_reqs == 0
             assert metrics.success["stop"]._value.get() == 1 and metrics.success["length"]._value.get() == 1
@@ -143,7 +157,7 @@ def test_stats_sent_only_when_changed(parts):
         client._handle = record
         try:
             await final_output(await client.add_request("a", "Hello there", params(max_tokens=12, ignore_eos=True)))
-            await asyncio.sleep(0.2)
+            await until(lambda: idle(client), "the engine's stats after the request ended")
             outputs_only = sum(1 for has_out, has_stats in seen if has_out and not has_stats)
             assert outputs_only >= 5, seen  # 12 decode steps, the stats changing in few of them
             assert any(has_stats for _, has_stats in seen)
@@ -220,13 +234,13 @@ def test_engine_messages_read_together_become_one_output(parts):
         try:
             ref = await final_output(await client.add_request("a", "Hello there", params(max_tokens=12,
                                                                                          ignore_eos=True)))
-            await asyncio.sleep(0.1)
+            await until(lambda: idle(client), "the engine's stats after the first request ended")
             itl_count, itl_sum = sum(b.get() for b in metrics.itl._buckets), metrics.itl._sum.get()
             s = await client.add_request("b", "Hello there", delta(max_tokens=12))
             deadline = time.monotonic() + 30
             while runner.steps < 2 * 12 and time.monotonic() < deadline:  # the loop blocked: no message is read
                 time.sleep(0.01)
-            time.sleep(0.2)
+            time.sleep(0.2)  # still blocked: the last step's message is queued with the others
             outs = [o.outputs[0] async for o in s]
             assert 1 <= len(outs) < 12, [len(o.token_ids) for o in outs]
             assert sum((o.token_ids for o in outs), []) == ref.outputs[0].token_ids
@@ -234,7 +248,7 @@ def test_engine_messages_read_together_become_one_output(parts):
             assert metrics.generation_tokens._value.get() == 24 and outs[-1].finish_reason == "length"
             # a latency a step, by the engine's clock (its messages' times) though they were read at once
             assert sum(b.get() for b in metrics.itl._buckets) == itl_count + 11 and metrics.itl._sum.get() > itl_sum
-            await asyncio.sleep(0.2)
+            await until(lambda: idle(client), "the engine's stats after the second request ended")
             assert client.stats.num_used_blocks == 0 and client.stats.num_running_reqs == 0
         finally:
             await client.shutdown()
@@ -295,7 +309,8 @@ def test_overload_exactly_at_max_waiting_requests(parts):
             await asyncio.to_thread(runner.in_step.wait, 10)  # the engine is inside a step with both running
             # these arrive while the engine is busy: drained together before the next schedule
             adds = [asyncio.create_task(client.add_request(f"w{i}", "Hi", params(max_tokens=1))) for i in range(4)]
-            await asyncio.sleep(0.2)
+            # each add registers its pending answer and sends in one go: 4 pending, all 4 are in the engine's queue
+            await until(lambda: len(client._pending_adds) == 4, "the 4 adds to be sent")
             runner.gate.set()
             results = await asyncio.gather(*adds, return_exceptions=True)
             kinds = [type(r).__name__ for r in results]
@@ -305,7 +320,7 @@ def test_overload_exactly_at_max_waiting_requests(parts):
                 s.abort()
             for s in results[:2]:
                 assert (await final_output(s)).finished
-            await asyncio.sleep(0.2)
+            await until(lambda: idle(client), "the engine's stats after every request ended")
             assert client.stats.num_used_blocks == 0 and await client.call("check_invariants")
         finally:
             await client.shutdown()

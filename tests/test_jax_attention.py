@@ -3,19 +3,19 @@
 Ragged batches with decode-only, prefill-only and mixed (prefix-cached context)
 rows, a lone decode row (the batch-1 branch), padded tokens and rows, GQA and
 sliding windows; the cache after the call holds the new K/V at their slots and
-nothing else changed. When pallas_kernels is importable, also against its
-pure-JAX reference (the two are interchangeable by contract).
+nothing else changed. Also against pallas_kernels' pure-JAX reference (the two
+are interchangeable by contract).
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-
-from jaxengine.attention import ragged_paged_attention_xla  # noqa: E402
+import pallas_kernels
+from jaxengine.attention import ragged_paged_attention_xla
 
 BS = 8
 
@@ -118,10 +118,7 @@ def test_decode_branches_rows_and_kv_runs(case):
 
 
 def test_agrees_with_pallas_reference():
-    pk = pytest.importorskip("pallas_kernels")
-    if not hasattr(pk, "ref_ragged_paged_attention"):
-        pytest.skip("pallas_kernels has no ref_ragged_paged_attention yet")
-    theirs = jax.jit(pk.ref_ragged_paged_attention, static_argnames=("sm_scale", "sliding_window"))
+    theirs = jax.jit(pallas_kernels.ref_ragged_paged_attention, static_argnames=("sm_scale", "sliding_window"))
     for case in ("mixed", "lone_decode_plus_prefill"):
         args = [jnp.asarray(a) for a in make_batch(*CASES[case], seed=3)]
         o1, c1 = attention(*args, sm_scale=0.25, sliding_window=None)

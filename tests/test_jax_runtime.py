@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-
-from enginecore import LLM, SamplingParams  # noqa: E402
-from enginecore.config import EngineArgs  # noqa: E402
+from enginecore import LLM, SamplingParams
+from enginecore.config import EngineArgs
 
 PROMPTS = [{"prompt_token_ids": [1, 450, 4996, 17354, 1701, 975]}, {"prompt_token_ids": [1, 306, 763]}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -215,9 +214,6 @@ def test_orbax_round_trip(tiny, reference_tokens, tmp_path):
 
 
 def test_pallas_attention_backend_end_to_end(tiny, reference_tokens):
-    pk = pytest.importorskip("pallas_kernels")
-    if not hasattr(pk, "ragged_paged_attention"):
-        pytest.skip("pallas_kernels.ragged_paged_attention does not exist yet")
     # on CPU the TPU kernel runs in the Pallas interpreter
     assert generate(small(tiny, attention_backend="pallas")) == reference_tokens
 

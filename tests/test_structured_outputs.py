@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import numpy as np
 import pytest
-
-pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
 
 from enginecore import sampling_ref as ref  # noqa: E402
 from enginecore.sampling_batch import SamplingBatch, scatter_bitmask  # noqa: E402
@@ -84,8 +82,9 @@ def _ref_tokens(x, sb: SamplingBatch, bias=None):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_masked_sampling_jax_and_torch_match_spec(with_bias):
-    torch = pytest.importorskip("torch")
-    jax = pytest.importorskip("jax")
+    import jax
+    import torch
+
     from jaxengine import sampler as JS
     from torchengine.sampler import SamplingTensors, sample as torch_sample
 
@@ -231,7 +230,6 @@ def _llm(backend, **kw):
 
 @pytest.fixture(scope="module")
 def llms():
-    pytest.importorskip("torch")
     engines = {b: _llm(b) for b in ("jax", "torch")}
     yield engines
     for e in engines.values():

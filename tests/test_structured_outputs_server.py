@@ -13,11 +13,9 @@ import os
 import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
-
-pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
 
 from tests.test_api_server import MODEL, ServerProcess, assert_error, metrics  # noqa: E402
 from tests.test_structured_outputs import CHOICES, PERSON, PHONE  # noqa: E402

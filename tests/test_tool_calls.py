@@ -191,7 +191,6 @@ def test_schemas_for_enforced_choices():
         "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}}
     s = tool_choice_schema(resolve_tool_choice([with_defs, TIME], "required", auto_enabled=False), None)
     assert s["$defs"] == {"P": {"type": "integer"}} and "$defs" not in s["items"]["anyOf"][0]["properties"]["parameters"]
-    pytest.importorskip("llguidance")
     check_parameter_schemas(TOOLS)
     with pytest.raises(ToolChoiceError, match=r"tools\[0\] \(bad\)") as e:
         check_parameter_schemas([{"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}])

@@ -144,7 +144,6 @@ def test_server_auto_choice_history_and_400s(tool_server):
 @pytest.mark.slow
 def test_torch_backend_enforced_tool_choices():
     """The same checks on the torch backend: its engine in-process, the app over an ASGI transport."""
-    pytest.importorskip("torchengine.runner")
     import openai
 
     from enginecore.config import EngineArgs

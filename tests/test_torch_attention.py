@@ -6,12 +6,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from torchengine.attention import AttentionMetadata, DecodeGroup, TorchAttention  # noqa: E402
-
-reference = pytest.importorskip("triton_kernels.reference")
+from triton_kernels import reference
 
 
 def ragged_step(rng, q_lens, kv_lens, block_size, num_blocks, Hq, Hkv, D, pad_tokens=3, pad_reqs=2):
@@ -106,7 +104,8 @@ def test_torch_attention_matches_reference(case, heads, window, pad_tokens, kern
 
 def test_triton_attention_wrapper():
     """TritonAttention passes the metadata the kernels expect: on a GPU, or in the Triton interpreter on CPU."""
-    tk = pytest.importorskip("triton_kernels")
+    import triton_kernels as tk
+
     if not tk.HAS_TRITON:
         pytest.skip("triton is not installed")
     if tk.interpreted():

@@ -9,8 +9,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 import torch.nn.functional as F  # noqa: E402
 

@@ -13,9 +13,9 @@ the recording itself and the Triton compiler are left to the GPU tests.
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-tk = pytest.importorskip("triton_kernels")
+import triton_kernels as tk
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 from torchengine.cuda_graph import CUDAGraphs  # noqa: E402

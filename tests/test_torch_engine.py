@@ -6,8 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 from enginecore.config import ConfigError, EngineArgs  # noqa: E402

@@ -6,8 +6,7 @@ import zlib
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from enginecore import sampling_ref as ref  # noqa: E402
 from enginecore.sampling_batch import SamplingBatch  # noqa: E402

@@ -8,9 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+import torch
+import torch.distributed as dist
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 
