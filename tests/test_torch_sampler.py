@@ -23,7 +23,7 @@ def row_work(request, monkeypatch):
     ops (GPUs, CPUs without AVX2)."""
     if request.param == "torch_ops":
         monkeypatch.setattr(torch_sampler, "_row_kernels", lambda x: None)
-    elif torch_sampler.cpu_kernels.lib() is None:
+    elif torch_sampler.torch_ops.lib() is None:
         pytest.skip("the CPU kernels do not run here")
     return request.param
 
