@@ -183,6 +183,8 @@ def test_a_feature_the_cpu_kernels_lack_runs_on_xlas_ops(tiny_model_dir, monkeyp
     handler = logging.Handler()
     handler.emit = records.append
     log = logging.getLogger("xlaserve.jax")
+    level = log.level
+    log.setLevel(logging.INFO)
     log.addHandler(handler)
     prompts = [[1, 450, 4996, 17354, 1701], [1, 306, 763, 304]]
     try:
@@ -199,6 +201,7 @@ def test_a_feature_the_cpu_kernels_lack_runs_on_xlas_ops(tiny_model_dir, monkeyp
             llm.llm_engine.core.shutdown()
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
     said = [r.getMessage() for r in records if "do not implement" in r.getMessage()]
     assert len(said) == 1 and "qk_norm=True" in said[0], said
     assert token_ids(outs) == hf_greedy(d, prompts, 8)
