@@ -1,11 +1,13 @@
-"""The CPU kernels' side of the jax model: the weight layout they read and the `ModelKernels` the runner injects.
+"""The CPU kernels' side of the jax model: the weight layout they read, and the `attention_fn` and `ModelKernels`
+the runner injects.
 
 On one CPU device in float32 (`runner.JaxModelRunner` decides) the linears and the LM head are packed at load
 (`pack_cpu_panels`: `CpuPanels`; `loader.attach_cpu_qx` adds the weights as stored) and `model_kernels` gives
 `model.forward` the `cpu_kernels.jax_ops` custom calls in place of XLA's ops: the linears on the panels,
 RMSNorm, RoPE and SiLU as the torch backend computes them (so the two backends' logits are the same bits), the
 LM head's argmax for greedy rows, and by default every layer of a step in one call (`jax_ops.layers`: the same
-kernels in the same order, without a call per kernel). A model with a feature these kernels do not implement
+kernels in the same order, without a call per kernel). `attention` is the attention over the paged cache in place
+(any model on one CPU device, 16-bit ones included). A model with a feature these kernels do not implement
 (`uncovered`) runs on XLA's ops instead, which the runner logs once.
 """
 
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import jax_ops
 from enginecore.arch import ArchConfig
+from jaxengine.attention import ragged_paged_attention_xla, token_blocks, token_rows
 from jaxengine.model import LINEAR_GROUPS, LayerParams, ModelKernels, ModelParams, RaggedMetadata, as_out_in
 
 QX_LINEARS = ("qkv", "o", "gate_up", "down")  # CpuPanels.qx_kinds' order
@@ -132,6 +135,35 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
 # ---- the kernels `model.forward` is handed -------------------------------------------------------------------
 
 
+def attention(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution, *, sm_scale: float,
+              sliding_window: int | None = None, soft_cap: float | None = None):
+    """`attention.ragged_paged_attention_xla`'s contract on the C kernels: the new K/V written by
+    `jax_ops.kv_write` (in place: XLA:CPU has no bfloat16 / float16 scatter and wraps one in conversions of the
+    whole cache to float32 and back), the decode rows by `jax_ops.decode_attention`, the prefill and mixed rows by
+    `jax_ops.prefill_attention` (the cache read in place, every query with the same arithmetic). Queries of 16
+    bits (a 16-bit model's) are read exactly into float32, the output rounded back. A soft cap, or a query or
+    cache dtype the kernels do not take, runs XLA's path."""
+    if (soft_cap is not None or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)
+            or kv_cache.dtype not in jax_ops.KV_DTYPES):
+        return ragged_paged_attention_xla(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution,
+                                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    T, Hq, D = q.shape
+    R, block_size = kv_lens.shape[0], kv_cache.shape[1]
+    table, req, pos, valid = token_rows(T, kv_lens, block_tables, cu_q_lens, distribution)
+    slots = jnp.where(valid, token_blocks(table, req, pos, block_size) * block_size + pos % block_size, -1)
+    kv_cache = jax_ops.kv_write(k, v, kv_cache, slots)
+    # decode rows: request r's only query is token cu_q_lens[r]
+    row_valid = jnp.arange(R, dtype=jnp.int32) < distribution[0]
+    tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
+    q32 = q.astype(jnp.float32)
+    dec = jax_ops.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
+                                   sliding_window=sliding_window)
+    out = jnp.zeros((T, Hq, D), jnp.float32).at[jnp.where(row_valid, tok, T)].set(dec, mode="drop")
+    out = jax_ops.prefill_attention(q32, kv_cache, table, kv_lens, cu_q_lens, distribution, out, sm_scale=sm_scale,
+                                    sliding_window=sliding_window)
+    return out.astype(q.dtype), kv_cache
+
+
 def model_kernels(arch: ArchConfig, layers: bool = True) -> ModelKernels:
     """The `ModelKernels` of a model whose params went through `pack_cpu_panels` (`uncovered(arch)` empty):
     `layers`: every layer of a step in one call (`jax_ops.layers`), else a scan making a call per kernel."""
@@ -212,5 +244,5 @@ def _layers(arch: ArchConfig, params: ModelParams, x, cos, sin, kv_cache, md: Ra
                           sliding_window=arch.sliding_window, qx_kinds=p.qx_kinds, qx_rows=rows)
 
 
-__all__ = ["COVERED_FIELDS", "CpuPanels", "QX_LINEARS", "cpu_linear", "linear_outputs", "model_kernels",
+__all__ = ["COVERED_FIELDS", "CpuPanels", "QX_LINEARS", "attention", "cpu_linear", "linear_outputs", "model_kernels",
            "pack_cpu_panels", "panel_outputs", "uncovered"]

@@ -215,8 +215,8 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            if self.cpu_decode_attention:  # (the attention checks the cache's dtype itself: jax_ops.KV_DTYPES)
-                return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
+            if self.cpu_decode_attention:  # (it checks the cache's dtype itself: jax_ops.KV_DTYPES)
+                return cpu_wing.attention
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
                                      group=self.arch.num_attention_heads // self.arch.num_key_value_heads,
