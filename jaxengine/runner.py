@@ -124,7 +124,8 @@ class JaxModelRunner:
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         opts = dict(dc.compilation_config or {})
         # a model the CPU kernels do not cover runs on XLA's ops (but for the attention, which checks its own case)
-        uncovered = cpu_wing.uncovered(self.arch) if self.platform == "cpu" else []
+        one_cpu = self.platform == "cpu" and pc.tensor_parallel_size == 1
+        uncovered = cpu_wing.uncovered(self.arch) if one_cpu else []
         if uncovered:
             logger.info("jax CPU kernels: XLA's ops for the model, the kernels do not implement %s",
                         ", ".join(uncovered))
