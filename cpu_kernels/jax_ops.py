@@ -2,7 +2,7 @@
 
 - `panel_linear(x, panels, l, n)`: `x [T, K] . W_l^T` for every layer's `W [n, K]` packed by `pack_panels`
   and stacked `[L, NP, K, 16]`, `l` a traced int32 scalar: every linear and the LM head of the jax backend
-  on a CPU in float32 (`model.pack_cpu_panels`). `model.forward` calls it inside its scan over layers,
+  on a CPU in float32 (`jaxengine.cpu_wing`). `model.forward` calls it inside its scan over layers,
   where XLA's own dot is handed its layer's weight through a dynamic-slice, which XLA:CPU materializes:
   every step copied all the weights before reading them. The product is the torch backend's `panel_gemm`
   (the same machine code, the same weights layout): a row's result does not depend on the other rows, and
@@ -153,7 +153,7 @@ def pack_onto_huge_pages(groups: dict, bdot: bool = False, keep: tuple = ()) -> 
     load (~4 s of a start for the embedded model). Each source is deleted once packed (but those of the groups
     named in `keep`), so the extra memory is one group's weights, not the model's. A result jax would copy
     instead of aliasing keeps its copy (small pages): the same values either way. Traced (`abstract_inputs`'
-    eval_shape of `model.pack_cpu_panels`): `pack_panels`, for the shapes.
+    eval_shape of `jaxengine.cpu_wing.pack_cpu_panels`): `pack_panels`, for the shapes.
 
     `bdot`: each group's panels rounded to QX_BDOT's bfloat16 ones instead (`cpu_kernels.layout.bdot_panels`: [...,
     NP, K / 32, 1024] bytes), through float32 panels of its own that are dropped once rounded."""
@@ -340,7 +340,7 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
            kv_lens, cu_q_lens, distribution, keep=None, all_rows=None, qx=None, *, num_heads: int, eps: float,
            sm_scale: float, sliding_window: int | None = None, qx_kinds: tuple = (-1, -1, -1, -1), qx_rows: int = 0):
     """Every decoder layer of a ragged step in one call (`model.forward` on a CPU with the panels): x [T, H] the
-    embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `CpuPanels`;
+    embeddings; attn_norm, mlp_norm [L, H]; qkv, o, gate_up, down the `cpu_wing.CpuPanels`;
     qkv_bias [L, (Hq + 2 Hkv) D] and q_norm, k_norm [L, D], or empty arrays where the model has none; cos, sin
     [T, D] (`rope_tables`); kv_cache [L * NB, bs, 2 Hkv, D] (layer l's block b at row l * NB + b; float32,
     float16 or bfloat16: `KV_DTYPES`), updated in place; table [R, W], kv_lens [R], cu_q_lens [R + 1],

@@ -1,7 +1,10 @@
 """jaxengine: the JAX backend (TPU with the Pallas kernel, GPU and CPU through XLA).
 
 - model.py: one Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure
-  functions over a params pytree with logical axes; forward scans over layers.
+  functions over a params pytree with logical axes; forward scans over layers, in XLA's ops or
+  the kernels its runner injects (`ModelKernels`).
+- cpu_wing.py: the CPU kernels' weight layout (panels packed at load) and the `ModelKernels`
+  the runner injects on a CPU.
 - loader.py / checkpoint.py: numpy weights (HF names) or an orbax checkpoint straight into
   their NamedShardings.
 - attention.py: ragged paged attention in XLA (the CPU/GPU path; Pallas contract and layout).

@@ -23,7 +23,9 @@ Two paths, because one vectorisation cannot serve both shapes well:
 
 Both loops have dynamic trip counts, so the compiled program depends only on
 the padded token and request counts, never on kv lengths.
-Logits, softmax and the weighted sum run in float32.
+Logits, softmax and the weighted sum run in float32. On a CPU with the C kernels
+the runner injects `jaxengine.cpu_wing.attention` instead, which comes here for
+what those kernels do not cover.
 """
 
 from __future__ import annotations
@@ -51,21 +53,31 @@ def write_kv(
     pos,           # [T] int32 absolute position of each token
     valid,         # [T] bool real (not padding) token
     table,         # [R, blocks_per_seq] int32
-    cpu: bool = False,
 ):
-    """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped). `cpu`: by
-    `cpu_kernels.jax_ops.kv_write` (a cache of its `KV_DTYPES`), in place: XLA:CPU has no bfloat16 / float16
-    scatter and wraps one in conversions of the whole cache to float32 and back."""
+    """Scatter the new K/V into their slots; padding writes nothing (index out of range, dropped)."""
     T, Hkv, D = k.shape
     NB, block_size = kv_cache.shape[:2]
-    block = table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
-    if cpu:
-        from cpu_kernels import jax_ops
-
-        return jax_ops.kv_write(k, v, kv_cache, jnp.where(valid, block * block_size + pos % block_size, -1))
-    block = jnp.where(valid, block, NB)
+    block = jnp.where(valid, token_blocks(table, req, pos, block_size), NB)
     new_kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D).astype(kv_cache.dtype)
     return kv_cache.at[block, pos % block_size].set(new_kv, mode="drop")
+
+
+def token_blocks(table, req, pos, block_size: int):
+    """table [R, W], req / pos [T] (`token_rows`) -> [T] int32: the cache block each token's K/V go to."""
+    return table[req, jnp.clip(pos // block_size, 0, table.shape[1] - 1)]
+
+
+def token_rows(num_tokens: int, kv_lens, block_tables, cu_q_lens, distribution):
+    """A ragged step's tokens: (table [R, W], req [T] each token's request row, pos [T] its position, valid [T]:
+    a real token, not the bucket's padding)."""
+    R = kv_lens.shape[0]
+    table = block_tables.reshape(R, -1)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, R - 1)
+    valid = t < cu_q_lens[distribution[2]]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
+    return table, req, pos, valid
 
 
 def _decode_attention(q_rows, kv_cache, table, kv_lens, row_valid, *, sm_scale, sliding_window, soft_cap):
@@ -243,55 +255,29 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    cpu_decode: bool = False,
 ):
-    """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0.
-
-    `cpu_decode`: the new K/V are written by `cpu_kernels.jax_ops.kv_write`, the decode rows run as
-    `cpu_kernels.decode_attention` and the prefill and mixed rows as `cpu_kernels.prefill_attention` (the cache
-    written and read in place, every query with the same arithmetic; on a CPU, a float32 / float16 / bfloat16
-    cache, no soft cap; 16-bit queries are read into float32 and the output rounded back; otherwise this path's
-    own scatter and loops)."""
+    """Writes the new K/V, then attends. Returns ``(out [T, Hq, D] in q.dtype, kv_cache)``; padding rows are 0."""
     T, Hq, D = q.shape
     R = kv_lens.shape[0]
-    table = block_tables.reshape(R, -1)
-    t = jnp.arange(T, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, R - 1)
-    valid = t < cu_q_lens[distribution[2]]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    pos = jnp.where(valid, kv_lens[req] - q_lens[req] + (t - cu_q_lens[req]), 0)
+    table, req, pos, valid = token_rows(T, kv_lens, block_tables, cu_q_lens, distribution)
     # The cache is written and read in its own 4-D shape only. Reading a reshaped view of it (say one row
     # per slot) lets XLA:CPU push the reshape through the in-place write, duplicating the write, and each
     # duplicate copies the whole cache, every layer of every step (decode became two orders of magnitude
     # slower once block tables had 64 columns). tests/test_jax_attention.py checks the HLO.
-    cpu = cpu_decode and soft_cap is None and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-    if cpu:
-        from cpu_kernels import jax_ops
-
-        cpu = kv_cache.dtype in jax_ops.KV_DTYPES
-    kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table, cpu=cpu)
+    kv_cache = write_kv(k, v, kv_cache, req, pos, valid, table)
 
     # decode rows: request r's only query is token cu_q_lens[r]
     rows = jnp.arange(R, dtype=jnp.int32)
     row_valid = rows < distribution[0]
     tok = jnp.clip(cu_q_lens[:R], 0, T - 1)
-    if cpu:  # (16-bit queries, a 16-bit model's: read exactly into float32, the output rounded back)
-        q32 = q.astype(jnp.float32)
-        dec = jax_ops.decode_attention(q32[tok], kv_cache, table, kv_lens, distribution[0], sm_scale=sm_scale,
-                                           sliding_window=sliding_window)
-    else:
-        dec = _decode_switch(
-            q[tok], kv_cache, table, kv_lens, distribution[0],
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )
-    out = jnp.zeros((T, Hq, D), jnp.float32 if cpu else q.dtype)
+    dec = _decode_switch(
+        q[tok], kv_cache, table, kv_lens, distribution[0],
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    out = jnp.zeros((T, Hq, D), q.dtype)
     out = out.at[jnp.where(row_valid, tok, T)].set(dec.astype(out.dtype), mode="drop")
-    if cpu:
-        out = jax_ops.prefill_attention(q32, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
-                                            sm_scale=sm_scale, sliding_window=sliding_window).astype(q.dtype)
-    else:
-        out = _prefill_attention(
-            q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )
+    out = _prefill_attention(
+        q, kv_cache, table, kv_lens, cu_q_lens, distribution, out,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
     return out, kv_cache

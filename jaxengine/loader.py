@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
 from enginecore.model_loader import ModelSource
 from cpu_kernels.memory import huge_page_array
-from jaxengine.model import QX_LINEARS, LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
+from jaxengine.cpu_wing import QX_LINEARS
+from jaxengine.model import LayerParams, ModelParams, ParamSpec, abstract_params, is_spec
 
 def param_path(hf_name: str) -> tuple | None:
     """HF tensor name -> ("embed",) / ("layers", i, field) from the shared weight table; None: ignored."""
@@ -180,7 +181,7 @@ _QX_GROUPS = {g: f"{g}_proj" for g in QX_LINEARS}
 
 
 def attach_cpu_qx(params: ModelParams, source: ModelSource, arch: ArchConfig) -> tuple[ModelParams, int]:
-    """The float32 CPU panels (`model.pack_cpu_panels`) plus the same weights as stored (`cpu_kernels.layout`), for
+    """The float32 CPU panels (`cpu_wing.pack_cpu_panels`) plus the same weights as stored (`cpu_kernels.layout`), for
     decode steps of few rows: the torch backend's `attach_qx` for the jax one. A GGUF file's linears stored as
     one of `cpu_kernels.layout.GGUF_TYPES` (every layer's in one kind: the wide one where the layers' types differ;
     each checked bit for bit against the loaded float32 weights, a mismatch keeps float32 only) and LM head; else

@@ -7,18 +7,20 @@ dataclass pytrees; `abstract_params` gives every leaf's shape, dtype and
 *logical* axes, which `sharding.py` maps to the mesh and `loader.py` fills
 tensor by tensor. Linear weights keep the Hugging Face [out, in] orientation
 (split into heads where there are heads): no transpose at load time, XLA
-contracts either side for free. On one CPU device in float32 the runner then
-packs them for the CPU custom call (`pack_cpu_panels`, `CpuPanels`).
+contracts either side for free.
 
 `forward(params, kv_cache, input_ids, md, rope, ...) -> (hidden, kv_cache)` runs
 all scheduled tokens of one ragged step; `compute_logits` projects only the
-rows the sampler needs.
+rows the sampler needs. Both are one path in XLA's ops; a platform's kernels
+come in from its runner, as `attention_fn` does: a `ModelKernels` of linears,
+norms, RoPE, activation and LM head, or every layer in one call
+(`jaxengine.cpu_wing` on a CPU, over the weights the runner packed at load).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -73,50 +75,16 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [L, D]
 
 
-QX_LINEARS = ("qkv", "o", "gate_up", "down")  # CpuPanels.qx_kinds' order
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class CpuPanels:
-    """The linears' weights packed for `cpu_kernels.jax_ops.panel_linear` (`pack_cpu_panels`), each
-    [L, NP, K, 16]: panels of 16 output rows, k-major. q/k/v are one linear, gate/up another. None (every one)
-    where QX_BDOT's qx panels take every step (`pack_cpu_panels(bdot=True)`: `--dtype bfloat16`)."""
-
-    qkv: jax.Array | None  # [L, (Hq + 2 Hkv) D / 16, H, 16]
-    o: jax.Array | None  # [L, H / 16, Hq D, 16]
-    gate_up: jax.Array | None  # [L, 2 I / 16, H, 16]
-    down: jax.Array | None  # [L, H / 16, I, 16]
-    head: jax.Array | None  # [1, V / 16, H, 16]: the LM head (the embedding when tied: then looked up here)
-    # the same weights as stored (`attach_cpu_qx`): qx panels [L, NP, K / 32, group bytes] of qx_kinds' kind
-    # (`cpu_kernels.layout`: a GGUF file's blocks, a bfloat16 checkpoint's halves), None where a linear has none;
-    # steps of up to `cpu_kernels.qx_max_rows()[kind]` tokens multiply them instead (the same bits, fewer bytes)
-    qkv_qx: jax.Array | None = None
-    o_qx: jax.Array | None = None
-    gate_up_qx: jax.Array | None = None
-    down_qx: jax.Array | None = None
-    head_qx: jax.Array | None = None  # [1, V / 16, H / 32, group bytes] of head_qx_kind
-    qx_kinds: tuple = field(default=(-1, -1, -1, -1), metadata=dict(static=True))  # qkv's, o's, gate_up's, down's
-    head_qx_kind: int = field(default=-1, metadata=dict(static=True))
-
-    def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
-        """(group's qx panels, their kind) for a step of `rows` tokens, or (None, -1) where the float32 panels
-        run it."""
-        from cpu_kernels.jax_ops import qx_max_rows
-
-        kind = self.head_qx_kind if group == "head" else self.qx_kinds[QX_LINEARS.index(group)]
-        qx = getattr(self, f"{group}_qx")
-        return (qx, kind) if qx is not None and kind >= 0 and rows <= qx_max_rows()[kind] else (None, -1)
-
-
 @jax.tree_util.register_dataclass
 @dataclass
 class ModelParams:
-    embed: jax.Array | None  # [V, H]; None when packed into panels.head (tied, on a CPU)
+    embed: jax.Array | None  # [V, H]; None when a kernel layout holds it (the LM head's panels, tied)
     layers: LayerParams  # stacked [L, ...]
     final_norm: jax.Array  # [H]
     lm_head: jax.Array | None = None  # [V, H]; None when tied to embed (or packed)
-    panels: CpuPanels | None = None  # a CPU's float32 linears (then the layers' linear fields are None)
+    # the linears in a kernel's layout (`jaxengine.cpu_wing.CpuPanels` on a CPU), read by the injected
+    # `ModelKernels` alone; then the layers' linear fields are None
+    panels: object | None = None
 
 
 def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
@@ -224,7 +192,7 @@ def dense(h, w, weights_first_rows: int = 0, preferred_element_type=None):
     return jax.lax.optimization_barrier(out).T
 
 
-def _as_out_in(name: str, w, stacked: bool = False):
+def as_out_in(name: str, w, stacked: bool = False):
     """A linear's weight as [N, K] ([L, N, K] when stacked over layers): reshapes only (bitcasts)."""
     lead = w.shape[:1] if stacked else ()
     if name == "o_proj":  # [H, Hq, D]
@@ -232,47 +200,102 @@ def _as_out_in(name: str, w, stacked: bool = False):
     return w.reshape(*lead, -1, w.shape[-1])  # [N..., K]
 
 
-def _layer(lp: LayerParams, x, kv_cache, md: RaggedMetadata, cos, sin, arch: ArchConfig, attention_fn,
-           weights_first_rows: int = 0, panels=None, norm=rms_norm, rope=apply_rope):
-    """One decoder layer; lp holds this layer's slice. Linears run as 2-D dots (fastest on XLA:CPU), or
-    through `panels(h, group)` when given (`forward`: the CPU custom call on every layer's packed weights;
-    groups "qkv", "o", "gate_up", "down"); `norm` and `rope(x, cos, sin)` are the RMSNorm and RoPE (`forward`
-    picks the CPU custom calls' with the panels, and passes `rope`'s tables)."""
+# the linears that read one input, in output order (vLLM's QKVParallelLinear, MergedColumnParallelLinear): a
+# kernel may multiply a group as one matrix
+LINEAR_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}
+
+
+def xla_linear(params: ModelParams, lp: LayerParams, layer, h, group: str, weights_first_rows: int = 0):
+    """h [T, K] through this layer's linears of LINEAR_GROUPS[group] (lp: the layer's slice) -> a tuple of
+    [T, N_i], one per linear: XLA's 2-D dots (`dense`), the fastest on XLA:CPU too."""
+    return tuple(dense(h, as_out_in(n, getattr(lp, n)), weights_first_rows) for n in LINEAR_GROUPS[group])
+
+
+def xla_head(params: ModelParams, h, live=None, weights_first_rows: int = 0):
+    """h [N, H] (after the final norm) -> float32 logits [N, V]; every row is computed (`live` is a kernel's)."""
+    w = params.embed if params.lm_head is None else params.lm_head
+    return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
+
+
+def embed(params: ModelParams, ids):
+    """The embeddings of token ids [T] -> [T, H]."""
+    return params.embed[ids]
+
+
+def silu_and_mul(gate, up):
+    """The MLP's activation: gate, up [T, I] -> silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def rope_angles(cos, sin):
+    """Each token's cos / sin [T, D / 2], gathered from the tables, as `rope` takes them (here: as they are)."""
+    return cos, sin
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """How `forward`, `compute_logits` and `greedy_tokens` compute their pieces: XLA's ops by default (TPU, GPU and
+    any CPU), the kernels of a platform where its runner injects them (`jaxengine.cpu_wing.model_kernels`), as it
+    injects `attention_fn`. The model has this one path; a kernel reads whatever weight layout its runner packed
+    into `ModelParams.panels`."""
+
+    # (params, lp, layer, h [T, K], group) -> a [T, N_i] per linear of LINEAR_GROUPS[group]; lp: the layer's
+    # slice of params.layers, layer its index (an int32 scalar in the scan)
+    linear: Callable = xla_linear
+    # (params, h [N, H] after the final norm, live) -> float32 logits [N, V]; live (an int32 scalar or None):
+    # rows past the first `live` are padding, which a kernel may leave zero
+    head: Callable = xla_head
+    # (params, h, live) -> [N] int32, head's argmax per row without its logits; None: the sampler takes it
+    head_argmax: Callable | None = None
+    embed: Callable = embed  # (params, ids [T]) -> [T, H]
+    norm: Callable = rms_norm  # (x [..., K], w [K], eps) -> RMSNorm
+    rope_angles: Callable = rope_angles  # (cos, sin [T, D / 2]) -> rope's cos, sin (once a step, not per layer)
+    rope: Callable = apply_rope  # (x [T, N, D], cos, sin) -> x rotated
+    gated_act: Callable = silu_and_mul  # (gate, up [T, I]) -> [T, I]
+    # (params, x [T, H], cos, sin, kv_cache, md, keep, all_rows) -> (hidden, kv_cache): every layer of a step
+    # at once, in place of the scan over `_layer` (the same arithmetic); None: the scan
+    layers: Callable | None = None
+
+    @classmethod
+    def xla(cls, weights_first_rows: int = 0) -> ModelKernels:
+        """XLA's ops, with steps of 2 to `weights_first_rows` rows multiplied weights first (`dense`; 0: never,
+        what TPU and GPU want: their compilers pick the layouts)."""
+        if not weights_first_rows:
+            return cls()
+        return cls(linear=functools.partial(xla_linear, weights_first_rows=weights_first_rows),
+                   head=functools.partial(xla_head, weights_first_rows=weights_first_rows))
+
+
+def _layer(params: ModelParams, lp: LayerParams, layer, x, kv_cache, md: RaggedMetadata, cos, sin,
+           arch: ArchConfig, attention_fn, kernels: ModelKernels):
+    """One decoder layer; lp holds this layer's slice of params.layers, `layer` its index."""
     T = x.shape[0]
     Hq, Hkv, D, eps = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.rms_norm_eps
+    norm = kernels.norm
 
-    def lin(h, name):  # h [T, K] -> [T, N]
-        if panels is not None:
-            return panels(h, {"o_proj": "o", "down_proj": "down"}[name])
-        return dense(h, _as_out_in(name, getattr(lp, name)), weights_first_rows)
+    def lin(h, group):  # h [T, K] -> a [T, N_i] per linear of the group
+        return kernels.linear(params, lp, layer, h, group)
 
     h = norm(x, lp.attn_norm, eps)
-    if panels is not None:
-        q, k, v = jnp.split(panels(h, "qkv"), [Hq * D, (Hq + Hkv) * D], axis=1)
-    else:
-        q, k, v = lin(h, "q_proj"), lin(h, "k_proj"), lin(h, "v_proj")
+    q, k, v = lin(h, "qkv")
     q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
     if lp.q_bias is not None:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
     if lp.q_norm is not None:
         q = norm(q, lp.q_norm, eps)
         k = norm(k, lp.k_norm, eps)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
     kv_dt = kv_cache.dtype  # (q stays in its dtype: the Pallas wrapper casts it, the XLA and CPU paths read it whole)
     attn, kv_cache = attention_fn(
         q, k.astype(kv_dt), v.astype(kv_dt), kv_cache, md.kv_lens, md.block_tables,
         md.cu_q_lens, md.distribution, sm_scale=arch.sm_scale, sliding_window=arch.sliding_window,
     )
-    x = x + lin(attn.astype(x.dtype).reshape(T, Hq * D), "o_proj")
+    (o,) = lin(attn.astype(x.dtype).reshape(T, Hq * D), "o")
+    x = x + o
     h = norm(x, lp.mlp_norm, eps)
-    if panels is not None:
-        from cpu_kernels.jax_ops import silu_mul
-
-        act = silu_mul(panels(h, "gate_up"))
-    else:
-        act = jax.nn.silu(lin(h, "gate_proj")) * lin(h, "up_proj")
-    x = x + lin(act, "down_proj")
-    return x, kv_cache
+    (down,) = lin(kernels.gated_act(*lin(h, "gate_up")), "down")
+    return x + down, kv_cache
 
 
 def forward(
@@ -284,28 +307,16 @@ def forward(
     rope,  # (cos, sin) [max_positions, D/2] f32 tables (enginecore.arch.rope_cos_sin)
     arch: ArchConfig,
     attention_fn: AttentionFn,
+    kernels: ModelKernels = ModelKernels(),
     scan_layers: bool = True,
-    weights_first_rows: int = 0,
-    cpu_layers: bool = False,
     keep=None,
     all_rows=None,
 ):
     """All scheduled tokens through the decoder. Returns (hidden [T, H] before the final norm, kv_cache).
 
-    `keep` [R] / `all_rows` [1] (int32): with `cpu_layers`, unless all_rows[0], only hidden's rows
-    keep[:requests] are wanted (`cpu_kernels.layers` then runs the last layer's o linear and MLP on them
-    alone); the other paths compute every row.
-
-    `weights_first_rows`: steps of 2 to this many (padded) tokens run their linears weights first
-    (`dense`; one row is a matrix-vector product either way); 0 never (what TPU and GPU want:
-    their compilers pick the layouts).
-
-    With `params.panels` (`pack_cpu_panels`: float32 on one CPU device, the runner decides) the linears run
-    as `cpu_kernels.jax_ops.panel_linear` on every layer's packed weights where they lie (the scan then
-    carries only the small per-layer parameters: XLA:CPU copies a dynamic slice of the stacked weights
-    before a dot reads it, every layer of every step). With `cpu_layers` too (the runner decides), every
-    layer runs in one custom call, `cpu_kernels.layers`: the same kernels in the same order (the same bits),
-    without a call per kernel (~9 a layer, each waking XLA's threads anew).
+    `kernels`: how the pieces are computed (`ModelKernels`: XLA's ops unless the runner injects others).
+    `keep` [R] / `all_rows` [1] (int32): unless all_rows[0], the caller reads only hidden's rows keep[:requests];
+    `kernels.layers` may leave the others' last layer undone, the scan computes every row.
 
     One cache array holds every layer (layer l's block b is row l * num_blocks + b), so
     a scan over layers carries it and updates it in place, and the attention kernels
@@ -313,163 +324,42 @@ def forward(
     """
     L = arch.num_hidden_layers
     num_blocks = kv_cache.shape[0] // L
-    x = embed(params, input_ids)
-    cos, sin = rope[0][positions], rope[1][positions]
-
-    layers, panels_for, norm, rope_fn = params.layers, lambda l: None, rms_norm, apply_rope
-    if params.panels is not None:
-        from cpu_kernels.jax_ops import rms_norm as norm
-        from cpu_kernels.jax_ops import rope as rope_fn
-        from cpu_kernels.jax_ops import rope_tables
-
-        panels_for = lambda l: lambda h, g: cpu_linear(params.panels, h, g, l, arch)  # noqa: E731
-        cos, sin = rope_tables(cos.astype(jnp.float32), sin.astype(jnp.float32))  # once a step, not per layer
-        if cpu_layers:
-            return _cpu_layers(params, x, cos, sin, kv_cache, md, arch, keep, all_rows)
+    x = kernels.embed(params, input_ids)
+    cos, sin = kernels.rope_angles(rope[0][positions], rope[1][positions])
+    if kernels.layers is not None:
+        return kernels.layers(params, x, cos, sin, kv_cache, md, keep, all_rows)
 
     def layer(x, cache, lp, l):
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
-        return _layer(lp, x, cache, md_l, cos, sin, arch, attention_fn, weights_first_rows, panels_for(l), norm,
-                      rope_fn)
+        return _layer(params, lp, l, x, cache, md_l, cos, sin, arch, attention_fn, kernels)
 
     if scan_layers:
         def body(carry, xs):
             lp, l = xs
             return layer(*carry, lp, l), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, jnp.arange(L, dtype=jnp.int32)))
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, jnp.arange(L, dtype=jnp.int32)))
     else:
         for l in range(L):
-            lp = jax.tree.map(lambda a: a[l], layers)
+            lp = jax.tree.map(lambda a: a[l], params.layers)
             x, kv_cache = layer(x, kv_cache, lp, l)
     return x, kv_cache
 
 
-def _cpu_layers(params: ModelParams, x, cos, sin, kv_cache, md: RaggedMetadata, arch: ArchConfig, keep=None,
-                all_rows=None):
-    """`forward`'s layers as one custom call (`cpu_kernels.layers`): the small per-layer parameters as the
-    kernel takes them (q/k/v biases side by side, as the qkv panels' outputs lie; empty where absent)."""
-    from cpu_kernels.jax_ops import layers
-
-    lp, p, L = params.layers, params.panels, arch.num_hidden_layers
-    none = jnp.zeros((0,), jnp.float32)
-    bias = none if lp.q_bias is None else jnp.concatenate(
-        [b.reshape(L, -1) for b in (lp.q_bias, lp.k_bias, lp.v_bias)], axis=1)
-    R = md.kv_lens.shape[0]
-    from cpu_kernels.jax_ops import qx_max_rows
-
-    present = [k for q, k in zip((p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx), p.qx_kinds) if q is not None]
-    rows = min((qx_max_rows()[k] for k in present), default=0)
-    f32 = [none if w is None else w for w in (p.qkv, p.o, p.gate_up, p.down)]  # (None: QX_BDOT's take every step)
-    return layers(x, lp.attn_norm, lp.mlp_norm, *f32, bias,
-                  none if lp.q_norm is None else lp.q_norm, none if lp.k_norm is None else lp.k_norm, cos, sin,
-                  kv_cache, md.block_tables.reshape(R, -1), md.kv_lens, md.cu_q_lens, md.distribution, keep, all_rows,
-                  (p.qkv_qx, p.o_qx, p.gate_up_qx, p.down_qx),  # (the call takes them for steps of <= rows tokens)
-                  num_heads=arch.num_attention_heads, eps=arch.rms_norm_eps, sm_scale=arch.sm_scale,
-                  sliding_window=arch.sliding_window, qx_kinds=p.qx_kinds, qx_rows=rows)
+def compute_logits(params: ModelParams, hidden, arch: ArchConfig, kernels: ModelKernels = ModelKernels(),
+                   live=None):
+    """hidden [N, H] (before the final norm) -> float32 logits [N, V]. `live` (an int32 scalar, traced): the rows
+    past the first `live` are padding, which a kernel may leave zero (`ModelKernels.head`)."""
+    return kernels.head(params, kernels.norm(hidden, params.final_norm, arch.rms_norm_eps), live)
 
 
-def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False, live=None):
-    """h [T, K] . the CPU panels' `group` of `layer` (`cpu_kernels.panel_linear`), from its qx panels where
-    the step has few enough rows (`qx_linear`, the same bits); `argmax`: each row's argmax of it instead;
-    `live`: of h's first `live` rows only (the kernels' `live`; the qx panels are still chosen by h's rows,
-    which `live` cannot change at trace time)."""
-    from cpu_kernels import jax_ops
-
-    n = panel_outputs(arch)[group]
-    qx, kind = panels.qx_for(group, h.shape[0])
-    if qx is not None:
-        return (jax_ops.qx_argmax if argmax else jax_ops.qx_linear)(h, qx, layer, n, kind, live)
-    return (jax_ops.panel_argmax if argmax else jax_ops.panel_linear)(h, getattr(panels, group), layer, n,
-                                                                               live)
-
-
-def compute_logits(params: ModelParams, hidden, arch: ArchConfig, weights_first_rows: int = 0, live=None):
-    """hidden [N, H] (before the final norm) -> float32 logits [N, V] (`forward` for weights_first_rows).
-    `live` (an int32 scalar, traced): the rows past the first `live` are padding, which the CPU panels do not
-    multiply (their logits are zeros); elsewhere every row is."""
-    if params.panels is not None:
-        from cpu_kernels.jax_ops import rms_norm as cpu_rms_norm
-
-        h = cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
-        return cpu_linear(params.panels, h, "head", 0, arch, live=live)
-    h = rms_norm(hidden, params.final_norm, arch.rms_norm_eps)
-    w = params.embed if params.lm_head is None else params.lm_head
-    return dense(h, w, weights_first_rows, preferred_element_type=jnp.float32)
-
-
-def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig, live=None):
-    """hidden [N, H] -> [N] int32, `compute_logits(...).argmax(-1)` without writing the logits, on the CPU
-    panels (`cpu_kernels.panel_argmax`; `live`: compute_logits', the padding's tokens 0); None without them
-    (then take the logits' argmax)."""
-    if params.panels is None:
+def greedy_tokens(params: ModelParams, hidden, arch: ArchConfig, kernels: ModelKernels = ModelKernels(),
+                  live=None):
+    """hidden [N, H] -> [N] int32, `compute_logits(...).argmax(-1)` without writing the logits
+    (`ModelKernels.head_argmax`); None where the kernels have no such head (then take the logits' argmax)."""
+    if kernels.head_argmax is None:
         return None
-    from cpu_kernels.jax_ops import rms_norm as cpu_rms_norm
-
-    return cpu_linear(params.panels, cpu_rms_norm(hidden, params.final_norm, arch.rms_norm_eps), "head", 0, arch,
-                      argmax=True, live=live)
-
-
-def embed(params: ModelParams, ids):
-    """The embeddings of token ids [T] -> [T, H] (from the LM head's panels when the embedding is tied and
-    packed)."""
-    if params.embed is None:
-        from cpu_kernels.jax_ops import panel_rows
-
-        return panel_rows(params.panels.head[0], ids)
-    return params.embed[ids]
-
-
-def panel_outputs(arch: ArchConfig) -> dict[str, int]:
-    """Each `CpuPanels` linear's output width."""
-    Hq, Hkv, D = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-    return {"qkv": (Hq + 2 * Hkv) * D, "o": arch.hidden_size, "gate_up": 2 * arch.intermediate_size,
-            "down": arch.hidden_size, "head": arch.vocab_size}
-
-
-# the linears each CpuPanels field packs, in output order
-PANEL_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-                "down": ("down_proj",)}
-
-
-def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
-    """The float32 params of one CPU device with every linear and the LM head packed for
-    `cpu_kernels.panel_linear` (`CpuPanels`): the same model, in the torch backend's CPU weight layout, all in
-    one buffer on huge pages where the OS gives them (a step streams them all). Consumes `params`: each
-    weight is dropped from it once packed (the extra memory is one group's weights, not the model's). A tied
-    embedding is then looked up in the LM head's panels (`embed`).
-
-    `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
-    bfloat16 panels only (`cpu_kernels.pack_onto_huge_pages(bdot=True)`), which every step multiplies (the torch
-    backend's `pack_cpu_weights(bdot=True)`, the same bits); a tied embedding stays the float32 matrix, as the
-    torch backend's does."""
-    from cpu_kernels.layout import QX_KINDS
-    from cpu_kernels.jax_ops import pack_onto_huge_pages
-
-    lp = params.layers
-
-    def as_rows(n):  # (the weight, its [L, N, K] shape: `_as_out_in`'s reshape, traced, not run)
-        w = getattr(lp, n)
-        return w, jax.eval_shape(functools.partial(_as_out_in, n, stacked=True), w).shape
-
-    groups = {group: [as_rows(n) for n in names] for group, names in PANEL_GROUPS.items()}
-    for names in PANEL_GROUPS.values():
-        for n in names:
-            setattr(lp, n, None)
-    tied = params.lm_head is None
-    head = params.embed if tied else params.lm_head
-    groups["head"] = [(head, (1, *head.shape))]
-    params.lm_head = None
-    if tied and not bdot:
-        params.embed = None
-    packed = pack_onto_huge_pages(groups, bdot=bdot, keep=("head",) if tied and bdot else ())
-    if bdot:
-        kind = QX_KINDS["BDOT"]
-        panels = CpuPanels(**dict.fromkeys(packed), **{f"{g}_qx": a for g, a in packed.items()},
-                           qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)  # (no float32 panels)
-    else:
-        panels = CpuPanels(**packed)
-    return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=panels)
+    return kernels.head_argmax(params, kernels.norm(hidden, params.final_norm, arch.rms_norm_eps), live)
 
 
 def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_heads: int,
@@ -480,8 +370,9 @@ def kv_cache_shape(arch: ArchConfig, num_blocks: int, block_size: int, *, kv_hea
 
 
 __all__ = [
-    "CpuPanels",
+    "LINEAR_GROUPS",
     "LayerParams",
+    "ModelKernels",
     "ModelParams",
     "ParamSpec",
     "RaggedMetadata",
@@ -492,6 +383,5 @@ __all__ = [
     "forward",
     "jnp_dtype",
     "kv_cache_shape",
-    "pack_cpu_panels",
-    "panel_outputs",
+    "greedy_tokens",
 ]

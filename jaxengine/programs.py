@@ -32,7 +32,7 @@ from enginecore.arch import ArchConfig
 from enginecore.sampling_batch import SamplingBatch
 from enginecore.step_batch import StepBatch
 from enginecore.structured_outputs import bitmask_width
-from jaxengine.model import RaggedMetadata, compute_logits, forward, greedy_tokens
+from jaxengine.model import ModelKernels, RaggedMetadata, compute_logits, forward, greedy_tokens
 from jaxengine.sampler import log_softmax, no_logprobs, sample
 
 
@@ -113,16 +113,14 @@ class ModelLayout:
 
 
 def model_step(params, kv_cache, last_tokens, rope, packed, *, layout: ModelLayout, num_rows: int,
-               arch: ArchConfig, attention_fn, scan_layers: bool, weights_first_rows: int = 0,
-               cpu_layers: bool = False):
+               arch: ArchConfig, attention_fn, scan_layers: bool, kernels: ModelKernels = ModelKernels()):
     """-> (hidden [Tp, H] before the final norm, rows [num_rows, H] at logits_indices, kv_cache)."""
     f = layout.unpack(packed)
     src = f["input_from_row"]
     ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], f["input_ids"])
     md = RaggedMetadata(f["kv_lens"], f["block_tables"], f["cu_q_lens"], f["distribution"])
-    hidden, kv_cache = forward(params, kv_cache, ids, f["positions"], md, rope, arch, attention_fn,
-                               scan_layers=scan_layers, weights_first_rows=weights_first_rows, cpu_layers=cpu_layers,
-                               keep=f["logits_indices"], all_rows=f["all_rows"])
+    hidden, kv_cache = forward(params, kv_cache, ids, f["positions"], md, rope, arch, attention_fn, kernels,
+                               scan_layers=scan_layers, keep=f["logits_indices"], all_rows=f["all_rows"])
     rows = hidden[f["logits_indices"]]
     rows = jnp.pad(rows, ((0, num_rows - layout.reqs), (0, 0)))
     return hidden, rows, kv_cache
@@ -189,7 +187,7 @@ def processed_inputs(sb: SamplingBatch, reqs: int, vocab_size: int) -> tuple[np.
 
 def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout, arch: ArchConfig,
                 mode: str, num_logprobs: int, method: str, chunk_rows: int | None = None,
-                weights_first_rows: int = 0):
+                kernels: ModelKernels = ModelKernels()):
     """-> (out [Rp, 3 + 2N] i32: sampled, top-N ids, top-N logprobs, sampled logprob, rank; last_tokens).
 
     `extra`: the variant's inputs (`sampler_inputs`): () | (bitmask,) | (*processed, bitmask).
@@ -205,9 +203,9 @@ def sample_step(params, rows, last_tokens, packed, *extra, layout: SampleLayout,
     live = jnp.max(jnp.where(sample_rows >= 0, jnp.arange(1, R + 1, dtype=jnp.int32), 0))
 
     def head(hidden, per_row, extra, live):
-        if mode == "greedy" and (tokens := greedy_tokens(params, hidden, arch, live)) is not None:
+        if mode == "greedy" and (tokens := greedy_tokens(params, hidden, arch, kernels, live)) is not None:
             return tokens, no_logprobs(hidden.shape[0], num_logprobs)  # the LM head's argmax, no logits
-        logits = compute_logits(params, hidden, arch, weights_first_rows, live)
+        logits = compute_logits(params, hidden, arch, kernels, live)
         processed, bitmask = (extra[:-1] or None, extra[-1]) if extra else (None, None)
         return sample(logits, *per_row, flags[0], flags[1], flags[2], processed, bitmask,
                       mode=mode, num_logprobs=num_logprobs, method=method, cpu_kernels=params.panels is not None)
@@ -244,9 +242,10 @@ def unpack_sample_output(out: np.ndarray, num_logprobs: int):
 # ---- prompt logprobs ----------------------------------------------------------------------
 
 
-def prompt_logprobs_step(params, hidden_rows, targets, *, arch: ArchConfig, k: int):
+def prompt_logprobs_step(params, hidden_rows, targets, *, arch: ArchConfig, k: int,
+                         kernels: ModelKernels = ModelKernels()):
     """hidden_rows [n, H], targets [n] -> (target logprob [n], rank [n], top-k ids [n, k], top-k logprobs [n, k])."""
-    lp = log_softmax(compute_logits(params, hidden_rows, arch), cpu_kernels=params.panels is not None)
+    lp = log_softmax(compute_logits(params, hidden_rows, arch, kernels), cpu_kernels=params.panels is not None)
     tgt = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lp > tgt[:, None], axis=-1, dtype=jnp.int32) + 1
     vals, ids = lax.top_k(lp, k)

@@ -47,6 +47,7 @@ from enginecore.runner_output import DoneStep, PendingStep, PromptLogprobs, Samp
     finish_step
 from enginecore.step_batch import StepBatch, begin_step
 from enginecore.structured_outputs import bitmask_width
+from jaxengine import cpu_wing
 from jaxengine import platform as plat
 from jaxengine.attention import ragged_paged_attention_xla
 from jaxengine.compilation import (
@@ -58,7 +59,7 @@ from jaxengine.compilation import (
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.loader import attach_cpu_qx
-from jaxengine.model import abstract_params, is_spec, jnp_dtype, kv_cache_shape, pack_cpu_panels
+from jaxengine.model import ModelKernels, abstract_params, is_spec, jnp_dtype, kv_cache_shape
 from jaxengine.programs import (
     ModelLayout,
     ProgramKey,
@@ -122,10 +123,16 @@ class JaxModelRunner:
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         jnp_dtype(self.dtype), jnp_dtype(self.kv_dtype)  # validate
         opts = dict(dc.compilation_config or {})
+        # a model the CPU kernels do not cover runs on XLA's ops (but for the attention, which checks its own case)
+        one_cpu = self.platform == "cpu" and pc.tensor_parallel_size == 1
+        uncovered = cpu_wing.uncovered(self.arch) if one_cpu else []
+        if uncovered:
+            logger.info("jax CPU kernels: XLA's ops for the model, the kernels do not implement %s",
+                        ", ".join(uncovered))
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model (self.dtype: the weights' and activations'
-        # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT, pack_cpu_panels(bdot=True)), as
-        # the torch backend runs it; the KV cache as asked
-        self.bdot = bool(opts.get("cpu_linears", True)) and qx.bdot_runs(
+        # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT,
+        # cpu_wing.pack_cpu_panels(bdot=True)), as the torch backend runs it; the KV cache as asked
+        self.bdot = bool(opts.get("cpu_linears", True)) and not uncovered and qx.bdot_runs(
             _kernels_lib, model.config, self.platform, self.dtype, pc.tensor_parallel_size)
         if self.bdot:
             self.dtype = "float32"
@@ -149,7 +156,7 @@ class JaxModelRunner:
         self.weights_first_rows = int(opts.get("weights_first_rows",
                                                CPU_WEIGHTS_FIRST_ROWS if self.platform == "cpu" else 0))
         # CPU, float32, one device: cpu_kernels.jax_ops' custom calls, off where they cannot run (the log
-        # says why). Every linear and the LM head on weights packed at load (model.pack_cpu_panels: they
+        # says why). Every linear and the LM head on weights packed at load (cpu_wing.pack_cpu_panels: they
         # read each layer's weights where they lie, where XLA's dots in the scan copy them first, with the
         # torch backend's kernel): compilation_config={"cpu_linears": False} turns them off. Attention over the
         # cache in place (a float32, float16 or bfloat16 one): {"cpu_decode_attention": False} turns it off.
@@ -157,7 +164,7 @@ class JaxModelRunner:
         # as float32 with bfloat16 products (self.bdot); XLA's own attention loops took a 16-bit decode step of
         # the embedded model ~1.4 s.
         self.cpu_linears, self.cpu_decode_attention = False, False
-        linears = bool(opts.get("cpu_linears", True)) and self.dtype == "float32"
+        linears = bool(opts.get("cpu_linears", True)) and self.dtype == "float32" and not uncovered
         decode = bool(opts.get("cpu_decode_attention", True))
         if self.platform == "cpu" and self.mesh.size == 1 and (linears or decode):
             from cpu_kernels import jax_ops
@@ -174,6 +181,9 @@ class JaxModelRunner:
             logger.info("jax CPU kernels: linears %s, decode attention %s, every layer in one call %s",
                         *("on" if on else "off" for on in (self.cpu_linears, self.cpu_decode_attention,
                                                            self.cpu_layers)))
+        # what forward runs: XLA's ops (weights first for few rows: model.dense), or the CPU kernels on the panels
+        self.kernels = (cpu_wing.model_kernels(self.arch, layers=self.cpu_layers) if self.cpu_linears
+                        else ModelKernels.xla(self.weights_first_rows))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
@@ -206,8 +216,8 @@ class JaxModelRunner:
 
     def _attention_fn(self):
         if self.attention_backend == "reference":
-            if self.cpu_decode_attention:  # (the attention checks the cache's dtype itself: jax_ops.KV_DTYPES)
-                return functools.partial(ragged_paged_attention_xla, cpu_decode=True)
+            if self.cpu_decode_attention:  # (it checks the cache's dtype itself: jax_ops.KV_DTYPES)
+                return cpu_wing.attention
             return ragged_paged_attention_xla
         return plat.pallas_attention(self.platform, self.devices[0].device_kind, block_size=self.block_size,
                                      group=self.arch.num_attention_heads // self.arch.num_key_value_heads,
@@ -237,7 +247,7 @@ class JaxModelRunner:
             self.params = load_params(self.source, self.arch, self.dtype, shardings, kv_repeats=self.kv_repeats)
         if self.cpu_linears:
             params, self.params = self.params, None
-            self.params = pack_cpu_panels(params, bdot=self.bdot)
+            self.params = cpu_wing.pack_cpu_panels(params, bdot=self.bdot)
             if self.bdot:
                 logger.info("jax: every linear and the LM head in bfloat16 (AVX512-BF16: QX_BDOT), multiplied by their "
                             "inputs rounded to bfloat16; the rest of the model in float32")
@@ -332,7 +342,8 @@ class JaxModelRunner:
                               is_leaf=is_spec)
         if self.cpu_linears:  # one device
             params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
-                                  jax.eval_shape(functools.partial(pack_cpu_panels, bdot=self.bdot), params))
+                                  jax.eval_shape(functools.partial(cpu_wing.pack_cpu_panels, bdot=self.bdot),
+                                                 params))
             if self.params is not None and self.params.panels is not None:  # loaded: its panels, qx ones included
                 params = dataclasses.replace(params, panels=jax.tree.map(
                     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), self.params.panels))
@@ -357,7 +368,7 @@ class JaxModelRunner:
             layout = self._model_layout(key.size)
             fn = jax.jit(functools.partial(model_step, layout=layout, num_rows=self.num_rows, arch=self.arch,
                                            attention_fn=self._attention, scan_layers=self.scan_layers,
-                                           weights_first_rows=self.weights_first_rows, cpu_layers=self.cpu_layers),
+                                           kernels=self.kernels),
                          donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding))
             return fn.lower(params, inputs.kv_cache, last, inputs.rope, i32(layout.size))
         if key.kind == "sample":
@@ -374,14 +385,15 @@ class JaxModelRunner:
                          f32(R), f32(R), f32(R), bitmask)
             fn = jax.jit(functools.partial(sample_step, layout=layout, arch=self.arch, mode=key.mode,
                                            num_logprobs=self.max_logprobs, method=self.sampler_method,
-                                           chunk_rows=self.logits_chunk_rows,
-                                           weights_first_rows=self.weights_first_rows),
+                                           chunk_rows=self.logits_chunk_rows, kernels=self.kernels),
                          donate_argnums=(2,), out_shardings=(rep, rep))
             return fn.lower(params, rows, last, i32(layout.size), *extra)
         if key.kind == "prompt_logprobs":
             rows = jax.ShapeDtypeStruct((key.size, self.arch.hidden_size), jnp_dtype(self.dtype), sharding=rep)
-            fn = jax.jit(functools.partial(prompt_logprobs_step, arch=self.arch, k=self.max_logprobs),
-                         out_shardings=rep)
+            # (XLA's ops multiply these rows in their own orientation: weights_first_rows=0)
+            kernels = self.kernels if self.cpu_linears else ModelKernels()
+            fn = jax.jit(functools.partial(prompt_logprobs_step, arch=self.arch, k=self.max_logprobs,
+                                           kernels=kernels), out_shardings=rep)
             return fn.lower(params, rows, i32(key.size))
         raise ValueError(f"unknown program {key!r}")
 

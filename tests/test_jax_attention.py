@@ -139,10 +139,14 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode, 
     L, Hq, Hkv, D, bs, pages = 3, 4, 2, 16, 16, 256
     cache = jnp.zeros((L * pages, bs, 2 * Hkv, D), dtype)
 
+    attention = ragged_paged_attention_xla
+    if cpu_decode:
+        from jaxengine.cpu_wing import attention
+
     def step(cache, q, k, v, kv_lens, table, cu, dist):
         def body(cache, l):
-            out, cache = ragged_paged_attention_xla(q, k, v, cache, kv_lens, (table + l * pages).reshape(-1), cu,
-                                                    dist, sm_scale=D**-0.5, cpu_decode=cpu_decode)
+            out, cache = attention(q, k, v, cache, kv_lens, (table + l * pages).reshape(-1), cu, dist,
+                                   sm_scale=D**-0.5)
             return cache, out.sum()
 
         return jax.lax.scan(body, cache, jnp.arange(L, dtype=jnp.int32))
@@ -165,10 +169,11 @@ def test_cache_is_updated_in_place_inside_a_layer_scan(pps, Rp, Tp, cpu_decode, 
 
 @pytest.mark.parametrize("case", ["mixed", "decode_only"])
 def test_a_16bit_models_attention_on_the_cpu_kernels(case):
-    """A bfloat16 model's attention with `cpu_decode` (jax on a CPU runs it so for 16-bit models too): its
-    queries read into float32, a bfloat16 cache, the output rounded back to bfloat16 (padding rows 0); against
-    the numpy reference on the same rounded values, within bfloat16's rounding of the output."""
+    """A bfloat16 model's attention on the CPU kernels (`cpu_wing.attention`: jax on a CPU runs it so for 16-bit
+    models too): its queries read into float32, a bfloat16 cache, the output rounded back to bfloat16 (padding
+    rows 0); against the numpy reference on the same rounded values, within bfloat16's rounding of the output."""
     from cpu_kernels import jax_ops
+    from jaxengine.cpu_wing import attention
 
     if jax_ops.available():
         pytest.skip(f"the CPU custom calls do not run here: {jax_ops.available()}")
@@ -176,12 +181,12 @@ def test_a_16bit_models_attention_on_the_cpu_kernels(case):
     q, k, v, cache, kv_lens, table, cu, dist = make_batch(*CASES[case], Hq=6, Hkv=2, D=16, seed=5)
     q, k, v, cache = bf(q), bf(k), bf(v), bf(cache)
     b16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    f = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale", "sliding_window", "cpu_decode"))
+    f = jax.jit(attention, static_argnames=("sm_scale", "sliding_window"))
     args = (b16(q), b16(k), b16(v), b16(cache), jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu),
             jnp.asarray(dist))
-    hlo = f.lower(*args, sm_scale=0.25, cpu_decode=True).as_text()
+    hlo = f.lower(*args, sm_scale=0.25).as_text()
     assert jax_ops.DECODE_ATTENTION in hlo and jax_ops.PREFILL_ATTENTION in hlo  # the kernels' path
-    out, new_cache = f(*args, sm_scale=0.25, cpu_decode=True)
+    out, new_cache = f(*args, sm_scale=0.25)
     assert out.dtype == jnp.bfloat16
     want_out, want_cache = numpy_reference(q, k, v, cache, kv_lens, table, cu, dist, sm_scale=0.25)
     T = int(cu[int(dist[2])])

@@ -558,7 +558,7 @@ def test_the_samplers_draw_the_same_tokens_with_the_same_logprob_bits_as_the_tor
 
 def test_pack_onto_huge_pages_packs_each_group_into_one_aligned_buffer():
     """`pack_cpu_panels` packs the weights on the host into one huge-page buffer: each group `pack_panels` of its
-    weights' rows concatenated (read through a reshape, as `_as_out_in` gives them; a partial last panel
+    weights' rows concatenated (read through a reshape, as `model.as_out_in` gives them; a partial last panel
     zero-padded), each result jax's view of its slice (no copy: back to back from a 2 MiB boundary), the
     sources freed; traced, the shapes `pack_panels` gives."""
     from cpu_kernels.memory import HUGE_PAGE
@@ -655,7 +655,7 @@ def test_zeros_commits_no_memory_until_written():
         z = jax.jit(lambda: jax_ops.zeros(shape, dtype))()
         assert z.shape == shape and z.dtype == dtype and not np.asarray(z.astype(jnp.float32)).any()
     # over memory that held other values: a freed 4 MB buffer handed back by the allocator. In this process that
-    # depends on the whole session's heap history (once none of 20 tries was reused, session 29's CI), so a fresh
+    # depends on the whole session's heap history (once, in CI, none of 20 tries was reused), so a fresh
     # process does it, with glibc told to serve such buffers from its heap (MALLOC_MMAP_THRESHOLD_) rather than
     # as fresh mappings, whose pages the kernel would zero whatever `zeros` did
     tries, reused = _in_a_fresh_heap(_ZEROS_OVER_REUSED)
@@ -858,7 +858,7 @@ def test_layers_with_qx_panels_give_the_bits_without_them():
 
 def test_layers_take_linears_without_float32_panels():
     """`cpu_kernels.layers` with a linear's float32 panels empty (QX_BDOT's engine keeps none,
-    `model.pack_cpu_panels(bdot=True)`): its shape from its qx panels, the bits of the float32 panels; a step
+    `cpu_wing.pack_cpu_panels(bdot=True)`): its shape from its qx panels, the bits of the float32 panels; a step
     its qx panels do not take (more tokens than qx_rows), or no qx panels at all, is an error, not a read of
     nothing."""
     from cpu_kernels import layout as qx

@@ -154,6 +154,59 @@ def test_layers_in_one_call_give_the_bits_of_a_call_per_kernel(arch, kv, tiny_mo
     assert res[True] == res[False]
 
 
+def test_a_feature_the_cpu_kernels_lack_runs_on_xlas_ops(tiny_model_dir, monkeypatch):
+    """A model with a feature the CPU kernels do not implement (`cpu_wing.uncovered`: an ArchConfig field outside
+    `COVERED_FIELDS` off its default, or a head_dim past the kernels' limit) runs on XLA's ops, logged once: here
+    Qwen3's q/k norms with the kernels told they lack them. Its greedy tokens are transformers'."""
+    import dataclasses
+    import logging
+
+    from cpu_kernels import jax_ops
+    from enginecore.arch import ArchConfig
+    from jaxengine import cpu_wing
+    from jaxengine.model import ModelKernels
+
+    @dataclasses.dataclass(frozen=True)
+    class WithSoftCap(ArchConfig):
+        attn_logit_softcapping: float | None = None  # a feature the kernels were not written for
+
+    base = dict(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=32,
+                intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    assert cpu_wing.uncovered(WithSoftCap(**base)) == []
+    assert cpu_wing.uncovered(WithSoftCap(**base, attn_logit_softcapping=30.0)) == ["attn_logit_softcapping=30.0"]
+    assert cpu_wing.uncovered(ArchConfig(**{**base, "head_dim": 2048}))[0].startswith("head_dim 2048")
+    if jax_ops.available():
+        pytest.skip(jax_ops.available())
+    monkeypatch.setattr(cpu_wing, "COVERED_FIELDS", cpu_wing.COVERED_FIELDS - {"qk_norm"})
+    d = tiny_model_dir("qwen3")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("xlaserve.jax")
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    prompts = [[1, 450, 4996, 17354, 1701], [1, 306, 763, 304]]
+    try:
+        llm = jax_llm(d, max_num_batched_tokens=32, enable_prefix_caching=False)
+        try:
+            runner = llm.llm_engine.core.runner
+            assert not runner.cpu_linears and not runner.cpu_layers and runner.params.panels is None
+            assert runner.kernels.layers is None and runner.kernels.norm is ModelKernels().norm
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+            hlo = [p.as_text() for k, p in runner.programs.items() if k.kind == "model"]
+            assert hlo and not any(jax_ops.PANEL_LINEAR in t or jax_ops.LAYERS in t for t in hlo)
+        finally:
+            llm.llm_engine.core.shutdown()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    said = [r.getMessage() for r in records if "do not implement" in r.getMessage()]
+    assert len(said) == 1 and "qk_norm=True" in said[0], said
+    assert token_ids(outs) == hf_greedy(d, prompts, 8)
+
+
 # -- scheduling invariance on the tiny llama ----------------------------------------------------
 
 SCHED_PROMPTS = [[1] + [(37 * i + 11 * j) % 3000 + 100 for j in range(n)] for i, n in enumerate([40, 7, 75, 23, 55, 3])]
