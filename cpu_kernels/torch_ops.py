@@ -456,7 +456,8 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
                                                      "down_w", "key_cache", "value_cache")]
                 + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS]
                 + [(f"{n}_qx", ctypes.c_void_p) for n in _LINEARS] + [("qx_rows", ctypes.c_int)]
-                + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS])
+                + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS]
+                + [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)])
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int] | None:
@@ -482,11 +483,11 @@ class DecodeLayers:
     (`step`: of any step, `step_layers`): the kernels the Python layers call, in their order, so the hidden states
     are bit-identical to `Transformer.forward`'s with these kernels; ~15 Python-level calls a layer fewer (a step
     of 15 decodes and a 126-token prompt chunk of the embedded model: 156-174 -> 150-151 ms in float32, 91-108 ->
-    85-86 ms in bfloat16, session 36).
+    85-86 ms in bfloat16). The C layers are the jax backend's too (layers.c's run_layers), on OpenMP's threads.
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
-    torch's own 4-bit kernel, tensor parallelism, q/k norms, another attention backend); then the model runs
-    as usual. `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them.
+    torch's own 4-bit kernel, tensor parallelism, another attention backend); then the model runs as usual.
+    `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them; q/k norms (Qwen3) as the C rms_norm.
     """
 
     def __init__(self, lib: ctypes.CDLL, model, backend, kv_caches):
@@ -504,6 +505,8 @@ class DecodeLayers:
             parts = {name: _linear_parts(m) for name, m in mods.items()}
             c.attn_norm, c.mlp_norm = ptr(ly.attn_norm.weight), ptr(ly.mlp_norm.weight)
             c.key_cache, c.value_cache, c.qkv_b = ptr(kc), ptr(vc), ptr(parts["qkv"][1])
+            if ly.attn.q_norm is not None:
+                c.q_norm, c.k_norm = ptr(ly.attn.q_norm.weight), ptr(ly.attn.k_norm.weight)
             for name, (w, _, q4, rows) in parts.items():
                 setattr(c, f"{name}_w", ptr(w))
                 setattr(c, f"{name}_q4", ptr(q4))
@@ -524,7 +527,7 @@ class DecodeLayers:
         from torchengine.attention import TorchAttention
 
         lib_ = lib()
-        if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or not isinstance(backend, TorchAttention)
+        if (lib_ is None or model.tp_size != 1 or not isinstance(backend, TorchAttention)
                 or backend.lib is None or len(kv_caches) != len(model.layers)):
             return None
         f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
@@ -533,7 +536,8 @@ class DecodeLayers:
             if not all(p is not None and f32(p[0]) and f32(p[1]) for p in parts) or any(p[1] is not None
                                                                                       for p in parts[1:]):
                 return None
-            if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight)):
+            norms = (ly.attn_norm, ly.mlp_norm, ly.attn.q_norm, ly.attn.k_norm)
+            if not all(n is None or f32(n.weight) for n in norms):
                 return None
             if not (kc.dtype == vc.dtype == kv_caches[0][0].dtype in KV_TYPES and kc.is_contiguous()
                     and vc.is_contiguous() and kc.is_cpu):
