@@ -98,7 +98,8 @@ typedef struct {
 static void round_task(void *p, long a, long b, long pe) {
     const round_arg *r = (const round_arg *)p;
     (void)pe;
-    if (bdot_round(r->x + a * r->K, (int)(b - a), r->K, r->xb + a * r->K / 2)) __atomic_store_n(r->rc, -1, __ATOMIC_RELAXED);
+    if (bdot_round(r->x + a * r->K, (int)(b - a), r->K, r->xb + a * r->K / 2))
+        __atomic_store_n(r->rc, -1, __ATOMIC_RELAXED);
 }
 
 // token t's K and V rows (Hkv heads of D floats each) into row `slot` of the caches, rounded to their type
@@ -309,7 +310,8 @@ int run_layers(const decode_layer *layers, int L, const layers_step *s, float *w
                const layers_team *team) {
     const int T = s->T, H = s->H, Hq = s->Hq, Hkv = s->Hkv, D = s->D, I = s->I, QKV = (Hq + 2 * Hkv) * D;
     if (L <= 0 || T <= 0 || H <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 2 || D > 1024 || I <= 0 ||
-        s->block_size <= 0 || s->kv_type < KV_F32 || s->kv_type > KV_BF16 || s->n_dec < 0 || s->n_pre < 0 || team->threads < 1 || (s->keep != NULL && (s->S < 1 || s->S > T)))
+        s->block_size <= 0 || s->kv_type < KV_F32 || s->kv_type > KV_BF16 || s->n_dec < 0 || s->n_pre < 0 ||
+        team->threads < 1 || (s->keep != NULL && (s->S < 1 || s->S > T)))
         return -1;
     layers_call c = {0};
     c.s = s, c.team = team, c.QKV = QKV;
@@ -336,7 +338,8 @@ int run_layers(const decode_layer *layers, int L, const layers_step *s, float *w
     } else {
         c.d_tasks = (long)s->n_dec * (Hq / c.hs);
     }
-    const int p_tasks = s->n_pre > 0 ? prefill_attention_num_tasks(s->n_pre, s->pre_lens, Hkv, prefill_attention_bq()) : 0;
+    const int p_tasks =
+        s->n_pre > 0 ? prefill_attention_num_tasks(s->n_pre, s->pre_lens, Hkv, prefill_attention_bq()) : 0;
     if (p_tasks < 0) {
         free(c.split_buf);
         return -1;
@@ -465,9 +468,10 @@ long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I) {
 // A decode step (each of the T tokens its request's only query: kv_lens [T], block_tables [T, bt_stride]):
 // step_layers with T decode rows and every row kept.
 int decode_layers(const decode_layer *layers, int L, const float *x, int T, const int64_t *positions,
-                  int n_positions, const float *rope_cos, const float *rope_sin, const int64_t *slots, const int32_t *kv_lens,
-                  const int32_t *block_tables, int bt_stride, int block_size, int H, int Hq, int Hkv, int D, int I,
-                  float eps, float scale, int window, float *ws, float *out, int nthreads, int kv_type) {
+                  int n_positions, const float *rope_cos, const float *rope_sin, const int64_t *slots,
+                  const int32_t *kv_lens, const int32_t *block_tables, int bt_stride, int block_size, int H, int Hq,
+                  int Hkv, int D, int I, float eps, float scale, int window, float *ws, float *out, int nthreads,
+                  int kv_type) {
     if (T <= 0) return -1;
     int64_t *tokens = (int64_t *)ws;  // T int64 = 2T floats, first: aligned as the workspace is
     for (int t = 0; t < T; t++) tokens[t] = t;
