@@ -317,16 +317,21 @@ def decode_step(libs, args, threads: int) -> int:
     num_blocks = max(rows) * per_row + 1
     inter = SHAPES[3][0]
     weights = []  # (the tensors of a layer, kept alive), one decode_layer struct each
-    structs = (torch_ops._DecodeLayer * LAYERS)()
-    for c in structs:
+    # each build's own decode_layer: one without run_layers ends before q_norm / k_norm (appended with it)
+    old = [f for f in torch_ops._DecodeLayer._fields_ if f[0] not in ("q_norm", "k_norm")]
+    layout = {name: torch_ops._DecodeLayer if hasattr(lib, "run_layers")
+              else type("DecodeLayer", (ctypes.Structure,), {"_fields_": old}) for name, lib in libs.items()}
+    structs = {name: (layout[name] * LAYERS)() for name in libs}
+    for cs in zip(*structs.values()):
         t = {name: torch_ops.pack_panels(torch.randn(n, k, generator=g) / k ** 0.5)
              for name, (k, n) in zip(("qkv", "o", "gate_up", "down"), SHAPES)}
         t["norm"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
         t["k"], t["v"] = (torch.randn(num_blocks, BLOCK, HKV, HEAD_DIM, generator=g) for _ in range(2))
-        c.attn_norm = c.mlp_norm = t["norm"].data_ptr()
-        c.key_cache, c.value_cache = t["k"].data_ptr(), t["v"].data_ptr()
-        for name in ("qkv", "o", "gate_up", "down"):
-            setattr(c, f"{name}_w", t[name].data_ptr())
+        for c in cs:
+            c.attn_norm = c.mlp_norm = t["norm"].data_ptr()
+            c.key_cache, c.value_cache = t["k"].data_ptr(), t["v"].data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(c, f"{name}_w", t[name].data_ptr())
         weights.append(t)
     ang = torch.arange(args.context + 1.0)[:, None] * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
     cos, sin = (torch.cat([a, a], dim=1).contiguous() for a in (ang.cos(), ang.sin()))  # [positions, D]
@@ -347,7 +352,7 @@ def decode_step(libs, args, threads: int) -> int:
 
         def step(name: str) -> None:
             if libs[name].decode_layers(
-                    ctypes.addressof(structs), LAYERS, x.data_ptr(), M, positions.data_ptr(), cos.shape[0],
+                    ctypes.addressof(structs[name]), LAYERS, x.data_ptr(), M, positions.data_ptr(), cos.shape[0],
                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kv_lens.ctypes.data, tables.ctypes.data,
                     per_row, BLOCK, HIDDEN, HQ, HKV, HEAD_DIM, inter, 1e-5, HEAD_DIM ** -0.5, 0, ws.data_ptr(),
                     outs[name].data_ptr(), threads, 0):

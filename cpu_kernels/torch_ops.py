@@ -454,4 +454,5 @@ class _DecodeLayer(ctypes.Structure):  # the C file's decode_layer
                                                      "down_w", "key_cache", "value_cache")]
                 + [(f"{n}_q4", ctypes.c_void_p) for n in _LINEARS] + [(f"{n}_rows", ctypes.c_int) for n in _LINEARS]
                 + [(f"{n}_qx", ctypes.c_void_p) for n in _LINEARS] + [("qx_rows", ctypes.c_int)]
-                + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS])
+                + [(f"{n}_qx_kind", ctypes.c_int) for n in _LINEARS]
+                + [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)])

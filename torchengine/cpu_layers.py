@@ -33,8 +33,8 @@ class DecodeLayers:
     the embedded model: 156-174 -> 150-151 ms in float32, 91-108 -> 85-86 ms in bfloat16).
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
-    torch's own 4-bit kernel, tensor parallelism, q/k norms, another attention backend); then the model runs
-    as usual. `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them.
+    torch's own 4-bit kernel, tensor parallelism, another attention backend); then the model runs as usual.
+    `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them; q/k norms (Qwen3) as the C rms_norm.
     """
 
     def __init__(self, lib: ctypes.CDLL, model, backend, kv_caches):
@@ -53,6 +53,8 @@ class DecodeLayers:
             parts = {name: _linear_parts(m) for name, m in mods.items()}
             c.attn_norm, c.mlp_norm = ptr(ly.attn_norm.weight), ptr(ly.mlp_norm.weight)
             c.key_cache, c.value_cache, c.qkv_b = ptr(kc), ptr(vc), ptr(parts["qkv"][1])
+            if ly.attn.q_norm is not None:
+                c.q_norm, c.k_norm = ptr(ly.attn.q_norm.weight), ptr(ly.attn.k_norm.weight)
             for name, (w, _, q4, rows) in parts.items():
                 setattr(c, f"{name}_w", ptr(w))
                 setattr(c, f"{name}_q4", ptr(q4))
@@ -72,16 +74,18 @@ class DecodeLayers:
     def bind(cls, model, backend, kv_caches) -> "DecodeLayers | None":
         lib_ = torch_ops.lib()
         # the attention: `torchengine.attention.TorchAttention` on these kernels (`lib`), whose groups `step` reads
-        if (lib_ is None or model.tp_size != 1 or model.arch.qk_norm or getattr(backend, "lib", None) is None
+        if (lib_ is None or model.tp_size != 1 or getattr(backend, "lib", None) is None
                 or len(kv_caches) != len(model.layers)):
             return None
         f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
         for ly, (kc, vc) in zip(model.layers, kv_caches):
-            parts = [_linear_parts(m) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)]
+            parts = [_linear_parts(m) for m in (ly.attn.qkv_proj, ly.attn.o_proj, ly.mlp.gate_up_proj,
+                                                 ly.mlp.down_proj)]
             if not all(p is not None and f32(p[0]) and f32(p[1]) for p in parts) or any(p[1] is not None
                                                                                       for p in parts[1:]):
                 return None
-            if not all(f32(t) for t in (ly.attn_norm.weight, ly.mlp_norm.weight)):
+            norms = (ly.attn_norm, ly.mlp_norm, ly.attn.q_norm, ly.attn.k_norm)
+            if not all(n is None or f32(n.weight) for n in norms):
                 return None
             if not (kc.dtype == vc.dtype == kv_caches[0][0].dtype in torch_ops.KV_TYPES and kc.is_contiguous()
                     and vc.is_contiguous() and kc.is_cpu):

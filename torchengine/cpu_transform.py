@@ -9,7 +9,7 @@
   the same weights as stored, for steps of few rows;
 - the LM head -> `CpuLMHead` (logits, and greedy tokens without writing the logits), and a tied embedding ->
   `PanelEmbedding` (looked up in the head's panels);
-- the hidden-size RMSNorms -> `CpuRMSNorm` (the residual add in the same call);
+- the RMSNorms -> `CpuRMSNorm` (the residual add in the same call; Qwen3's q/k norms on rows of head_dim);
 - each attention's `rope_fn` and each MLP's `act_fn` -> the kernels' RoPE (in place) and SiLU-and-mul.
 
 `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
@@ -206,13 +206,13 @@ def apply_cpu_kernels(model: Transformer, bdot: bool = False) -> CpuWeights:
         for name in ("attn_norm", "mlp_norm"):
             if type(getattr(layer, name)) is RMSNorm:
                 setattr(layer, name, CpuRMSNorm(getattr(layer, name), lib))
+        for name in ("q_norm", "k_norm"):  # (Qwen3: rows of head_dim, as the one-call layers normalise them)
+            if type(getattr(layer.attn, name)) is RMSNorm:
+                setattr(layer.attn, name, CpuRMSNorm(getattr(layer.attn, name), lib))
         layer.attn.rope_fn = CpuRope(lib)
         layer.mlp.act_fn = CpuSiluAndMul(lib)
     if type(model.final_norm) is RMSNorm:
         model.final_norm = CpuRMSNorm(model.final_norm, lib)
-    if model.arch.qk_norm:
-        logger.info("CPU kernels: the q/k norms run on torch's ops (per-head norms of [T, H, D] views; the kernel "
-                    "normalises [T, H] rows), and the one-call layers do not run")
     return _pack_weights(model, lib, bdot)
 
 

@@ -132,7 +132,9 @@ class Attention(nn.Module):
         qk = qkv[:, : q_size + kv_size].view(T, self.num_heads + self.num_kv_heads, hd)
         v = qkv[:, q_size + kv_size :].view(T, self.num_kv_heads, hd)
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+            # as rows of D: on a CPU the C rms_norm, the one-call layers' (torchengine.cpu_layers.DecodeLayers) bits
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads].reshape(-1, hd)).view(T, self.num_heads, hd),
+                            self.k_norm(qk[:, self.num_heads :].reshape(-1, hd)).view(T, self.num_kv_heads, hd)], dim=1)
         qk = self.rope_fn(qk, cos, sin)  # q and k heads together
         o = attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], v)  # [T, Hq, D]
         if keep is not None:

@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int T, const int
 // kernels fetch the rows KV_PREFETCH keys ahead of the scores (and the next DECODE_KEYS of V) while they work.
 // The scores' fetches go to L2 (T1): a key's K and V rows of all heads are 24 lines at float32, 8 keys ahead
 // ~200 in flight, more than L1's miss buffers hold; into L2 they ran a step's attention 1.2-1.6x as fast at 4-32
-// rows (170 and 1024 tokens, both cache layouts; session 26, a Zen 4), even at 1-2 rows. 16 keys ahead ran
+// rows (170 and 1024 tokens, both cache layouts, a Zen 4), even at 1-2 rows. 16 keys ahead ran
 // 0.94-0.96x, 4 keys 1.02-1.07x at 170 tokens but 0.91x at 1024.
 #define KV_PREFETCH 8
 #define DECODE_KEYS 16  // keys a block of the output loop (their V rows stay in L1)
@@ -129,9 +129,9 @@ static inline void key_offsets(size_t *ro, const int32_t *bt, int start, int j0,
 
 // Scores of keys 0 .. nkeys of ro (row offsets, nro of them) for the hs query heads from h0 (queries qr, tiles
 // `tile`): S[g * s_stride + j] = dot(qr[g], K_j) * scale, KS keys a tile (KS is 4 over a 16-bit cache: prefill
-// attention's tiles, its conversions make the loop compute-bound (session 14); 1 over a float32 one: 4 keys'
+// attention's tiles, its conversions make the loop compute-bound; 1 over a float32 one: 4 keys'
 // tiles ask for 4 rows at once and ran 0.86-1.0x from memory there, 1.5-1.7x with the rows in cache
-// (docs/design-notes.md, session 22)). Each key `ahead` keys on is fetched into L2 meanwhile, pf_bytes of its
+// (docs/design-notes.md)). Each key `ahead` keys on is fetched into L2 meanwhile, pf_bytes of its
 // K row from pf_off and (pf_v) of its V row.
 static inline __attribute__((always_inline)) void decode_scores(
     const int T, const size_t *ro, int nkeys, int nro, const char *kcache, const char *vcache, int pf_v,
@@ -268,7 +268,7 @@ static inline __attribute__((always_inline)) int decode_tasks(
 // dims of the kv head's G outputs over every key's V row, in order. A head gets decode_tasks' arithmetic (dot's
 // chains a score, exp_shift_sum over the whole row, one FMA chain a dim over the keys in order, the same final
 // scale), so the same bits; the tests hold the two orders to each other. Batch 1 (bench_kernels_ab --what
-// attention, session 39, a Zen 3): 1.6x at 170 tokens, 1.6-1.9x at 1024, 1.8x at 4096 (17.7 GB/s). Chunks of 32
+// attention, a Zen 3): 1.6x at 170 tokens, 1.6-1.9x at 1024, 1.8x at 4096 (17.7 GB/s). Chunks of 32
 // or 128 keys and 8 or 32 ahead ran within 10% of these; phase 0 by (request, kv head, keys), reading a third of
 // each row, 0.8x.
 #define SPLIT_KEYS 64  // keys a phase-0 task

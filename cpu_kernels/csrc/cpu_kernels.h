@@ -75,7 +75,44 @@ typedef struct {  // *_w: panel_gemm's panels
     // panels, NULL: none), the same bits as them, for steps of at most qx_rows tokens; *_qx_kind: their QX_*
     const void *qkv_qx, *o_qx, *gate_up_qx, *down_qx;
     int qx_rows, qkv_qx_kind, o_qx_kind, gate_up_qx_kind, down_qx_kind;
+    const float *q_norm, *k_norm;  // [D] each: RMSNorm of each head's q and k before RoPE (Qwen3); NULL: none
 } decode_layer;
+
+// run_layers' threads: fn(arg, a, b, pe) over the parts [0, n) of a phase, returning when every part is done
+// (pe: where the thread's next part likely starts, for panel_gemm_part's prefetch; b where unknown)
+typedef void (*layers_task)(void *arg, long a, long b, long pe);
+typedef struct {
+    void *ctx;
+    int threads;  // the threads a phase may run on, the caller's included
+    // slices of `per` parts, taken one at a time by the caller and up to threads - 1 others (pe = b)
+    void (*run)(void *ctx, long n, long per, layers_task fn, void *arg);
+    // the parts shares_claim hands out from `shares` shares (share 0 the caller's), at least `min` a claim
+    void (*run_shared)(void *ctx, long n, int shares, int min, layers_task fn, void *arg);
+} layers_team;
+
+// One step of run_layers: T tokens, each one request's decode row or one of a prefill request's rows.
+typedef struct {
+    int T;
+    const float *x;           // [T, H] the embeddings
+    const float *cos, *sin;   // [T, D] each token's RoPE tables (rope's form)
+    const int64_t *slots;     // [T] each token's row in a layer's cache (< 0: not written)
+    long kv_row, kv_head;     // a cache row's and a kv head's stride, in elements, of K and V alike
+    int n_dec;                // decode rows: their token rows, kv_lens [n_dec], tables [n_dec, dec_stride]
+    const int64_t *dec_tokens;
+    const int32_t *dec_kv_lens, *dec_tables;
+    int dec_stride;
+    int n_pre;                // prefill requests: first token, tokens, kv_lens [n_pre], tables [n_pre, pre_stride]
+    const int32_t *pre_start, *pre_lens, *pre_kv_lens, *pre_tables;
+    int pre_stride;
+    // the rows wanted from the last layer (NULL: all T; else S of them, distinct, which alone run its o linear
+    // and MLP): out [S, H] in keep's order, or (keep_in_place) out [T, H] with row keep[i] the i-th and the others
+    // the residual stream before the last layer's attention
+    const int64_t *keep;
+    int S, keep_in_place;
+    int block_size, H, Hq, Hkv, D, I;
+    float eps, scale;
+    int window, kv_type;
+} layers_step;
 
 // gguf_linear.c
 int q4_block_bytes(void);
@@ -149,6 +186,9 @@ int qx_gemm_part(const float *x, int M, int K, const void *w, int N, float *y, v
 int qx_gemm(const float *x, int M, int K, const void *w, int N, float *y, int64_t *argmax, int kind, int nthreads);
 
 // layers.c
+long layers_workspace(int T, int H, int Hq, int Hkv, int D, int I);
+int run_layers(const decode_layer *layers, int L, const layers_step *s, float *ws, float *out,
+    const layers_team *team);
 long decode_workspace(int T, int H, int Hq, int Hkv, int D, int I);
 int step_layers(const decode_layer *layers, int L, const float *x, int T, const int64_t *positions, int n_positions,
     const float *rope_cos, const float *rope_sin, const int64_t *slots, int n_dec, const int64_t *dec_tokens, const

@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void head_tile(
 // 1.13-1.22x at 5-6 rows; the 1-3-row tiles, 2-4 panels wide, leave it to the hardware's streams (prefetching
 // their next block ran 0.92-0.97x). After whole blocks of 6 rows (nm: the row blocks that prefetch, counted by
 // panel_gemm_part), a last one of 2-3 rows fetches its slice of all its tiles' panels (it fetched only the first
-// panel's, leaving the rest of the block to the hardware: 1.04-1.12x at 8, 9 and 13-15 rows, session 27), one of
+// panel's, leaving the rest of the block to the hardware: 1.04-1.12x at 8, 9 and 13-15 rows), one of
 // a single row none (the others' slices widen: 1.10-1.17x at 7 rows).
 static inline __attribute__((always_inline)) void head_rows(
     const int R, const int P, const float *x, int m0, int K, const float *wp, int p0, int p1, int V, float *y,
@@ -374,7 +374,7 @@ int pack_panels_f32(const float *w, int V, int K, long ld, float *out) {
 // (kblock_part: each share streams all the rows past its panels), parts of one panel, so the threads' shares are
 // even (a prefill's q/k/v linear, 60 panels, is 8 / 7 chunks of 4 between 2 threads, 30 / 30 panels). Tiles of
 // rows split between the threads, the other way to balance, ran the narrow linears (K = 576: q/k/v, o)
-// 0.72-0.96x as fast as even panel shares at 256-2048 rows (benchmarks/README.md, session 13).
+// 0.72-0.96x as fast as even panel shares at 256-2048 rows (benchmarks/README.md).
 // The single panels are claimed (shares_claim, at least *claim of them a claim: kblock_part's tail rows' tiles
 // cover up to 4 panels); parts of 4 panels are split once (*claim = 0: head_rows prefetches within its range, and
 // claims there ran 0.96x).
@@ -460,7 +460,7 @@ int32_t head_best_argmax(const head_best *b, int n, size_t stride_bytes) {
 // stays free; with its share empty, it takes half of what is left of the fullest other share, from the back. A
 // thread slowed down (by a busy core, or a helper that starts late or not at all) has its unclaimed parts taken,
 // and the threads end a phase within about one claim of each other. With a static split the first one to finish
-// waited for the other: 4-11% of a decode step's linears on this 2-core VM (docs/design-notes.md, session 23).
+// waited for the other: 4-11% of a decode step's linears on this 2-core VM (docs/design-notes.md).
 // A share is one 64-bit word, lo | hi << 32, changed by compare-and-swap only: its owner moves lo, others hi
 // (lo only grows and hi only shrinks, so a word never comes back to an earlier value). A claim publishes no
 // data (the phase's end does: OpenMP's barrier, the team's `done`), so the atomics are relaxed.

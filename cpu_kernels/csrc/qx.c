@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void qx_panels(const int kind, cons
 
 // qx_panels of each kind its own function, `kind` a constant in it. Left to the compiler (GCC 12: one clone of a
 // `static` qx_panels for one kind), the others tested `kind` and jumped through a table at every k of every tile:
-// a decode step's Q4_1 linears and Q8_0 head (`bench_kernels_ab --what qx`, session 37, a 2-core Zen 3 without
+// a decode step's Q4_1 linears and Q8_0 head (`bench_kernels_ab --what qx`, a 2-core Zen 3 without
 // AVX-512) took 20 ms at 1 row against 8.7 now, 19 at 4 against 12.8. (qx512_panels was always inlined by kind.)
 #define QX_PANELS_FN(KIND)                                                                                      \
     static __attribute__((noinline)) void qx_panels_##KIND(const float *x, int M, int K, const uint8_t *w, int N, \
@@ -257,8 +257,8 @@ long qx_mismatches(const void *w, int kind, int K, int N, const float *f) {
 // nearest even, denormals to zero), so, as everywhere here, a row's outputs do not depend on the rows beside it,
 // the tiles or the threads. 32 registers: tiles of up to BDOT_ROWS rows times two panels (24 sums).
 // From BDOT_PF_ROWS rows on, the first two tiles of a pair of panels prefetch the next pair into L2, a line or two
-// a pair of k (the hardware's streams alone left memory idle while a pair's later tiles ran from cache: session
-// 35, the embedded model's decode linears, 16 rows 12.0-12.2 -> 9.8-9.9 ms, 1.16-1.19x at 12 rows, 1.04-1.10x
+// a pair of k (the hardware's streams alone left memory idle while a pair's later tiles ran from cache:
+// the embedded model's decode linears, 16 rows 12.0-12.2 -> 9.8-9.9 ms, 1.16-1.19x at 12 rows, 1.04-1.10x
 // from 24 to 256; at 1-4 rows, memory-bound, no better, and left alone).
 #if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
 #define XLASERVE_BDOT 1  // (a compiler that builds AVX-512 code by target attributes: qx512_panels below too)
@@ -378,7 +378,7 @@ BDOT_TARGET static void bdot_panels(const uint32_t *xb, int M, int K, const uint
 // tiles of QX_ROWS rows rebuild them for every 4: at 8-16 rows most of its time), with the same operations lane
 // by lane (q converted, times d, plus m), and each output is the same FMA chain over k in ascending order, so the
 // bits are qx_tile's and panel_gemm's. A decode step's linears and greedy head (`bench_kernels_ab --what qx`,
-// session 36, 2-core Zen 4): Q4_1 6.7 -> 5.7 ms at 1 row, 9.9 -> 7.9 at 4, 19.2 -> 12.5 at 8, 28.0 -> 18.3 at 12,
+// 2-core Zen 4): Q4_1 6.7 -> 5.7 ms at 1 row, 9.9 -> 7.9 at 4, 19.2 -> 12.5 at 8, 28.0 -> 18.3 at 12,
 // 37.2 -> 22.4 at 16 (~188 GFLOP/s, the FMA peak), so cpu_kernels.layout.QX512_MAX_ROWS keeps them to 20 rows.
 #define QX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define QX512_ROWS 16

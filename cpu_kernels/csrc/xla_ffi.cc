@@ -28,8 +28,9 @@
 //   memory is committed page by page as steps first write it, not all at start.
 //
 // - XlaserveCpuLayers: every decoder layer of a ragged step in one call, the kernels above in the order the
-//   scan over layers calls them (the same bits), run by a Team of XLA's threads held for the whole call
-//   (`model.forward` on a CPU by default; compilation_config={"cpu_layers": False} goes back to the scan).
+//   scan over layers calls them (the same bits): layers.c's run_layers, the torch backend's one-call layers
+//   too, run by a Team of XLA's threads held for the whole call (`model.forward` on a CPU by default;
+//   compilation_config={"cpu_layers": False} goes back to the scan).
 //
 // All split their work between XLA's own intra-op threads (no second thread pool competing with XLA's
 // for the cores). Built by cpu_kernels/jax_ops.py with the system C and C++ compilers against
@@ -230,6 +231,16 @@ class Team {
     Phase finished_{0, 1, 0, 1, nullptr};
 };
 
+// a Team as run_layers' layers_team: its phases' parts on the Team's threads
+void TeamRun(void *ctx, long n, long per, layers_task fn, void *arg) {
+    static_cast<Team *>(ctx)->run(n, per, [fn, arg](int64_t a, int64_t b) { fn(arg, a, b, b); });
+}
+void TeamRunShared(void *ctx, long n, int shares, int min, layers_task fn, void *arg) {
+    static_cast<Team *>(ctx)->run_shared(n, shares, min, [fn, arg](int64_t a, int64_t b, int64_t pe) {
+        fn(arg, a, b, pe);
+    });
+}
+
 // The rows of x [T, ...] a call computes: the first `live` (one int32, traced: a step's request bucket pads the
 // rows its LM head samples from, which the torch backend does not compute), clamped to [0, T]; the outputs of
 // the other rows are zeros (zero_past). -1: live is not one value.
@@ -257,8 +268,8 @@ struct PanelCall {
 // panel_gemm's blocked_rows() rows), for XLA's threads: one contiguous slice of ceil(parts / nt) a thread, much
 // as the torch backend's OpenMP threads split them (a thread that finds its slice taken takes the next, so one that
 // starts late leaves its slice to the others). Four slices a thread ran a decode step of 12-16 rows ~10% slower
-// (session 30: each slice's first panel is not prefetched, head_rows prefetching within its range, and a
-// thread's panels were not contiguous). All of them where one thread runs the call.
+// (each slice's first panel is not prefetched, head_rows prefetching within its range, and a thread's panels
+// were not contiguous). All of them where one thread runs the call.
 static int64_t slice_parts(int64_t parts, int nt) {
     return nt <= 1 ? parts : (parts + nt - 1) / nt;
 }
@@ -696,7 +707,9 @@ Workspace g_workspace;
 // the model has them, RoPE, the new K/V written into layer l's blocks of the cache ([L * NB, bs, 2 Hkv, D],
 // layer l's block b at row l * NB + b), decode attention of the decode rows and prefill attention of the
 // others, the o linear, RMSNorm, gate/up, SiLU and down. x [T, H] (the embeddings) -> out [T, H] (the residual
-// stream after the last layer, before the final norm). The phases run on one Team of XLA's threads.
+// stream after the last layer, before the final norm). The operands are checked here; layers.c's run_layers
+// computes them (the torch backend's one-call layers, the same code), its phases on one Team of XLA's threads,
+// the interleaved cache read and written through its strides.
 // keep [R] and all_rows [1]: unless all_rows[0], only rows keep[0 .. requests) of out are wanted (the rows the
 // step samples from: `logits_indices`, distinct), and the last layer runs its o linear and MLP for those rows alone,
 // gathered; every row's K and V are still written. Those rows get the same bits (each row's arithmetic does not
@@ -805,157 +818,57 @@ ffi::Error Layers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         for (int64_t i = 0; i < S; i++)
             if (kp[i] < 0 || kp[i] >= Tr) return ffi::Error::InvalidArgument("layers: a kept row outside the tokens");
 
-    // the activations: residual, h, y [T, H], qkv [T, QKV], att [T, Hq D], gu [T, 2 I], act [T, I]
+    // the kept rows, when fewer than all (the last layer runs its o linear and MLP on them alone)
+    std::vector<int64_t> kept(S < Tr ? S : 0);
+    for (int64_t i = 0; i < (int64_t)kept.size(); i++) kept[i] = kp[i];
+
+    // layer l's weights and cache as run_layers reads them: linear i's float32 panels, and its qx panels where
+    // given (steps of up to qx_rows tokens multiply those instead); layer l's blocks of the interleaved cache,
+    // kv head h's K at 2h and V at 2h + 1 of a row
+    std::vector<decode_layer> lys((size_t)L);
+    for (int64_t l = 0; l < L; l++) {
+        decode_layer &ly = lys[(size_t)l];
+        std::memset(&ly, 0, sizeof ly);
+        const float *f32_l[4];
+        const void *qx_l[4];
+        for (int i = 0; i < 4; i++) {
+            f32_l[i] = f32_b[i]->element_count() == 0 ? nullptr : f32_b[i]->typed_data() + l * pnp[i] * lin_k[i] * 16;
+            qx_l[i] = qx_w[i] == nullptr ? nullptr : qx_w[i] + l * pnp[i] * qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
+        }
+        ly.attn_norm = attn_norm.typed_data() + l * H, ly.mlp_norm = mlp_norm.typed_data() + l * H;
+        ly.qkv_w = f32_l[0], ly.o_w = f32_l[1], ly.gate_up_w = f32_l[2], ly.down_w = f32_l[3];
+        ly.qkv_qx = qx_l[0], ly.o_qx = qx_l[1], ly.gate_up_qx = qx_l[2], ly.down_qx = qx_l[3];
+        ly.qkv_qx_kind = qx_kind[0], ly.o_qx_kind = qx_kind[1], ly.gate_up_qx_kind = qx_kind[2];
+        ly.down_qx_kind = qx_kind[3], ly.qx_rows = qx_rows;
+        ly.qkv_b = qkv_b.element_count() == 0 ? nullptr : qkv_b.typed_data() + l * QKV;
+        if (q_norm.element_count() != 0)
+            ly.q_norm = q_norm.typed_data() + l * D, ly.k_norm = k_norm.typed_data() + l * D;
+        ly.key_cache = c + l * layer_bytes, ly.value_cache = c + l * layer_bytes + D * es;
+    }
+    layers_step st{};
+    st.T = (int)Tr, st.x = x.typed_data(), st.cos = cos.typed_data(), st.sin = sin.typed_data();
+    st.slots = slot.data(), st.kv_row = 2 * Hkv * D, st.kv_head = 2 * D;
+    st.n_dec = (int)d0, st.dec_tokens = dec_tok.data(), st.dec_kv_lens = lens, st.dec_tables = bt;
+    st.dec_stride = (int)W;
+    st.n_pre = np, st.pre_start = qs.data(), st.pre_lens = ql.data(), st.pre_kv_lens = kl.data();
+    st.pre_tables = bt + d0 * W, st.pre_stride = (int)W;
+    st.keep = kept.empty() ? nullptr : kept.data(), st.S = (int)S, st.keep_in_place = 1;
+    st.block_size = (int)bs, st.H = (int)H, st.Hq = (int)Hq, st.Hkv = (int)Hkv, st.D = (int)D, st.I = (int)I;
+    st.eps = eps, st.scale = scale, st.window = window, st.kv_type = kv_type;
+
+    // the activations, reused between calls (layers_workspace)
     std::unique_lock<std::mutex> lock(g_workspace.mu, std::try_to_lock);
     std::vector<float> own;
     std::vector<float> &ws = lock.owns_lock() ? g_workspace.buf : own;
-    const size_t need = (size_t)T * (3 * H + QKV + Hq * D + 3 * I);
+    const size_t need = (size_t)layers_workspace((int)Tr, (int)H, (int)Hq, (int)Hkv, (int)D, (int)I);
     if (ws.size() < need) ws.resize(need);
-    float *residual = ws.data(), *h = residual + T * H, *y = h + T * H, *qkv = y + T * H, *att = qkv + T * QKV;
-    float *gu = att + T * Hq * D, *act = gu + T * 2 * I;
-    std::fill(att, att + Tr * Hq * D, 0.f);  // (attention writes every real token's row)
-    std::copy(x.typed_data(), x.typed_data() + Tr * H, residual);
 
     auto team = Team::make(pool, std::max<int64_t>(1, pool.num_threads()));
-    const int64_t threads = team->threads();
-    // rows [0, M) of `row_work` floats each, split when there is enough work
-    const auto rows = [&](int64_t M, int64_t row_work, std::function<void(int64_t, int64_t)> fn) {
-        const bool split = M * row_work >= 4 * kParallelWork;
-        team->run(M, split ? std::max<int64_t>(1, M / (threads * 4)) : M, std::move(fn));
-    };
-    QxInput qx_in;  // the qx linears' activations (QX_BDOT's rounded), one linear at a time
-    // o[M, N] = in[M, K] . the panels wp of linear i, or their qx panels qp where given
-    const auto linear = [&](int i, const float *in, int64_t M, int64_t K, const float *wp, const uint8_t *qp,
-                            int64_t N, float *o) {
-        if (qp != nullptr) {
-            const int64_t NP = (N + 15) / 16;
-            qx_in.set(qx_kind[i], in, M, K);  // (QX_BDOT's checked to run here with the operands)
-            const QxInput *q = &qx_in;
-            team->run(NP, qx_slice(NP, M, K, N, threads), [=](int64_t a, int64_t b) {
-                q->part((int)M, (int)K, qp, (int)N, o, nullptr, (int)a, (int)b);
-            });
-            return;
-        }
-        int unit = 0, nt = 1, claim = 0;
-        const int64_t parts = panel_gemm_plan((int)M, (int)K, (int)N, (int)threads, &unit, &nt, &claim);
-        if (claim == 0) {  // parts not to be claimed (see panel_gemm_plan): slices
-            team->run(parts, slice_parts(parts, nt), [=](int64_t a, int64_t b) {
-                panel_gemm_part(in, (int)M, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)b);
-            });
-            return;
-        }
-        team->run_shared(parts, nt, claim, [=](int64_t a, int64_t b, int64_t pe) {
-            panel_gemm_part(in, (int)M, (int)K, wp, (int)N, o, nullptr, unit, (int)a, (int)b, (int)pe);
-        });
-    };
-    int64_t dec_work = 0;  // multiply-adds of the decode rows' scores
-    for (int64_t r = 0; r < d0; r++) dec_work += (int64_t)lens[r] * Hq * D;
-    const int dec_threads = dec_work < kParallelWork ? 1 : (int)threads;
-    const int hs = decode_heads_per_task((int)d0, (int)Hq, (int)Hkv, dec_threads);
-    // the decode rows in attention.c's split order (few of them for the threads): its phase 0 with the
-    // prefill tasks, then its phase 1, a layer, in a buffer zeroed once (each layer leaves its counts at zero)
-    const bool split = decode_split((int)d0, (int)Hkv, dec_threads);
-    long split_bytes = 0;
-    const auto split_tasks = [&](int phase, long *bytes) -> int64_t {
-        return split ? decode_split_tasks(phase, (int)d0, lens, window, (int)Hq, (int)Hkv, (int)D, bytes) : 0;
-    };
-    const int64_t split0 = split_tasks(0, &split_bytes), split1 = split_tasks(1, nullptr);
-    std::vector<char> split_buf((size_t)split_bytes);
-    const int64_t d_tasks = split ? split0 : d0 * (Hq / hs), a_tasks = d_tasks + p_tasks;
-    const bool att_alone = p_tasks == 0 && dec_work < kParallelWork;
-    const float *cs = cos.typed_data(), *sn = sin.typed_data(), *bias = qkv_b.typed_data();
-    const float *qn = q_norm.typed_data(), *kn = k_norm.typed_data();
-    const bool has_bias = qkv_b.element_count() != 0, has_qk_norm = q_norm.element_count() != 0;
-    std::atomic<int> rc{0};
-    // after the last layer's attention, the S kept rows alone (gathered: row i is token kp[i])
-    const bool gathered = S < Tr;
-
-    for (int64_t l = 0; l < L; l++) {
-        char *kvc = c + l * layer_bytes;
-        const size_t P = (size_t)l;
-        const float *an = attn_norm.typed_data() + P * H, *mn = mlp_norm.typed_data() + P * H;
-        // the first layer normalises the embeddings; later ones add the last MLP's output to the stream first
-        rows(Tr, H, [=](int64_t a, int64_t b) {
-            rms_norm((l == 0 ? residual : y) + a * H, (int)(b - a), (int)H, H, l == 0 ? nullptr : residual + a * H,
-                     an, eps, h + a * H);
-        });
-        // layer l's float32 panels of linear i, and its qx panels where this step takes them (else nullptr)
-        const auto f32_l = [&](int i) -> const float * {
-            return f32_b[i]->element_count() == 0 ? nullptr : f32_b[i]->typed_data() + P * pnp[i] * lin_k[i] * 16;
-        };
-        const auto qx_l = [&](int i) -> const uint8_t * {
-            return qx_w[i] == nullptr || Tr > qx_rows
-                       ? nullptr : qx_w[i] + P * pnp[i] * qx_panel_bytes(qx_kind[i], (int)lin_k[i]);
-        };
-        linear(0, h, Tr, H, f32_l(0), qx_l(0), QKV, qkv);
-        // bias, q/k norms, RoPE and the cache write, token by token
-        rows(Tr, QKV * 4, [=](int64_t a, int64_t b) {
-            for (int64_t t = a; t < b; t++) {
-                float *row = qkv + t * QKV;
-                if (has_bias)
-                    for (int64_t j = 0; j < QKV; j++) row[j] += bias[P * QKV + j];
-                if (has_qk_norm) {
-                    rms_norm(row, (int)Hq, (int)D, D, nullptr, qn + P * D, eps, row);
-                    rms_norm(row + Hq * D, (int)Hkv, (int)D, D, nullptr, kn + P * D, eps, row + Hq * D);
-                }
-                rope(row, 1, (int)(Hq + Hkv), (int)D, QKV, cs + t * D, sn + t * D);
-                if (slot[t] >= 0) TokenKv(row + Hq * D, row + (Hq + Hkv) * D, slot[t], Hkv, D, kvc, kv_type);
-            }
-        });
-        const auto split_phase = [&, kvc](int phase, int64_t a, int64_t b) {
-            return decode_split_phase(phase, qkv, QKV, dec_tok.data(), lens, bt, (int)W, kvc, kvc + D * es,
-                                      2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window,
-                                      split_buf.data(), att, (int)d0, (int)a, (int)b, kv_type);
-        };
-        team->run(a_tasks, att_alone ? a_tasks : 1, [&, kvc](int64_t a, int64_t b) {
-            int e = 0;
-            if (a < d_tasks && split) e |= split_phase(0, a, std::min(b, d_tasks));
-            if (a < d_tasks && !split)
-                e |= decode_attention_tasks(qkv, QKV, dec_tok.data(), lens, bt, (int)W, kvc, kvc + D * es, 2 * Hkv * D,
-                                            2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale, window, att, hs, (int)a,
-                                            (int)std::min(b, d_tasks), kv_type);
-            if (b > d_tasks)
-                e |= prefill_attention_tasks(qkv, QKV, qs.data(), ql.data(), kl.data(), bt + d0 * W, (int)W, kvc,
-                                             kvc + D * es, 2 * Hkv * D, 2 * D, (int)bs, (int)Hq, (int)Hkv, (int)D, scale,
-                                             window, att, Hq * D, np, bq, (int)(std::max(a, d_tasks) - d_tasks),
-                                             (int)(b - d_tasks), kv_type);
-            if (e) rc.store(1);
-        });
-        team->run(split1, 1, [&](int64_t a, int64_t b) {
-            if (split_phase(1, a, b)) rc.store(1);
-        });
-        const bool gather = l == L - 1 && gathered;
-        const int64_t M = gather ? S : Tr;
-        float *at = gather ? qkv : att;  // (qkv is not read after attention: S Hq D <= T QKV floats)
-        if (gather) {
-            // out gets every row's residual stream (the rows not kept are returned so), then residual and qkv the
-            // kept rows' stream and attention, in the order of kp
-            float *o = out->typed_data();
-            rows(Tr, H, [=](int64_t a, int64_t b) { std::copy(residual + a * H, residual + b * H, o + a * H); });
-            rows(S, H + Hq * D, [=](int64_t a, int64_t b) {
-                for (int64_t i = a; i < b; i++) {
-                    std::copy(o + kp[i] * H, o + (kp[i] + 1) * H, residual + i * H);
-                    std::copy(att + kp[i] * Hq * D, att + (kp[i] + 1) * Hq * D, at + i * Hq * D);
-                }
-            });
-        }
-        linear(1, at, M, Hq * D, f32_l(1), qx_l(1), H, y);
-        rows(M, H, [=](int64_t a, int64_t b) {
-            rms_norm(y + a * H, (int)(b - a), (int)H, H, residual + a * H, mn, eps, h + a * H);
-        });
-        linear(2, h, M, H, f32_l(2), qx_l(2), 2 * I, gu);
-        rows(M, I, [=](int64_t a, int64_t b) { silu_mul(gu + a * 2 * I, (int)(b - a), (int)I, act + a * I); });
-        linear(3, act, M, I, f32_l(3), qx_l(3), H, y);
-    }
-    float *o = out->typed_data();
-    rows(gathered ? S : Tr, H, [=](int64_t a, int64_t b) {
-        for (int64_t i = a; i < b; i++) {
-            float *oi = o + (gathered ? kp[i] : i) * H;
-            for (int64_t j = 0; j < H; j++) oi[j] = residual[i * H + j] + y[i * H + j];
-        }
-    });
+    const layers_team lt = {team.get(), (int)team->threads(), TeamRun, TeamRunShared};
+    const int rc = run_layers(lys.data(), (int)L, &st, ws.data(), out->typed_data(), &lt);
     team->finish();
-    if (rc.load()) return ffi::Error::Internal("layers: attention out of memory");
+    if (rc == -2) return ffi::Error::Internal("layers: out of memory");
+    if (rc) return ffi::Error::InvalidArgument("layers: run_layers refused its arguments");
     return ffi::Error::Success();
 }
 
