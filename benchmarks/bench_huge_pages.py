@@ -5,7 +5,7 @@
 The float32 linears of a decode step of the embedded model's shape (30 layers of fused q/k/v, o, fused
 gate/up and down, random weights packed in panels, ~425 MB: streamed from memory as in a real step), once
 from ordinary allocations and once from `cpu_kernels.torch_ops.huge_page_buffer` (what
-`Transformer.pack_cpu_weights` packs into), timed back to back in every round. Prints each round's
+`torchengine.cpu_transform.apply_cpu_kernels` packs into), timed back to back in every round. Prints each round's
 ratio (> 1: huge pages faster) and their median, and how much of the process is on huge pages (0 where the
 OS gives none: transparent huge pages "never").
 """

@@ -354,7 +354,7 @@ def layers(x, attn_norm, mlp_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_no
     -> (hidden [T, H] before the final norm, kv_cache). The per-layer custom calls' kernels in their order, so
     the same bits as through them, with the work of all layers split between the same XLA threads, held for
     the call (each custom call woke them anew): layers.c's run_layers, which the torch backend's
-    `torch_ops.DecodeLayers` runs too. A block or row outside the cache or the tokens is an error."""
+    `torchengine.cpu_layers.DecodeLayers` runs too. A block or row outside the cache or the tokens is an error."""
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     call = jax.ffi.ffi_call(LAYERS, (jax.ShapeDtypeStruct(x.shape, jnp.float32),

@@ -102,7 +102,7 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
 
     `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
     bfloat16 panels only (`cpu_kernels.pack_onto_huge_pages(bdot=True)`), which every step multiplies (the torch
-    backend's `pack_cpu_weights(bdot=True)`, the same bits); a tied embedding stays the float32 matrix, as the
+    backend's `apply_cpu_kernels(bdot=True)`, the same bits); a tied embedding stays the float32 matrix, as the
     torch backend's does."""
     from cpu_kernels.layout import QX_KINDS
 

@@ -176,7 +176,7 @@ def test_without_the_kernel_bfloat16_is_torchs_own(tiny_bf16_llama_dir, monkeypa
 @needs_bdot
 @pytest.mark.parametrize("model,cpu_layers", [("llama", True), ("llama", False), ("qwen2", True)])
 def test_jax_gives_torchs_bfloat16_bits(model, cpu_layers, tiny_bf16_llama_dir, tiny_model_dir):
-    """The jax backend runs `--dtype bfloat16` the same way (`jaxengine.model.pack_cpu_panels(bdot=True)`: QX_BDOT's
+    """The jax backend runs `--dtype bfloat16` the same way (`jaxengine.cpu_wing.pack_cpu_panels(bdot=True)`: QX_BDOT's
     panels only, no float32 ones), in its one-call layers and in the scan over layers (a custom call per linear):
     the torch backend's tokens and logprobs to the bit, greedy (the head's argmax and the logits) and seeded
     sampling, a bfloat16 KV cache (the dtype's default) on both; a bfloat16 checkpoint (the llama) and a float32

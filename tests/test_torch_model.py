@@ -302,7 +302,7 @@ def test_cpu_transform_swaps_in_the_kernels_modules(arch, tiny_model_dir, caplog
     from cpu_kernels import torch_ops
     from enginecore.model_loader import resolve_model
     from torchengine import cpu_transform as ct
-    from torchengine.model import Linear, RMSNorm, apply_rope, build_model, load_weights, silu_and_mul
+    from torchengine.model import Linear, apply_rope, build_model, load_weights, silu_and_mul
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
@@ -325,8 +325,9 @@ def test_cpu_transform_swaps_in_the_kernels_modules(arch, tiny_model_dir, caplog
     assert all(isinstance(ly.attn.rope_fn, ct.CpuRope) and isinstance(ly.mlp.act_fn, ct.CpuSiluAndMul)
                for ly in cpu.layers)
     qk_norms = [ly.attn.q_norm for ly in cpu.layers if ly.attn.q_norm is not None]
-    assert all(type(n) is RMSNorm for n in qk_norms) and len(qk_norms) == (2 if arch == "qwen3" else 0)
-    assert ("the q/k norms run on torch's ops" in caplog.text) == (arch == "qwen3")
+    # Qwen3's per-head q/k norms: the C norm on rows of head_dim, as the one-call layers normalise them
+    assert all(type(n) is ct.CpuRMSNorm for n in qk_norms) and len(qk_norms) == (2 if arch == "qwen3" else 0)
+    assert all(type(ly.attn.k_norm) is ct.CpuRMSNorm for ly in cpu.layers if ly.attn.k_norm is not None)
     ids, pos = torch.tensor([5, 900, 17, 49151, 3]), torch.arange(5)
     attn = lambda i, q, k, v: q  # noqa: E731 (no cache: the layers' own arithmetic)
     with torch.inference_mode():

@@ -17,8 +17,8 @@ bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every
 
 Each kernel computes a row the same way whatever the number of rows in the call (so a request's tokens do not
 depend on its neighbours), and each CPU module falls back to torch's ops for an input its kernel does not take.
-The one-call layers (`torchengine.cpu_layers.DecodeLayers`) read these modules' panels (`decode_parts`). What the kernels do
-not cover stays torch's, logged once: the per-head q/k norms, a model that is not float32.
+The one-call layers (`torchengine.cpu_layers.DecodeLayers`) read these modules' panels (`decode_parts`). What
+the kernels do not cover stays torch's, logged once (a model that is not float32).
 """
 
 from __future__ import annotations

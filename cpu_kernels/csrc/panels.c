@@ -200,17 +200,9 @@ static inline __attribute__((always_inline)) void head_rows(
 // A tile's accumulators start at zero (k0 == 0) or at the partial sums the previous k block left in y, and
 // go back to y (the next tile's prefetched meanwhile): each output is still one FMA chain over k in
 // ascending order (a float32 store and load in between change nothing), so the bits are those of the
-// unblocked tiles. The threshold was 256 rows until the blocked order learnt to prefetch the next panel
-// (kblock_part) and to fold the LM head's argmax: from 24 rows it then runs a decode step's linears and greedy
-// head 1.07-1.14x as fast as the unblocked order (bench_kernels_ab, 24-64 rows); at 8 rows 0.87-0.92x, at 16
-// even. Session 26 (a 2-core Zen 4): once head_rows prefetched into L2 (below), the blocked order ran 19-23
-// rows 1.02-1.12x as fast and 12-16 rows 0.83-0.87x, so it starts at 19 (18 rows are three whole tiles of 6).
-// Session 38 (a 2-core Zen 3 without AVX-512): there the blocked order wins from 6 rows, the same bits
-// (`bench_kernels_ab --what linears --rows 4,8,12,16 --reps 20`: 1.11x / 1.06x / 1.25x medians at 8 / 12 / 16
-// rows, 0.98-0.99x at 1-4; `--what layers --rows 6,10,15,16`: 1.08x / 0.99x / 1.26x / 1.24x), not because the
-// unblocked order's L2 blocks overflow its 512 KiB L2 (blocks of 3 panels instead of 7: 1.01-1.03x) nor its
-// prefetch hint (T0: 0.95-1.02x). Only those two machines were measured, so the start goes by what tells them
-// apart: whether the CPU has AVX-512 (avx512f).
+// unblocked tiles. Where the blocked order starts was measured on two 2-core machines (`bench_kernels_ab --what
+// linears|layers`, benchmarks/README.md and HISTORY.md): from 19 rows on a Zen 4 with AVX-512 (18 rows are three
+// whole tiles of 6), from 6 on a Zen 3 without it; so the start goes by what tells them apart, avx512f.
 #define COMPUTE_BOUND_ROWS 19  // with AVX-512 (the Zen 4s)
 #define COMPUTE_BOUND_ROWS_AVX2 6  // without (the Zen 3s)
 static int blocked_rows_state;  // 0: not yet chosen (panel_blocked_rows)
