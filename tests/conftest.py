@@ -125,6 +125,18 @@ def blocked_from(request):
         lib.panel_blocked_rows(b)
 
 
+@pytest.fixture(scope="module")
+def lib():
+    """The torch backend's CPU kernels' library (`cpu_kernels.torch_ops`); skips where the CPU or the compiler
+    cannot run them (tests/test_kernels_build.py fails instead where they should build)."""
+    from cpu_kernels import torch_ops
+
+    lib, why = torch_ops.load()
+    if lib is None:
+        pytest.skip(f"the AVX2 kernels do not run here: {why}")
+    return lib
+
+
 @pytest.fixture(scope="session")
 def smollm2_source():
     """The embedded default model (GGUF), resolved once."""

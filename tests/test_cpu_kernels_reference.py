@@ -20,14 +20,6 @@ from enginecore.model_loader import Int4Groups, Int8Groups, Iq4Groups, WideGroup
 QX = layout.QX_KINDS
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib, why = torch_ops.load()
-    if lib is None:
-        pytest.skip(f"the AVX2 kernels do not run here: {why}")
-    return lib
-
-
 def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 

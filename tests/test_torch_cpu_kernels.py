@@ -16,14 +16,6 @@ import torch.nn.functional as F  # noqa: E402
 from cpu_kernels import torch_ops  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib, why = torch_ops.load()
-    if lib is None:
-        pytest.skip(f"the AVX2 kernels do not run here: {why}")
-    return lib
-
-
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
