@@ -35,7 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
-from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
+from enginecore.arch import DENSE_MLP_PARAMS, MOE_PARAMS, ArchConfig, ModelLoadError, weight_spec
 
 # The safetensors library's own cap on the JSON header.
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
@@ -68,6 +68,13 @@ def check_arch(arch: ArchConfig, source: str) -> None:
         v = getattr(arch, name)
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ModelLoadError(f"{source}: {name} is {v!r}; it must be a positive finite number")
+    if arch.moe is not None:
+        for name, v, limit in (("num_experts", arch.moe.num_experts, 1 << 12),
+                               ("moe_intermediate_size", arch.moe.intermediate_size, 1 << 20),
+                               ("shared_expert_intermediate_size", arch.moe.shared_expert_intermediate_size + 1,
+                                1 << 20)):
+            if not 0 < v <= limit:
+                raise ModelLoadError(f"{source}: {name} is {v!r}; it must be a positive integer of at most {limit}")
     if arch.sliding_window is not None and (not isinstance(arch.sliding_window, int) or arch.sliding_window < 1):
         raise ModelLoadError(f"{source}: sliding_window is {arch.sliding_window!r}; it must be a positive integer")
 
@@ -104,31 +111,50 @@ def arch_from_config_json(cfg_path: str) -> ArchConfig:
 
 
 def expected_shape(arch: ArchConfig, param: str) -> tuple[int, ...]:
+    """The full shape of a logical param as Hugging Face stores it ([E, out, in] for the stacked experts)."""
     H, I, V, D = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.head_dim
     q, kv = arch.num_attention_heads * D, arch.num_key_value_heads * D
-    return {
+    shapes = {
         "embed": (V, H), "lm_head": (V, H), "final_norm": (H,), "attn_norm": (H,), "mlp_norm": (H,),
         "q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
         "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": (D,), "k_norm": (D,),
         "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I),
-    }[param]
+    }
+    if arch.moe is not None:
+        m = arch.moe
+        E, Ie, Is = m.num_experts, m.intermediate_size, m.shared_expert_intermediate_size
+        shapes.update({"router": (E, H), "experts_gate": (E, Ie, H), "experts_up": (E, Ie, H),
+                       "experts_down": (E, H, Ie), "shared_gate_proj": (Is, H), "shared_up_proj": (Is, H),
+                       "shared_down_proj": (H, Is), "shared_expert_gate": (1, H)})
+    if param not in shapes:
+        raise ModelLoadError(f"{param}: this tensor has no place in a dense {arch.architecture}")
+    return shapes[param]
 
 
-def required_params(arch: ArchConfig) -> tuple[set[str], set[str]]:
-    """(top-level params, per-layer params) the architecture cannot run without."""
+def required_params(arch: ArchConfig, layer: int | None = None) -> tuple[set[str], set[str]]:
+    """(top-level params, per-layer params of `layer`, or of a dense layer) the architecture cannot run without."""
     top = {"embed", "final_norm"} | (set() if arch.tie_word_embeddings else {"lm_head"})
-    layer = {"attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj"}
+    params = {"attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm"}
+    if layer is not None and arch.is_sparse(layer):
+        params |= {"router", "experts_gate", "experts_up", "experts_down"}
+        if arch.moe.shared_expert_intermediate_size:
+            params |= {"shared_gate_proj", "shared_up_proj", "shared_down_proj"}
+        if arch.moe.shared_expert_gate:
+            params.add("shared_expert_gate")
+    else:
+        params |= {"gate_proj", "up_proj", "down_proj"}
     if arch.attention_bias:
-        layer |= {"q_bias", "k_bias", "v_bias"}
+        params |= {"q_bias", "k_bias", "v_bias"}
     if arch.qk_norm:
-        layer |= {"q_norm", "k_norm"}
-    return top, layer
+        params |= {"q_norm", "k_norm"}
+    return top, params
 
 
 def check_declared_weights(arch: ArchConfig, declared: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
     """Shapes from the file headers against the config, before any backend allocates a parameter."""
-    top_needed, layer_needed = required_params(arch)
+    top_needed, _ = required_params(arch)
     seen: set[tuple[int | None, str]] = set()
+    experts_seen: dict[tuple[int, str], set[int]] = {}  # (layer, param) -> experts given one tensor each
     for name, shape in declared:
         found = weight_spec(name)
         if found is None:
@@ -137,16 +163,45 @@ def check_declared_weights(arch: ArchConfig, declared: Iterable[tuple[str, tuple
         if layer is not None and layer >= arch.num_hidden_layers:
             raise ModelLoadError(f"{source}: tensor {name} is for layer {layer} but the config has "
                                  f"{arch.num_hidden_layers} layers")
+        if layer is not None and spec.param in (MOE_PARAMS if not arch.is_sparse(layer) else DENSE_MLP_PARAMS):
+            kind = "sparse (MoE)" if arch.is_sparse(layer) else "dense"
+            raise ModelLoadError(f"{source}: tensor {name} does not belong in layer {layer}, which the config makes "
+                                 f"{kind} (check num_experts / decoder_sparse_step / mlp_only_layers)")
         want = expected_shape(arch, spec.param)
+        if spec.expert is not None:
+            if spec.expert >= arch.moe.num_experts:
+                raise ModelLoadError(f"{source}: tensor {name} is for expert {spec.expert} but the config has "
+                                     f"{arch.moe.num_experts} experts (num_experts / num_local_experts)")
+            want = want[1:]
+            experts_seen.setdefault((layer, spec.param), set()).add(spec.expert)
+        else:
+            seen.add((layer, spec.param))
         if tuple(shape) != want:
             raise ModelLoadError(f"{source}: tensor {name} has shape {list(shape)}; the config implies {list(want)}")
-        seen.add((layer, spec.param))
+    for (layer, param), experts in experts_seen.items():
+        if len(experts) == arch.moe.num_experts:
+            seen.add((layer, param))
+        elif (layer, param) not in seen:
+            gap = min(set(range(arch.moe.num_experts)) - experts)
+            raise ModelLoadError(f"{source}: missing tensor {expert_tensor_name(arch, layer, gap, param)} (expert "
+                                 f"{gap} of {arch.moe.num_experts} in layer {layer})")
     missing = [p for p in sorted(top_needed) if (None, p) not in seen]
     for layer in range(arch.num_hidden_layers):
-        missing += [f"layer {layer} {p}" for p in sorted(layer_needed) if (layer, p) not in seen]
+        missing += [f"layer {layer} {p}" for p in sorted(required_params(arch, layer)[1]) if (layer, p) not in seen]
     if missing:
         raise ModelLoadError(f"{source}: the config needs tensors the file does not have: {', '.join(missing[:6])}"
                              + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+
+
+_HF_EXPERT_NAME = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
+_MIXTRAL_EXPERT_NAME = {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}
+
+
+def expert_tensor_name(arch: ArchConfig, layer: int, expert: int, param: str) -> str:
+    """The Hugging Face name of one expert's tensor of `param` (experts_gate / experts_up / experts_down)."""
+    if arch.model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT_NAME[param]}.weight"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{_HF_EXPERT_NAME[param]}.weight"
 
 
 def check_finite(name: str, arr: np.ndarray, source: str) -> None:

@@ -58,7 +58,7 @@ class ModelSource:
                    else _iter_safetensors_weights(self.path))
         for name, arr in weights:
             check_finite(name, arr, self.path)
-            yield name, arr
+            yield from _split_fused_experts(name, arr)
 
     def declared_weights(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(hf_name, shape) of every tensor, from the file headers only (nothing is read or dequantized)."""
@@ -72,7 +72,7 @@ class ModelSource:
                 path = os.path.join(self.path, fn)
                 for name, dtype, shape, _s, _e in safetensors_entries(path, check_extent=False)[1]:
                     _check_weight_dtype(path, name, dtype)
-                    yield name, shape
+                    yield from _split_fused_experts(name, shape)
 
     def iter_quantized_weights(self, types=("Q4_0", "Q4_1", "Q8_0")) -> Iterator[
             tuple[str, "Int4Groups | Int8Groups | WideGroups | Iq4Groups"]]:
@@ -184,6 +184,29 @@ def _st_dtype(name: str, path: str):
     if name not in _ST_DTYPES:
         raise ModelLoadError(f"{path}: tensor dtype {name} is not supported")
     return _ST_DTYPES[name]
+
+
+def _split_fused_experts(name: str, arr):
+    """transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) as the two stacked
+    params of the weight table; every other tensor as it is. `arr` is an array, or a shape (headers only)."""
+    if not name.endswith(".mlp.experts.gate_up_proj"):
+        yield name, arr
+        return
+    base = name[: -len("gate_up_proj")]
+    if isinstance(arr, tuple):
+        if len(arr) != 3 or arr[1] % 2:
+            raise ModelLoadError(f"tensor {name} has shape {list(arr)}; expected [experts, 2 x moe_intermediate_size, "
+                                 "hidden_size]")
+        half = (arr[0], arr[1] // 2, arr[2])
+        yield base + "gate_proj", half
+        yield base + "up_proj", half
+        return
+    if arr.ndim != 3 or arr.shape[1] % 2:
+        raise ModelLoadError(f"tensor {name} has shape {list(arr.shape)}; expected [experts, 2 x "
+                             "moe_intermediate_size, hidden_size]")
+    n = arr.shape[1] // 2
+    yield base + "gate_proj", arr[:, :n]
+    yield base + "up_proj", arr[:, n:]
 
 
 def _safetensors_files(folder: str) -> list[str]:
