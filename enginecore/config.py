@@ -141,6 +141,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # a MoE model's experts split over the tensor-parallel devices (EP size = TP x DP, as vLLM), each device
+    # holding whole experts, in place of every expert's columns split over them
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size != 1:
@@ -347,6 +350,7 @@ class EngineArgs:
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     platform: str = "auto"  # DeviceConfig holds the resolved one
     backend: str = "auto"  # DeviceConfig holds the resolved one
     enforce_eager: bool = DeviceConfig.enforce_eager

@@ -88,6 +88,9 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "tensor_parallel_size": ("ParallelConfig", "Tensor-parallel devices.", None),
     "data_parallel_size": ("ParallelConfig", "Data-parallel replicas.", None),
     "pipeline_parallel_size": ("ParallelConfig", "Pipeline stages (only 1 is supported).", None),
+    "enable_expert_parallel": ("ParallelConfig", "A Mixture-of-Experts model's experts split over the "
+                               "tensor-parallel devices (whole experts per device, EP size = TP x DP) instead of "
+                               "every expert's columns.", None),
     "platform": ("DeviceConfig", "Hardware (auto: TPU, else CUDA, else CPU).", ("auto", "tpu", "cuda", "cpu")),
     "backend": ("DeviceConfig", "Engine backend (auto: jax on TPU, torch on CUDA; on CPU torch where its AVX2 kernels run with float32 and one process, else jax, also for orbax weights or a compilation cache).",
                 ("auto", "jax", "torch")),
