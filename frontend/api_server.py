@@ -290,7 +290,9 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
     async def models():
         cfg = client.config
         root = cfg.model_config.model or client.model.path
-        cards = [ModelCard(id=name, root=root, max_model_len=cfg.scheduler_config.max_model_len)
+        arch = client.model.config
+        counts = {"num_params": arch.num_params(), "num_active_params": arch.num_params(active=True)}
+        cards = [ModelCard(id=name, root=root, max_model_len=cfg.scheduler_config.max_model_len, **counts)
                  for name in state.served_model_names]
         return ModelList(data=cards)
 

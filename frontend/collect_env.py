@@ -1,4 +1,5 @@
-"""`xlaserve collect-env`: what a bug report needs (versions, platform, devices, relevant env vars)."""
+"""`xlaserve collect-env`: what a bug report needs (versions, platform, devices, relevant env vars, and the model:
+`--model`'s, or the embedded default's, architecture and parameter counts, read from its headers only)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("collect-env", help="Print versions, platform, devices and env vars for bug reports.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     p.add_argument("--no-devices", action="store_true", help="Do not import jax / torch to list devices.")
+    p.add_argument("--model", default=None,
+                   help="The model to describe (a Hugging Face folder or .gguf file; default: the embedded one). "
+                        "Only its headers are read.")
     p.set_defaults(_run=run)
 
 
@@ -57,7 +61,24 @@ def _devices() -> dict:
     return out
 
 
-def collect(devices: bool = True) -> dict:
+def _model(model: str | None) -> dict | str:
+    """The model's name, architecture and parameter counts (total; active: those one token reads), or why they
+    could not be read."""
+    from enginecore.model_loader import ModelLoadError, resolve_model
+    from frontend.bench.common import param_counts
+
+    try:
+        src = resolve_model(model)
+    except (ModelLoadError, OSError) as e:
+        return f"unavailable ({e})"
+    arch = src.config
+    info = {"name": src.name, "path": src.path, "architecture": arch.architecture, **param_counts(arch)}
+    if arch.moe is not None:
+        info.update(num_experts=arch.moe.num_experts, experts_per_token=arch.moe.top_k)
+    return info
+
+
+def collect(devices: bool = True, model: str | None = None) -> dict:
     from enginecore.platform import detect_platform
 
     env = {}
@@ -79,6 +100,7 @@ def collect(devices: bool = True) -> dict:
         "packages": {p: _version(p) for p in PACKAGES},
         "env": env,
     }
+    info["model"] = _model(model)
     if devices:
         info["devices"] = _devices()
     return info
@@ -86,7 +108,7 @@ def collect(devices: bool = True) -> dict:
 
 def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
-    info = collect(devices=not args.no_devices)
+    info = collect(devices=not args.no_devices, model=args.model)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

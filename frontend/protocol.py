@@ -324,6 +324,10 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # xlaserve's additions (OpenAI clients keep unknown fields): every parameter, and those one token reads (a
+    # Mixture-of-Experts model's top-k experts; the same for a dense model)
+    num_params: int | None = None
+    num_active_params: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -1,7 +1,8 @@
 """GGUF files for the tests: encoders for the types the gguf package cannot encode (Q4_K, Q6_K, IQ4_NL, IQ4_XS;
 `q4_k`, `q6_k`, `iq4`), `encode` for any type, and `write_gguf` / `requantized_gguf`, which the session fixtures
-`mixed_gguf` and `iq4_gguf` (tests/conftest.py) are made with. tests/test_gguf_writer.py reads what they write
-back with the gguf package's reader and with enginecore.model_loader."""
+`mixed_gguf` and `iq4_gguf` (tests/conftest.py) are made with; `hf_gguf` converts a Hugging Face folder (dense or
+Mixture-of-Experts: tests/test_gguf_moe.py) as llama.cpp's converter does. tests/test_gguf_writer.py reads what
+they write back with the gguf package's reader and with enginecore.model_loader."""
 
 from __future__ import annotations
 
@@ -125,3 +126,113 @@ def q6_k(w):
     out = np.concatenate([ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8),
                           sc.astype(np.int8).view(np.uint8), d.astype(np.float16)[:, None].view(np.uint8)], axis=1)
     return out.reshape(N, -1)
+
+
+# ---- Hugging Face folders as llama.cpp's converter writes them --------------------------------------------------
+
+# model_type -> GGUF architecture (Mixtral is `llama` with an expert count)
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_ATTN = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+         "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERT = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
+           "w2": "ffn_down"}
+
+
+def llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face q/k rows in llama.cpp's order (its converter interleaves each head's rotary halves)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_gguf(folder: str, path: str, types: Callable[[str], T] = lambda name: T.F32, per_expert: bool = False,
+            skip: Iterable[str] = (), fields: dict | None = None) -> str:
+    """The float32 Hugging Face folder `folder` (config.json + one safetensors file, per-expert tensors as
+    transformers saves them) as llama.cpp's converter writes it: tensors renamed, Q/K rows of `llama` files
+    interleaved, experts stacked `blk.N.ffn_gate_exps.weight` (or, `per_expert`, one `blk.N.ffn_gate.E.weight`
+    each: Mixtral files of 2023), the shared expert's gate as [H], `{arch}.*` metadata. `types(GGUF name)` picks
+    each tensor's type (1-D ones are F32); `skip`: GGUF tensor names left out; `fields`: metadata keys (without
+    the `{arch}.`) to set, (value, GGUFValueType), or to leave out (None). Returns `path`."""
+    import json
+    import os
+    import re
+
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    mt = cfg["model_type"]
+    arch = GGUF_ARCH[mt]
+    U, F = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    meta = {"block_count": (cfg["num_hidden_layers"], U), "embedding_length": (cfg["hidden_size"], U),
+            "feed_forward_length": (cfg["intermediate_size"], U), "attention.head_count": (nh, U),
+            "attention.head_count_kv": (nkv, U), "context_length": (cfg.get("max_position_embeddings", 2048), U),
+            "vocab_size": (cfg["vocab_size"], U), "rope.freq_base": (float(rope), F),
+            "attention.layer_norm_rms_epsilon": (float(cfg.get("rms_norm_eps", 1e-6)), F)}
+    if cfg.get("head_dim"):
+        meta["attention.key_length"] = meta["attention.value_length"] = (cfg["head_dim"], U)
+    if "num_experts_per_tok" in cfg:
+        meta["expert_count"] = (cfg.get("num_experts") or cfg["num_local_experts"], U)
+        meta["expert_used_count"] = (cfg["num_experts_per_tok"], U)
+    if "moe_intermediate_size" in cfg:
+        meta["expert_feed_forward_length"] = (cfg["moe_intermediate_size"], U)
+    if cfg.get("shared_expert_intermediate_size"):
+        meta["expert_shared_feed_forward_length"] = (cfg["shared_expert_intermediate_size"], U)
+    for k, v in (fields or {}).items():
+        if v is None:
+            meta.pop(k, None)
+        else:
+            meta[k] = v
+
+    weights = load_file(next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")))
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, GGUF part) -> expert -> weight
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, w in weights.items():
+        w = np.asarray(w, np.float32)
+        if name in top:
+            out[top[name]] = w
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault((m[1], _EXPERT[m[3]]), {})[int(m[2])] = w
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        base = f"blk.{m[1]}.{_ATTN[m[2]]}"
+        if arch == "llama" and m[2] in ("self_attn.q_proj", "self_attn.k_proj"):
+            w = llama_cpp_rows(w, nh if m[2] == "self_attn.q_proj" else nkv)
+        if m[2] == "mlp.shared_expert_gate":
+            w = w.reshape(-1)
+        out[f"{base}.{m[3]}"] = w
+    for (layer, part), by_e in sorted(experts.items()):
+        if per_expert:
+            out.update({f"blk.{layer}.{part}.{e}.weight": w for e, w in sorted(by_e.items())})
+        else:
+            out[f"blk.{layer}.{part}_exps.weight"] = np.stack([by_e[e] for e in sorted(by_e)])
+    skip = set(skip)
+
+    def tensors():
+        for name in sorted(out, key=_gguf_order):
+            if name in skip:
+                continue
+            w = out[name]
+            ty = T.F32 if w.ndim == 1 else types(name)
+            if ty == T.F32:
+                yield name, w, ty
+            else:  # blocks along the innermost dimension, each row (each expert's) on its own
+                yield name, encode(w.reshape(-1, w.shape[-1]), ty).reshape(*w.shape[:-1], -1), ty
+
+    return write_gguf(path, arch, [(f"{arch}.{k}", v, vt, None) for k, (v, vt) in meta.items()], tensors())
+
+
+def _gguf_order(name: str):
+    """Top tensors first, then layer by layer (llama.cpp's order; the loader must not depend on it)."""
+    parts = name.split(".")
+    return (int(parts[1]), name) if parts[0] == "blk" else (-1, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
@@ -202,10 +203,36 @@ def test_cli_rejects_unsupported_vllm_flag_before_loading_anything():
 def test_collect_env_runs():
     r = run_cli("collect-env", "--no-devices", "--json")
     assert r.returncode == 0, r.stderr
-    import json
-
     info = json.loads(r.stdout)
     assert info["packages"]["fastapi"] and "detected_platform" in info
+    from enginecore.model_loader import resolve_model
+
+    dense = resolve_model(None).config  # the embedded default: every parameter active
+    assert info["model"]["num_params"] == info["model"]["num_active_params"] == dense.num_params() > 100e6
+
+
+def test_collect_env_describes_a_moe_model(tmp_path):
+    """--model: a Mixture-of-Experts folder's total and active parameter counts and its experts."""
+    import torch
+    import transformers as tf
+
+    from enginecore.model_loader import resolve_model
+
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    )).save_pretrained(tmp_path)
+    r = run_cli("collect-env", "--no-devices", "--model", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    arch = resolve_model(str(tmp_path)).config
+    total, active = arch.num_params(), arch.num_params(active=True)
+    assert active < total
+    for line in ("architecture: Qwen3MoeForCausalLM", f"num_params: {total}", f"num_active_params: {active}",
+                 "num_experts: 8", "experts_per_token: 2"):
+        assert line in r.stdout
+    bad = run_cli("collect-env", "--no-devices", "--json", "--model", str(tmp_path / "nope.gguf"))
+    assert bad.returncode == 0 and json.loads(bad.stdout)["model"].startswith("unavailable (")
 
 
 def test_warmup_subcommand_hands_serve_flags_to_jaxengine(monkeypatch, capsys):

@@ -373,6 +373,9 @@ def test_app_auth_cors_body_limit_and_load(parts):
                 assert (await http.get("/v1/models")).status_code == 401
                 r = await http.get("/v1/models", headers={"Authorization": "Bearer k2"})
                 assert [m["id"] for m in r.json()["data"]] == ["m", "alias"]
+                dense = parts[1].config.num_params()  # SmolLM2: every parameter is active
+                assert dense > 100e6 and {(m["num_params"], m["num_active_params"]) for m in r.json()["data"]} == {
+                    (dense, dense)}
                 assert (await http.get("/health")).status_code == 200
                 assert (await http.get("/metrics")).status_code == 200
                 pre = await http.options("/v1/completions", headers={"Origin": "http://x",
@@ -463,5 +466,34 @@ def test_chat_template_override_and_content_formats(parts):
                 assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
         finally:
             await client.shutdown()
+
+    asyncio.run(main())
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+             "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+             "moe_intermediate_size": 768, "norm_topk_prob": True}  # Qwen3-30B-A3B's sizes
+
+
+def test_models_card_gives_a_moe_models_total_and_active_params(parts):
+    """/v1/models reads the served model's counts: a Mixture-of-Experts model's active ones are its top-k
+    experts' (Qwen3-30B-A3B: 30.5B, 3.3B active)."""
+    import dataclasses
+
+    from enginecore.arch import ArchConfig
+
+    async def main():
+        client, _ = await start_client(parts)
+        arch = ArchConfig.from_hf_dict(QWEN3_MOE)
+        client.model = dataclasses.replace(client.model, config=arch)  # what the card reads; no weights needed
+        app = build_app(ServerState(client, ServerMetrics("m", 256), ["m"], FrontendOptions()), HTTPOptions())
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                card = (await http.get("/v1/models")).json()["data"][0]
+        finally:
+            await client.shutdown()
+        assert card["num_params"] == arch.num_params() and card["num_active_params"] == arch.num_params(active=True)
+        assert 30.4e9 < card["num_params"] < 30.6e9 and 3.2e9 < card["num_active_params"] < 3.4e9
 
     asyncio.run(main())

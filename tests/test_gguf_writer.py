@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from enginecore.model_loader import resolve_model
-from tests.gguf_writer import T, encode, write_gguf
+from tests.gguf_writer import T, encode, llama_cpp_rows, write_gguf
 
 V = gguf.GGUFValueType
 H, I, VOCAB, NH, NKV, L = 256, 512, 64, 4, 2, 2  # rows of 256 and 512: whole K-quant super-blocks
@@ -36,11 +36,6 @@ FIELDS = [
     ("tokenizer.ggml.eos_token_id", 2, V.UINT32, None),
     ("xlaserve.test.ints", [3, -1, 7], V.ARRAY, V.INT32), ("xlaserve.test.words", ["a", "bc"], V.ARRAY, V.STRING),
 ]
-
-
-def llama_cpp_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Hugging Face q/k rows in llama.cpp's order (its converter interleaves each head's rotary halves)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @pytest.fixture(scope="module")

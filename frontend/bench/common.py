@@ -77,6 +77,29 @@ def parse_int_list(s: str) -> list[int]:
     return vals
 
 
+def param_counts(arch) -> dict[str, int]:
+    """The model's parameters (an `ArchConfig`'s): all of them, and those one token reads (a MoE layer's top-k
+    experts, not all; the same number for a dense model)."""
+    return {"num_params": arch.num_params(), "num_active_params": arch.num_params(active=True)}
+
+
+def format_count(n: int) -> str:
+    """135000000 -> '135.0M' (K, M, B, T)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{1 if n < 100 * size else 0}f}{unit}"
+    return str(n)
+
+
+def params_line(arch) -> str:
+    """One line for a report: total and active parameters, and the experts where the model has them."""
+    c = param_counts(arch)
+    line = f"Model parameters: {format_count(c['num_params'])} total, {format_count(c['num_active_params'])} active"
+    if arch.moe is not None:
+        line += f" ({arch.moe.top_k} of {arch.moe.num_experts} experts per token)"
+    return line
+
+
 def special_token_ids(tokenizer) -> list[int]:
     """Ids a random prompt should not contain (bos/eos/chat markers)."""
     hf = getattr(tokenizer, "hf", tokenizer)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from frontend.bench.common import format_table, run_info, special_token_ids, write_json
+from frontend.bench.common import format_table, param_counts, params_line, run_info, special_token_ids, write_json
 from frontend.bench.datasets import SampleRequest, load_jsonl_requests, random_token_requests
 from frontend.bench.engine_flags import add_engine_args, engine_kwargs
 from frontend.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
@@ -28,6 +28,11 @@ def build_llm(kwargs: dict):
 def model_vocab(llm) -> tuple[int, list[int]]:
     eng = llm.llm_engine
     return eng.model.config.vocab_size, special_token_ids(eng.tokenizer)
+
+
+def model_arch(llm):
+    """The served model's ArchConfig."""
+    return llm.llm_engine.model.config
 
 
 # ---- the in-process trace driver ----------------------------------------------------
@@ -179,6 +184,7 @@ def latency_main(args: argparse.Namespace) -> int:
     lat = measure_latency(llm, [r.prompt for r in reqs], sp, args.num_iters_warmup, args.num_iters,
                           not args.disable_tqdm)
     s = summarize(lat, DEFAULT_PERCENTILES)
+    print(params_line(model_arch(llm)))
     print(f"Avg latency: {s.mean:.4f} seconds")
     for q, v in s.percentiles.items():
         print(f"{q:g}% percentile latency: {v:.4f} seconds")
@@ -189,7 +195,7 @@ def latency_main(args: argparse.Namespace) -> int:
         write_json(args.output_json, {
             "avg_latency": s.mean, "latencies": lat, "percentiles": {f"{q:g}": v for q, v in s.percentiles.items()},
             "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
-            "engine_args": engine_kwargs(args), "info": run_info(),
+            **param_counts(model_arch(llm)), "engine_args": engine_kwargs(args), "info": run_info(),
         })
     return 0
 
@@ -246,10 +252,12 @@ def throughput_main(args: argparse.Namespace) -> int:
         reqs = load_jsonl_requests(args.dataset_path, args.output_len,
                                    lambda s: len(tok.encode(s)), args.num_prompts)
     r = measure_throughput(llm, reqs, not args.disable_tqdm)
+    print(params_line(model_arch(llm)))
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     print(format_table(["requests", "prompt tokens", "output tokens", "elapsed s"],
                        [[r["num_requests"], r["total_prompt_tokens"], r["total_output_tokens"], r["elapsed_time"]]]))
     if args.output_json:
-        write_json(args.output_json, {**r, "dataset": name, "engine_args": engine_kwargs(args), "info": run_info()})
+        write_json(args.output_json, {**r, "dataset": name, **param_counts(model_arch(llm)),
+                                      "engine_args": engine_kwargs(args), "info": run_info()})
     return 0
