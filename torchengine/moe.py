@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS
+
 
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
@@ -83,6 +85,16 @@ def fused_moe(
                             w2_bias=w2_bias, activation=activation)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] . w [out, in]^T (+ b). 2 to CPU_WEIGHTS_FIRST_ROWS rows weights first, w . x^T: MKL's small-M
+    gemm reads the weight at a fraction of the bandwidth (an expert of a decode batch gets a few rows; see
+    `Transformer.compute_logits`); one row as F.linear (its matrix-vector product is the fast one there)."""
+    if 1 < x.shape[0] <= CPU_WEIGHTS_FIRST_ROWS and x.device.type == "cpu":
+        y = torch.mm(w, x.t()).t()
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
 def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_bias=None, w2_bias=None,
                      activation: str = "silu") -> torch.Tensor:
     """The CPU path: the T*K (token, expert) pairs sorted by expert (stably: each expert's tokens in token order),
@@ -106,8 +118,8 @@ def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13
         if n == 0:
             continue
         tok = rows_all[start : start + n]
-        h = F.linear(x[tok], w13[e], None if w13_bias is None else w13_bias[e])
-        y = F.linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
+        h = _linear(x[tok], w13[e], None if w13_bias is None else w13_bias[e])
+        y = _linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, tok, y * weights_all[start : start + n, None].to(y.dtype))
         start += n
     return out
