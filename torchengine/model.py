@@ -389,7 +389,9 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
         else:
             if tp_size > 1 and spec.tp_dim is not None:
                 arr = _tp_share(arr, spec.tp_dim, rank, tp_size)
-            dst = params[name] if spec.fused is None else params[name][fused_slices(arch, spec.fused, tp_size)[spec.param]]
+            dst = params[name]
+            if spec.fused is not None:
+                dst = dst[fused_slices(arch, spec.fused, tp_size)[spec.param]]
         src = to_tensor(arr)
         if tuple(src.shape) != tuple(dst.shape):
             raise ModelLoadError(f"weight {hf_name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
@@ -401,7 +403,9 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
 
 
-_EXPERT_NAMES = {"experts_gate": ("gate_proj", "w1"), "experts_up": ("up_proj", "w3"), "experts_down": ("down_proj", "w2")}
+# an expert's HF tensor names: (Qwen's, Mixtral's)
+_EXPERT_NAMES = {"experts_gate": ("gate_proj", "w1"), "experts_up": ("up_proj", "w3"),
+                 "experts_down": ("down_proj", "w2")}
 
 
 def _missing_experts(model: Transformer, filled: set[tuple[int, str, int]]) -> list[str]:
