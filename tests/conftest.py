@@ -59,6 +59,8 @@ SLOW_FILES = {
     "test_jax_runtime.py": "engines: warmup, tensor parallelism, orbax",
     "test_torch_engine.py": "engines",
     "test_torch_model.py": "engines",
+    "test_torch_moe.py": "engines, processes",
+    "test_triton_moe.py": "the Triton interpreter",
     "test_tpu_aot.py": "whole programs compiled for TPUs",
 }
 SLOW_TESTS = {  # file::test (every parametrization)

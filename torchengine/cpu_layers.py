@@ -14,6 +14,7 @@ import torch
 
 # names read off the module at each call (`torch_ops.lib()`): patching torch_ops.lib reaches this code too
 from cpu_kernels import torch_ops
+from torchengine.model import MLP
 
 
 def _linear_parts(m) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int] | None:
@@ -33,7 +34,8 @@ class DecodeLayers:
     the embedded model: 156-174 -> 150-151 ms in float32, 91-108 -> 85-86 ms in bfloat16).
 
     `bind` returns None where the model or its attention is not the float32 kernels' path (other dtypes,
-    torch's own 4-bit kernel, tensor parallelism, another attention backend); then the model runs as usual.
+    torch's own 4-bit kernel, tensor parallelism, another attention backend, a Mixture-of-Experts layer: the C
+    layers have a dense MLP only); then the model runs as usual.
     `--quantization gguf`'s Q4 linears run here as `Int4Linear` runs them; q/k norms (Qwen3) as the C rms_norm.
     """
 
@@ -75,7 +77,8 @@ class DecodeLayers:
         lib_ = torch_ops.lib()
         # the attention: `torchengine.attention.TorchAttention` on these kernels (`lib`), whose groups `step` reads
         if (lib_ is None or model.tp_size != 1 or getattr(backend, "lib", None) is None
-                or len(kv_caches) != len(model.layers)):
+                or len(kv_caches) != len(model.layers)
+                or not all(isinstance(ly.mlp, MLP) for ly in model.layers)):
             return None
         f32 = lambda t: t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())  # noqa: E731
         for ly, (kc, vc) in zip(model.layers, kv_caches):

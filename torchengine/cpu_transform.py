@@ -12,6 +12,10 @@
 - the RMSNorms -> `CpuRMSNorm` (the residual add in the same call; Qwen3's q/k norms on rows of head_dim);
 - each attention's `rope_fn` and each MLP's `act_fn` -> the kernels' RoPE (in place) and SiLU-and-mul.
 
+A Mixture-of-Experts layer (`torchengine.model.SparseMoeBlock`): its router, shared expert and shared-expert gate
+are `Linear`s and become `CpuLinear`s like the others; the stacked experts stay torch's (`torchengine.moe`'s
+sorted per-expert matmuls), and the one-call layers refuse the model.
+
 `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
 bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every step; the rest float32.
 
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from cpu_kernels import torch_ops
-from torchengine.model import Linear, RMSNorm, Transformer, apply_rope, silu_and_mul
+from torchengine.model import MLP, Linear, RMSNorm, Transformer, apply_rope, silu_and_mul
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -210,7 +214,9 @@ def apply_cpu_kernels(model: Transformer, bdot: bool = False) -> CpuWeights:
             if type(getattr(layer.attn, name)) is RMSNorm:
                 setattr(layer.attn, name, CpuRMSNorm(getattr(layer.attn, name), lib))
         layer.attn.rope_fn = CpuRope(lib)
-        layer.mlp.act_fn = CpuSiluAndMul(lib)
+        for mlp in layer.mlp.modules():  # the dense MLP, or a MoE layer's shared expert
+            if isinstance(mlp, MLP):
+                mlp.act_fn = CpuSiluAndMul(lib)
     if type(model.final_norm) is RMSNorm:
         model.final_norm = CpuRMSNorm(model.final_norm, lib)
     return _pack_weights(model, lib, bdot)

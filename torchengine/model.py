@@ -3,7 +3,10 @@
 Llama 2/3, SmolLM2 (tied embeddings), Mistral (explicit head_dim, optional
 sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head RMSNorm of q and k)
 differ only in their `enginecore.arch.ArchConfig`, whose field names this file
-reads as they are.
+reads as they are. The Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE
+replace the MLP of their sparse layers (`arch.is_sparse(i)`) by a
+`SparseMoeBlock` (router, stacked experts, optional shared expert), whose
+expert compute is `torchengine.moe.fused_moe`.
 
 The model sees one ragged step: all scheduled tokens flattened into
 `input_ids [T]` with their `positions [T]`. It owns no KV cache and knows
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
+from torchengine.moe import fused_moe, select_experts
 
 # attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -143,14 +147,64 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)  # fused
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        inter = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)  # fused
+        self.down_proj = Linear(inter, arch.hidden_size, bias=False)
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul  # [T, 2I] -> [T, I]; as rope_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's MLP: each token's top_k of E SwiGLU experts, weighted by the router's probabilities
+    (`torchengine.moe.select_experts`), plus an optional shared expert every token passes, scaled by
+    sigmoid(x . shared_expert_gate^T) (Qwen2-MoE).
+
+    The experts are stacked Parameters, w13 [E, 2I, H] (each expert's gate rows, then its up rows, as
+    `MLP.gate_up_proj`) and w2 [E, H, I]. The tensor-parallel transform shards them (each expert's I, or whole
+    experts with expert parallelism: then `expert_map` [E] maps a global expert id to a local one, -1 for another
+    rank's) and sums the block's output over ranks once, shared expert included.
+    """
+
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        m = arch.moe
+        self.num_experts, self.top_k, self.renormalize = m.num_experts, m.top_k, m.norm_topk_prob
+        H, I = arch.hidden_size, m.intermediate_size
+        self.router = Linear(H, m.num_experts, bias=False)  # replicated on every rank
+        self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * I, H), requires_grad=False)  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(m.num_experts, H, I), requires_grad=False)  # [E, H, I]
+        self.activation = "silu"  # torchengine.moe.ACTIVATIONS
+        # expert parallelism (the TP transform): this rank holds experts first_expert .. first_expert + len(w13);
+        # expert_map [E] int64 (init_expert_map, on the weights' device) maps global ids to those, -1 elsewhere
+        self.first_expert = 0
+        self.expert_map: torch.Tensor | None = None
+        self.shared_expert = MLP(arch, m.shared_expert_intermediate_size) if m.shared_expert_intermediate_size else None
+        self.shared_expert_gate = Linear(H, 1, bias=False) if m.shared_expert_gate else None
+
+    def init_expert_map(self) -> None:
+        """expert_map for the experts this rank holds, on their device (None when it holds them all)."""
+        n = self.w13.shape[0]
+        if n == self.num_experts:
+            self.expert_map = None
+            return
+        m = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.w13.device)
+        m[self.first_expert : self.first_expert + n] = torch.arange(n, device=self.w13.device)
+        self.expert_map = m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] (on one rank of several: its share of the sum, all-reduced by the TP transform)."""
+        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize, x.dtype)  # [T, K] each
+        out = fused_moe(x, self.w13, self.w2, weights, ids, expert_map=self.expert_map, activation=self.activation)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -159,7 +213,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.attn = Attention(arch, layer_idx)
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(arch) if arch.is_sparse(layer_idx) else MLP(arch)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionFn, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +238,8 @@ class Transformer(nn.Module):
         self.arch = arch
         self.max_positions = max_positions
         self.tp_rank, self.tp_size = 0, 1  # set by torchengine.tensor_parallel.apply_tensor_parallel
+        # and, with expert parallelism, whole experts per rank instead of each expert's columns
+        self.expert_parallel = False
         # LM heads of 2 to this many rows run weights first (compute_logits); the runner sets it on a CPU
         self.weights_first_rows = 0
         # --quantization gguf (torchengine.quant): the LM head as the file stores it (or in bfloat16) for steps
@@ -268,6 +324,9 @@ def build_model(arch: ArchConfig, max_positions: int, device: torch.device, dtyp
             transform(model)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.init_expert_map()  # (a transform's, made on the meta device, is rebuilt here)
     return model.eval().requires_grad_(False)
 
 
@@ -286,6 +345,10 @@ _LAYER_PARAMS = {
     "qkv_proj": "attn.qkv_proj.weight", "qkv_bias": "attn.qkv_proj.bias", "o_proj": "attn.o_proj.weight",
     "q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
     "gate_up_proj": "mlp.gate_up_proj.weight", "down_proj": "mlp.down_proj.weight",
+    # a sparse layer's (SparseMoeBlock)
+    "router": "mlp.router.weight", "experts_gate_up": "mlp.w13", "experts_down": "mlp.w2",
+    "shared_gate_up_proj": "mlp.shared_expert.gate_up_proj.weight",
+    "shared_down_proj": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 
 
@@ -302,6 +365,7 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
     rank, tp_size = model.tp_rank, model.tp_size
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
+    experts_filled: set[tuple[int, str, int]] = set()  # (layer, experts_gate / _up / _down, global expert)
     for hf_name, arr in weights:
         found = weight_spec(hf_name)
         if found is None:
@@ -313,14 +377,75 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
         name = _TOP_PARAMS[stored] if layer is None else f"layers.{layer}.{_LAYER_PARAMS[stored]}"
         if name not in params:
             raise ModelLoadError(f"weight {hf_name} has no place in this model (check attention_bias / qk_norm)")
-        if tp_size > 1 and spec.tp_dim is not None:
-            arr = _tp_share(arr, spec.tp_dim, rank, tp_size)
-        dst = params[name] if spec.fused is None else params[name][fused_slices(arch, spec.fused, tp_size)[spec.param]]
+        if spec.experts:
+            found = _expert_share(model, params[name], arr, spec, layer)
+            if found is None:
+                continue  # another rank's expert
+            dst, arr = found
+            block = model.layers[layer].mlp
+            got = range(block.first_expert, block.first_expert + block.w13.shape[0]) if spec.expert is None \
+                else (spec.expert,)
+            experts_filled.update((layer, spec.param, e) for e in got)
+        else:
+            if tp_size > 1 and spec.tp_dim is not None:
+                arr = _tp_share(arr, spec.tp_dim, rank, tp_size)
+            dst = params[name]
+            if spec.fused is not None:
+                dst = dst[fused_slices(arch, spec.fused, tp_size)[spec.param]]
         src = to_tensor(arr)
         if tuple(src.shape) != tuple(dst.shape):
             raise ModelLoadError(f"weight {hf_name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(src)
         filled[name] += dst.numel()
-    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    missing = _missing_experts(model, experts_filled)
+    missing += [n for n, p in params.items() if filled[n] != p.numel() and not n.endswith((".mlp.w13", ".mlp.w2"))]
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
+
+
+# an expert's HF tensor names: (Qwen's, Mixtral's)
+_EXPERT_NAMES = {"experts_gate": ("gate_proj", "w1"), "experts_up": ("up_proj", "w3"),
+                 "experts_down": ("down_proj", "w2")}
+
+
+def _missing_experts(model: Transformer, filled: set[tuple[int, str, int]]) -> list[str]:
+    """HF's names of the expert tensors this rank needs that no checkpoint tensor filled."""
+    mixtral = model.arch.model_type == "mixtral"
+    out = []
+    for i, layer in enumerate(model.layers):
+        block = layer.mlp
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        for e in range(block.first_expert, block.first_expert + block.w13.shape[0]):
+            for param, (qwen, mix) in _EXPERT_NAMES.items():
+                if (i, param, e) not in filled:
+                    prefix = "block_sparse_moe" if mixtral else "mlp"
+                    out.append(f"model.layers.{i}.{prefix}.experts.{e}.{mix if mixtral else qwen}.weight")
+    return out
+
+
+def _expert_share(model: Transformer, param: torch.Tensor, arr: np.ndarray, spec, layer: int):
+    """Where a checkpoint's expert tensor goes in this rank's stacked `param` [E_local, rows, cols]: (the
+    destination view, the source's share), or None for an expert another rank holds. `arr` is one expert's
+    [out, in] (HF's per-expert tensors, spec.expert = e) or all of them stacked [E, out, in] (expert None)."""
+    block = model.layers[layer].mlp
+    first, n_local = block.first_expert, param.shape[0]
+    split = model.tp_size > 1 and not model.expert_parallel  # each expert's I split over the ranks
+    if spec.expert is not None:
+        if not first <= spec.expert < first + n_local:
+            return None
+        dst = param[spec.expert - first]
+        if split:
+            arr = _tp_share(arr, spec.tp_dim, model.tp_rank, model.tp_size)
+    else:
+        dst = param
+        arr = arr[first : first + n_local]
+        if split:  # the expert's [out, in] is dims 1, 2 of the stack
+            n = arr.shape[spec.tp_dim + 1] // model.tp_size
+            r = model.tp_rank
+            arr = arr[:, r * n : (r + 1) * n] if spec.tp_dim == 0 else arr[:, :, r * n : (r + 1) * n]
+    if spec.fused is not None:
+        rows = fused_slices(model.arch, spec.fused, model.tp_size if split else 1)[spec.param]
+        dst = dst[rows] if dst.dim() == 2 else dst[:, rows]
+    return dst, arr
+

@@ -117,6 +117,12 @@ def quantize_gguf_linears(model, source: ModelSource) -> int:
     the AVX2 kernel runs, else bfloat16 for one row.
     """
     lib, why = torch_ops.load()
+    moe = model.arch.moe
+    if moe is not None and moe.num_sparse_layers:
+        # (cpu_kernels.layout.gguf_linear_groups reads the attention and dense MLP linears only)
+        logger.info("--quantization gguf: the experts and shared experts of the %d sparse layers stay float32 (the "
+                    "file's blocks dequantized, torchengine.moe's matmuls): there is no 4-bit expert kernel",
+                    moe.num_sparse_layers)
     found, head = _stored_linears(model, source, ("Q4_0", "Q4_1", "Q8_0"), wide=False)
     found = {p: (m, g) for p, (m, g) in found.items() if isinstance(g, Int4Groups)}  # Int4Linear's float16 blocks
     modules = dict(model.named_modules())

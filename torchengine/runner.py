@@ -187,7 +187,8 @@ class TorchModelRunner:
         with torch.inference_mode():
             # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
             shard = None if self.tp is None else functools.partial(
-                apply_tensor_parallel, rank=self.rank, world_size=self.tp_size, group=self.tp.group)
+                apply_tensor_parallel, rank=self.rank, world_size=self.tp_size, group=self.tp.group,
+                enable_expert_parallel=self.config.parallel_config.enable_expert_parallel)
             model = build_model(self.arch, self.max_model_len + 1, self.device, self.compute_dtype, transform=shard)
             load_weights(model, self.model_source.iter_weights())
         if self.device.type == "cpu":
@@ -464,9 +465,10 @@ class TorchModelRunner:
         a row's bits do not depend on the row count, the float32 panels; not the 4-bit linears (their Q4 kernel
         takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
         nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
-        size)."""
+        size), nor a MoE model (its experts are torch matmuls of the rows routed to them: their bits depend on
+        which other rows went to the same expert)."""
         return (self.model is not None and self.cpu_arena is not None and self.tp_size == 1
-                and self.config.model_config.quantization != "gguf")
+                and self.config.model_config.quantization != "gguf" and self.arch.moe is None)
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Any step: (the sampler's output, the hidden states: None from a CUDA graph or where the sampled rows

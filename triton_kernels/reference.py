@@ -5,7 +5,10 @@ are the definitions the kernels are tested against: they loop over requests
 and do float32 math so they stay obviously right; speed does not matter (the
 torch backend's fast CPU attention is `torchengine.attention.TorchAttention`).
 
-Layouts (shared by all functions here and the kernels):
+Mixture of Experts (`ref_fused_moe`): x [T, H], w13 [E, 2I, H] (each expert's gate
+rows, then its up rows), w2 [E, H, I], topk_weights / topk_ids [T, K].
+
+Attention layouts (shared by the attention functions here and the kernels):
   key_cache, value_cache: [num_blocks, block_size, Hkv, D]; block 0 is the
   null block. A ragged batch of R request slots has q [T, Hq, D],
   cu_q_lens [R+1], kv_lens [R] (cache length including this step's tokens,
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ref_reshape_and_cache", "ref_unified_attention"]
+__all__ = ["ref_fused_moe", "ref_reshape_and_cache", "ref_unified_attention"]
 
 
 def ref_reshape_and_cache(
@@ -117,4 +120,37 @@ def ref_unified_attention(
         logits = logits.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[cu[r] : cu[r + 1]] = torch.einsum("hls,shd->lhd", probs, v).to(out.dtype)
+    return out
+
+
+def ref_fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K]
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    *,
+    expert_map: torch.Tensor | None = None,  # [E_global]: local index, -1 on another rank (left out)
+    w13_bias: torch.Tensor | None = None,  # [E, 2I]
+    w2_bias: torch.Tensor | None = None,  # [E, H]
+) -> torch.Tensor:  # [T, H] float32
+    """out[t] = sum_k topk_weights[t, k] * (w2[e] . (silu(g) * u) + b2[e]), (g, u) = w13[e] . x[t] + b13[e],
+    e = topk_ids[t, k], token by token in float32."""
+    T, K = topk_ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(T, w2.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(T):
+        for k in range(K):
+            e = int(topk_ids[t, k])
+            if expert_map is not None:
+                e = int(expert_map[e])
+                if e < 0:
+                    continue
+            h = w13[e].float() @ x[t].float()
+            if w13_bias is not None:
+                h = h + w13_bias[e].float()
+            y = w2[e].float() @ (torch.nn.functional.silu(h[:inter]) * h[inter:])
+            if w2_bias is not None:
+                y = y + w2_bias[e].float()
+            out[t] += topk_weights[t, k].float() * y
     return out

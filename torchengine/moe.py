@@ -1,0 +1,125 @@
+"""A Mixture-of-Experts layer's routing and expert compute, chosen by device (vLLM's `fused_moe` split).
+
+- `select_experts(router_logits, top_k, renormalize)`: transformers' router (softmax in float32 over all
+  experts, the top_k largest, divided by their sum when renormalizing), no host syncs.
+- `fused_moe(x, w13, w2, topk_weights, topk_ids, ...)`: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]), where an
+  expert is down(act(gate_up(x))) of its stacked weights w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I].
+  On CUDA the Triton grouped GEMM (`triton_kernels.fused_moe`: no host syncs, so CUDA graphs capture it); on a
+  CPU `fused_moe_sorted` (below).
+
+Expert parallelism: a rank holds E_local experts and `expert_map` [E] maps a global expert id to its local index,
+-1 for another rank's; those contributions are left out here and summed by the layer's all-reduce.
+
+gpt-oss's experts slot in through `w13_bias` [E, 2I], `w2_bias` [E, H] and `activation` (only "silu", SwiGLU,
+is implemented; a clamped SwiGLU is one more entry of `ACTIVATIONS` and of the kernel's ACTIVATION).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from enginecore.platform import CPU_WEIGHTS_FIRST_ROWS
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# name -> gate_up [N, 2I] -> [N, I]
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": _silu_and_mul}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, K] in `dtype` (the logits' by default), topk_ids [T, K] int64).
+
+    transformers' order: softmax over all experts in float32, top_k, renormalize, then the cast."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype or router_logits.dtype), ids
+
+
+def _check_args(x, w13, w2, topk_weights, topk_ids, expert_map, activation) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe: want x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    E, two_i, H = w13.shape
+    if x.shape[1] != H or w2.shape != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not "
+                         "agree (w13 [E, 2I, H], w2 [E, H, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must both be [T={x.shape[0]}, K]")
+    if expert_map is not None and expert_map.dim() != 1:
+        raise ValueError(f"fused_moe: expert_map must be [E_global], got {tuple(expert_map.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K]
+    topk_ids: torch.Tensor,  # [T, K] global expert ids
+    *,
+    expert_map: torch.Tensor | None = None,  # [E_global] int: local index, -1 on another rank
+    w13_bias: torch.Tensor | None = None,  # [E, 2I]
+    w2_bias: torch.Tensor | None = None,  # [E, H]
+    activation: str = "silu",
+) -> torch.Tensor:  # [T, H]
+    """The routed experts' weighted sum for every token (module docstring); the kernel by device."""
+    _check_args(x, w13, w2, topk_weights, topk_ids, expert_map, activation)
+    if x.is_cuda:
+        from triton_kernels import fused_moe as triton_fused_moe
+
+        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_bias=w13_bias,
+                                w2_bias=w2_bias, activation=activation)
+    return fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_bias=w13_bias,
+                            w2_bias=w2_bias, activation=activation)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] . w [out, in]^T (+ b). 2 to CPU_WEIGHTS_FIRST_ROWS rows weights first, w . x^T: MKL's small-M
+    gemm reads the weight at a fraction of the bandwidth (an expert of a decode batch gets a few rows; see
+    `Transformer.compute_logits`); one row as F.linear (its matrix-vector product is the fast one there)."""
+    if 1 < x.shape[0] <= CPU_WEIGHTS_FIRST_ROWS and x.device.type == "cpu":
+        y = torch.mm(w, x.t()).t()
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_bias=None, w2_bias=None,
+                     activation: str = "silu") -> torch.Tensor:
+    """The CPU path: the T*K (token, expert) pairs sorted by expert (stably: each expert's tokens in token order),
+    then one matmul pair per expert that has tokens, so a step reads only its routed experts' weights; the
+    weighted rows summed into each token in ascending expert order (transformers' order, so float32 gives its
+    sums). One host sync (the per-expert counts): fine on a CPU, not for CUDA graphs."""
+    T, K = topk_ids.shape
+    E = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    if expert_map is not None:
+        flat = expert_map[flat]
+    flat = torch.where(flat < 0, E, flat)  # another rank's expert: a bucket past the last, never computed
+    order = torch.argsort(flat, stable=True)  # [T*K] pair indices t*K + k
+    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
+    act = ACTIVATIONS[activation]
+    out = torch.zeros_like(x)
+    start = 0
+    rows_all = order // K
+    weights_all = topk_weights.reshape(-1)[order]
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = rows_all[start : start + n]
+        h = _linear(x[tok], w13[e], None if w13_bias is None else w13_bias[e])
+        y = _linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
+        out.index_add_(0, tok, y * weights_all[start : start + n, None].to(y.dtype))
+        start += n
+    return out
