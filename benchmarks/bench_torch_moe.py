@@ -1,6 +1,6 @@
 """A Mixture-of-Experts layer's experts on this CPU (`torchengine.moe.fused_moe_sorted`) against dense MLPs.
 
-    python -m benchmarks.bench_moe_layer [--rows 1,8,64] [--experts 64] [--top-k 4] [--hidden 1024] [--inter 512]
+    python -m benchmarks.bench_torch_moe [--rows 1,8,64] [--experts 64] [--top-k 4] [--hidden 1024] [--inter 512]
 
 The sorted path reads only the experts the step's tokens are routed to. It is compared with two dense SwiGLU
 MLPs (`torchengine.model.MLP`'s arithmetic, one fused gate/up matmul then down): one of the active parameters
