@@ -262,6 +262,21 @@ def tiny_model_dir(tmp_path_factory, smollm2_hf_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, smollm2_hf_dir):
+    """Factory: a tiny random Mixture-of-Experts model of an architecture (`tests.moe_models.save_tiny_moe`)."""
+    from tests.moe_models import save_tiny_moe
+
+    cache: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in cache:
+            cache[arch] = save_tiny_moe(arch, str(tmp_path_factory.mktemp(f"tiny_{arch}")), smollm2_hf_dir)
+        return cache[arch]
+
+    return make
+
+
 def _tiny_llama_as(tiny_model_dir, tmp_path_factory, dtype: str) -> str:
     import shutil
 

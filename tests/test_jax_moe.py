@@ -29,53 +29,6 @@ PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 306, 763, 304],
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
-@pytest.fixture(scope="session")
-def tiny_moe_dir(tmp_path_factory, smollm2_hf_dir):
-    """Factory: a tiny random MoE model saved by transformers (f32, per-expert tensors), SmolLM2's tokenizer.
-    mixtral: 8 experts, top 2; qwen2_moe: 8 experts, top 2, no renormalisation, a gated shared expert, q/k/v
-    biases; qwen3_moe: 16 experts, top 4 renormalised, q/k norms, layer 1 dense (mlp_only_layers)."""
-    cache: dict[str, str] = {}
-
-    def make(arch: str) -> str:
-        if arch in cache:
-            return cache[arch]
-        import torch
-        import transformers as tf
-
-        torch.manual_seed(0)
-        common = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-        if arch == "mixtral":
-            model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
-                                                           tie_word_embeddings=False))
-        elif arch == "qwen2_moe":
-            model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-                **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False))
-        elif arch == "qwen3_moe":
-            model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
-                **common, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
-                norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=True))
-        else:
-            raise ValueError(arch)
-        with torch.no_grad():  # big enough weights that logits differ (no greedy ties); norms, biases random
-            for _, p in model.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.2)
-                else:
-                    p.add_(torch.randn_like(p) * 0.1)
-        d = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
-        model.save_pretrained(d, safe_serialization=True)
-        for fn in os.listdir(smollm2_hf_dir):
-            if fn.startswith("tokenizer") or fn.endswith(".jinja") or fn == "special_tokens_map.json":
-                shutil.copy(os.path.join(smollm2_hf_dir, fn), d)
-        cache[arch] = d
-        return d
-
-    return make
-
-
 def generate(llm, prompts=PROMPTS, params=GREEDY):
     try:
         return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))

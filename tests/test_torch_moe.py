@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from enginecore import LLM, SamplingParams  # noqa: E402
 from enginecore.arch import ModelLoadError
-from tests.moe_models import MOE_ARCHS, save_tiny_moe
+from tests.moe_models import MOE_ARCHS
 from tests.test_torch_model import check_greedy, hf_model, torch_llm
 
 NEW_TOKENS = 32
@@ -28,15 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory, smollm2_hf_dir):
-    cache: dict[str, str] = {}
-
-    def make(arch: str) -> str:
-        if arch not in cache:
-            cache[arch] = save_tiny_moe(arch, str(tmp_path_factory.mktemp(f"tiny_{arch}")), smollm2_hf_dir)
-        return cache[arch]
-
-    return make
+def moe_dir(tiny_moe_dir):
+    return tiny_moe_dir
 
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
