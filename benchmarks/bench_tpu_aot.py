@@ -38,6 +38,26 @@ LLAMA_31_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009],
 }
+# The Mixture-of-Experts models' public config.json (as published; nothing is downloaded). Qwen3-30B-A3B: 48 sparse
+# layers of top-8 of 128 experts (3.3B of 30.5B params a token); Mixtral-8x7B: 32 of top-2 of 8 (12.9B of 46.7B).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
+    "eos_token_id": 151645, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0, "sliding_window": None, "hidden_act": "silu", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "output_router_logits": False,
+    "router_aux_loss_coef": 0.02,
+}
 # Published by the peers for Llama-3.1-8B (measured on TPUs, by them).
 PEERS = [
     {"engine": "tpu-inference", "chips": "v6e-1", "output_tok_s": 1415, "workload": "~1,199 in / ~123 out",

@@ -137,7 +137,7 @@ def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
     padding = stored / (arch.num_key_value_heads * arch.head_dim)
     shape = ShardedShape.of(arch, runner.mesh.shape["model"], runner.rules.shard_heads,
                             jnp.dtype(jnp_dtype(runner.dtype)).itemsize, jnp.dtype(jnp_dtype(runner.kv_dtype)).itemsize,
-                            padding)
+                            padding, runner.config.parallel_config.enable_expert_parallel)
     peak, bw = topo.chip.peak_bf16_flops, topo.chip.hbm_bandwidth
     kv = runner.abstract_inputs().kv_cache
     kv_local = kv.sharding.shard_shape(kv.shape)

@@ -71,6 +71,120 @@ def test_config_only_folder_is_for_aot_only(tmp_path):
         resolve_model(folder)
 
 
+# ------------------------------------------------------------------------- MoE on paper (no libtpu needed)
+
+
+# A Qwen3-MoE small enough to count by hand: E 8, top-2, Ie 32; and the two released models the benchmark compiles.
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def _arch(cfg):
+    from enginecore.arch import ArchConfig
+
+    return ArchConfig.from_hf_dict(cfg)
+
+
+def test_expected_distinct_experts():
+    from jaxengine.step_cost import expected_distinct_experts as distinct
+
+    assert distinct(8, 2, 0) == 0 and distinct(8, 2, 1) == 2  # one token: its top-k
+    # two tokens of top-2 of 8: the second token's 2 picks each miss the first's 2 with probability 6/8
+    assert distinct(8, 2, 2) == pytest.approx(2 + 2 * 6 / 8)
+    assert distinct(128, 8, 128) == pytest.approx(128 - 128 * (120 / 128) ** 128) and distinct(128, 8, 4096) <= 128
+    assert 127.9 < distinct(128, 8, 128) < distinct(128, 8, 129)
+
+
+def test_moe_decode_step_reads_only_the_reached_experts():
+    """FLOPs of top_k experts a token, bytes of the experts reached, router and attention: by hand."""
+    from jaxengine.step_cost import ShardedShape, model_step_cost
+
+    arch = _arch(TINY_MOE)
+    H, E, k, Ie, L, D, Hq, Hkv = 64, 8, 2, 32, 2, 16, 4, 4
+    s = ShardedShape.of(arch, 1, False, 2, 2)
+    attn, router, expert = (2 * Hq + 2 * Hkv) * D * H, E * H, 3 * H * Ie
+    ctx = 100
+    one = model_step_cost(arch, s, tokens=1, reqs=1, context=ctx)
+    keys = ctx + 1
+    assert one.flops == pytest.approx(L * (2 * (attn + router + k * expert) + 4 * Hq * D * keys))
+    kv = 2 * Hkv * D * 2
+    acts = (6 * H + 3 * (Hq + 2 * Hkv) * D) * 2 + E * 4 * 2 + k * 2 * H * 2 + k * (6 * Ie + 2 * H) * 2
+    assert one.bytes == pytest.approx(L * ((attn + router + k * expert) * 2 + (ctx + 1) * kv + kv + acts) + H * 2)
+    # two decode tokens: twice the FLOPs of the experts, but 3.5 experts read, not 4 (not 8)
+    two = model_step_cost(arch, s, tokens=2, reqs=2, context=ctx)
+    assert two.flops - 2 * one.flops == pytest.approx(0)
+    w_two = L * (attn + router + 3.5 * expert) * 2
+    assert two.bytes == pytest.approx(w_two + 2 * (one.bytes - L * (attn + router + k * expert) * 2))
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_sharded_per_device(ep):
+    """Expert parallelism: E / N whole experts a device; expert-column TP: every expert's Ie / N columns. Either
+    way a device does 1/N of the experts' FLOPs and holds 1/N of their weights; the router stays replicated."""
+    from jaxengine.step_cost import (ShardedShape, expert_params, model_step_cost, moe_split, sparse_layer_params,
+                                     weights_bytes_on_paper)
+
+    arch = _arch(TINY_MOE)
+    H, E, k, Ie = 64, 8, 2, 32
+    s1 = ShardedShape.of(arch, 1, False, 2, 2)
+    s4 = ShardedShape.of(arch, 4, True, 2, 2, expert_parallel=ep)
+    assert (s4.experts_ep, s4.expert_cols_tp) == ((4, 1) if ep else (1, 4))
+    assert expert_params(arch, s4) == 3 * H * Ie // (1 if ep else 4)
+    attn4 = (2 * 4 + 2 * 4) * 16 * H // 4
+    per_token, read = sparse_layer_params(arch, s4, 1)
+    assert per_token == pytest.approx(attn4 + E * H + k * 3 * H * Ie / 4)
+    assert read == pytest.approx(attn4 + E * H + k * 3 * H * Ie / 4)
+    _, read_all = sparse_layer_params(arch, s4, 10**6)
+    assert read_all == pytest.approx(attn4 + E * H + E * 3 * H * Ie / 4)
+    one, four = (model_step_cost(arch, s, tokens=64, reqs=64, context=10) for s in (s1, s4))
+    router = 2 * 2 * 64 * E * H  # L x 2 T E H, on every device
+    assert four.flops == pytest.approx((one.flops - router) / 4 + router)
+    # weights a device holds: all but the norms and the router divided by 4
+    L, V = 2, 256
+    norms = L * 2 * H + L * 2 * 16 + H
+    whole = arch.num_params() * 2
+    assert weights_bytes_on_paper(arch, s1) == whole
+    assert weights_bytes_on_paper(arch, s4) == (whole - (norms + L * E * H) * 2) // 4 + (norms + L * E * H) * 2
+    # 6 experts on 4 devices: no expert parallelism, the columns split instead
+    assert moe_split(_arch(dict(TINY_MOE, num_experts=6)), 4, True) == (1, 4, 1)
+
+
+def test_moe_step_temporaries_by_hand():
+    """Qwen3-30B-A3B at 512 tokens on 4 chips: the sorted T x top_k rows with gate/up of a whole expert under
+    expert parallelism, of its quarter of the columns with expert-column TP."""
+    from jaxengine.hbm import layer_temporaries_bytes
+
+    from benchmarks.bench_tpu_aot import QWEN3_30B_A3B
+
+    arch = _arch(QWEN3_30B_A3B)
+    T, H, E, k, Ie = 512, 2048, 128, 8, 768
+    base = T * (4 * H + 2 * (32 + 8) * 128 // 4) * 2
+    router = T * E * 4 * 2
+    assert layer_temporaries_bytes(arch, 4, True, True, T, 2) == base + router + T * k * (2 * H + 2 * Ie) * 2
+    assert layer_temporaries_bytes(arch, 4, True, False, T, 2) == base + router + T * k * (2 * H + 2 * Ie // 4) * 2
+
+
+def test_roofline_model_cost_counts_active_params():
+    from benchmarks.bench_roofline import ModelCost
+    from benchmarks.bench_tpu_aot import MIXTRAL_8X7B, QWEN3_30B_A3B
+
+    for cfg in (QWEN3_30B_A3B, MIXTRAL_8X7B, TINY_MOE):
+        arch = _arch(cfg)
+        cost = ModelCost.from_arch(arch)
+        H, V, L = arch.hidden_size, arch.vocab_size, arch.num_hidden_layers
+        assert cost.linear_params == arch.num_params(active=True) - L * 2 * H - H - V * H - (
+            L * 2 * arch.head_dim if arch.qk_norm else 0)
+        # one token reads its top_k experts; a long prefill all of them
+        assert cost.weight_bytes("bfloat16", 1) == cost.linear_params * 2
+        every = cost.weight_bytes("bfloat16", 10**6) / 2
+        assert every == pytest.approx(arch.num_params() - L * 2 * H - H - V * H
+                                      - (L * 2 * arch.head_dim if arch.qk_norm else 0))
+    assert 3.0e9 < _arch(QWEN3_30B_A3B).num_params(active=True) < 3.5e9
+
+
 # ------------------------------------------------------------------------- the kernel
 
 
