@@ -185,6 +185,103 @@ def test_roofline_model_cost_counts_active_params():
     assert 3.0e9 < _arch(QWEN3_30B_A3B).num_params(active=True) < 3.5e9
 
 
+# ------------------------------------------------------------------------- the routed experts' grouped matmul
+
+
+def _experts_case(T=8, k=2, E=8, Ie=128, H=256, seed=0):
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, jnp.float32)  # noqa: E731
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    return f(T, H), ids, jnp.asarray(rng.random((T, k)), jnp.float32), f(E, Ie, H, s=0.05), f(E, Ie, H, s=0.05), \
+        f(E, H, Ie, s=0.05)
+
+
+def _experts_reference(h, ids, w, gate, up, down, first=0):
+    """One (token, expert) pair at a time, in float64."""
+    import numpy as np
+
+    h, gate, up, down = (np.asarray(a, np.float64) for a in (h, gate, up, down))
+    out = np.zeros(h.shape)
+    for t, j in np.ndindex(*ids.shape):
+        e = int(ids[t, j]) - first
+        if 0 <= e < gate.shape[0]:
+            g = gate[e] @ h[t]
+            out[t] += float(w[t, j]) * (down[e] @ (g / (1 + np.exp(-g)) * (up[e] @ h[t])))
+    return out
+
+
+@pytest.mark.parametrize("T,first", [(8, 0), (8, 4), (64, 2)])
+def test_gmm_experts_in_the_pallas_interpreter(T, first):
+    """megablox's gmm over [out, in] experts (all of them, or an expert-parallel device's 4 from `first`) against
+    the per-pair loop, in Pallas' TPU interpreter with its race detector; 64 tokens x top-2 span one 128-row
+    tile, several groups to a tile."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxengine.tpu_moe import gmm_experts
+
+    h, ids, w, gate, up, down = _experts_case(T=T)
+    n = 8 if first == 0 else 4
+    sl = slice(first, first + n)
+    got = gmm_experts(h, ids, w, gate[sl], up[sl], down[sl], first_expert=jnp.int32(first),
+                      interpret=pltpu.InterpretParams(detect_races=True))
+    np.testing.assert_allclose(np.asarray(got), _experts_reference(h, ids, w, gate[sl], up[sl], down[sl], first),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gmm_tiling_keeps_the_weight_tile_in_vmem():
+    from jaxengine.tpu_moe import MAX_WEIGHT_TILE, gmm_tiling
+
+    assert gmm_tiling(16, 2048, 768) == (16, 2048, 768)  # Qwen3-30B-A3B's expert whole
+    assert gmm_tiling(512, 2048, 768) == (128, 2048, 768)
+    for k, n in ((4096, 1792), (1792, 4096), (4096, 14336)):  # Mixtral over 8 chips, and whole
+        tm, tk, tn = gmm_tiling(128, k, n)
+        assert tk * tn <= MAX_WEIGHT_TILE and k % tk == 0 and n % tn == 0 and tk % 128 == 0 and tn % 128 == 0
+
+
+@needs_libtpu
+@pytest.mark.parametrize("method", ["gmm", "ragged_dot"])
+def test_experts_grouped_matmul_for_tpu_copies_no_weight(method):
+    """Compiled for v6e with Qwen3-30B-A3B's expert shape (8 of them): megablox reads the [out, in] experts as
+    they are; ragged_dot's native kernel makes XLA copy every expert into [E, in, out] first (why the runner
+    uses gmm on a TPU)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxengine.tpu_moe import gmm_experts
+    from jaxengine.tpu_target import topology_devices
+
+    device = topology_devices(parse_topology("v6e:1x1"))[0]
+    one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
+    T, k, E, Ie, H = 16, 8, 8, 768, 2048
+    sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
+
+    def ragged(h, ids, w, gate, up, down):
+        order = jnp.argsort(ids.reshape(-1))
+        rows, sizes = h[order // k], jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
+        dims = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
+        mm = lambda x, m: jax.lax.ragged_dot_general(x, m, sizes, dims)  # noqa: E731
+        o = mm(jax.nn.silu(mm(rows, gate)) * mm(rows, up), down) * w.reshape(-1)[order][:, None]
+        return jnp.zeros_like(h).at[order // k].add(o)
+
+    fn = gmm_experts if method == "gmm" else ragged
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((E, Ie, H)), sd((E, Ie, H)), sd((E, H, Ie)))
+    compiled = jax.jit(fn).lower(*args).compile()
+    text, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    expert_bytes = E * Ie * H * 2
+    copies = [line for line in text.splitlines() if " copy(" in line and f"[{E}," in line.split(" copy(")[0]]
+    if method == "gmm":
+        assert text.count('custom_call_target="tpu_custom_call"') == 3 and not copies and temp < expert_bytes / 8
+    else:
+        assert "ragged-dot" in text and len(copies) == 3  # gate, up and down, each transposed
+
+
 # ------------------------------------------------------------------------- the kernel
 
 

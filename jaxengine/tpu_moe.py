@@ -1,0 +1,99 @@
+"""The routed experts on a TPU: the Pallas grouped matmul (megablox `gmm`) over Hugging Face's [out, in] experts.
+
+Why not `jax.lax.ragged_dot` there: libtpu does lower it to a native Mosaic
+grouped matmul (a `ragged-dot-none` kernel over whole [K, N] expert blocks,
+its grid only the tiles of non-empty groups), but that kernel takes the
+experts as [E, K, N] with N minor. Stored as the checkpoints give them,
+[E, out, in] (what the model keeps everywhere: no transpose at load time),
+XLA copies every expert of the layer into that layout on every step: for
+Qwen3-30B-A3B's 128 x 768 x 2048 up to 3 x 384 MiB of temporaries and about
+2.4 GB of extra HBM traffic a layer, 32x what a one-token decode step's 8
+experts weigh. Stored [E, in, out] it needs no copy, except where the
+per-device N is not a multiple of 128 lanes (Qwen3-30B-A3B's 768 columns over
+4 chips: 192): the chip's own layout of such an array puts K minor, and any
+kernel then copies that weight (expert parallelism avoids it). megablox's
+`gmm` reads [E, N, K] blocks as they are (`transpose_rhs`) and skips the empty
+groups' tiles, so a decode step reads only the experts its tokens reached;
+rows routed to another device's experts fall into one extra group it zeroes.
+`benchmarks/bench_tpu_aot.py --moe-block` compiles both and prints the numbers.
+
+`gmm_experts` has `jaxengine.moe.routed_experts`' contract, so the runner hands
+it to the model on platform tpu; `interpret` runs the kernel in Pallas'
+interpreter (the tests, on a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+# megablox's package re-exports `gmm` (the custom_vjp function) over its module's name
+_megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+# a weight tile of at most this many elements (bf16: 4 MiB, double-buffered 8 MiB): whole experts where they
+# fit, which a decode step wants (few grid steps, long DMAs), within v5e's 16 MiB of default scoped VMEM
+MAX_WEIGHT_TILE = 2 << 20
+ROW_ALIGN = 16  # bf16 rows per sublane tile
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for `m` rows (a multiple of tm) of [m, k] @ [k, n] blocks: up to 128 rows a tile, the whole
+    contraction and as many output columns as MAX_WEIGHT_TILE allows, halving K, then N, beyond it (K and N
+    stay multiples of 128 or whole, as Mosaic's blocks must)."""
+    tm = min(128, m)
+    tk, tn = k, n
+    while tk * tn > MAX_WEIGHT_TILE and tk % 256 == 0 and tk > 512:
+        tk //= 2
+    while tk * tn > MAX_WEIGHT_TILE and tn % 256 == 0:
+        tn //= 2
+    return tm, tk, tn
+
+
+def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, act=None, interpret=False, **_):
+    """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over this device's experts -> [T, H].
+
+    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H]; down [E_local, H, Ie] ([out, in]); first_expert:
+    the global index of gate[0] (an int32 scalar under shard_map): rows routed to other devices add 0.
+    `interpret`: False, True or a `pltpu.InterpretParams` (Pallas' interpreter, any platform).
+    """
+    act = act or (lambda g, u: jax.nn.silu(g) * u)
+    T, k = ids.shape
+    E, Ie, H = gate.shape
+    local = ids - first_expert
+    mine = (local >= 0) & (local < E)
+    flat = jnp.where(mine, local, E).reshape(-1)  # other devices' rows sort last, into group E
+    order = jnp.argsort(flat, stable=True)
+    # E + 1 groups over E experts: megablox computes the first E and zeroes the rows of the last
+    sizes = jnp.sum(flat[:, None] == jnp.arange(E + 1, dtype=flat.dtype), axis=0, dtype=jnp.int32)
+    m = _round_up(T * k, ROW_ALIGN)
+    m = _round_up(m, min(128, m))
+    src = order // k
+    rows = h[jnp.pad(src, (0, m - T * k))]  # [m, H]; the padded rows fall in group E (sizes sum to T k)
+    sizes = sizes.at[E].add(m - T * k)
+    zero = jnp.zeros((), jnp.int32)
+
+    def mm(x, w):  # x [m, K] . w [E, N, K]^T per group -> [m, N]
+        n, kk = w.shape[1], w.shape[2]
+        return _megablox.gmm(x, w, sizes, x.dtype, gmm_tiling(m, kk, n), group_offset=zero, transpose_rhs=True,
+                             interpret=interpret)
+
+    a = act(mm(rows, gate), mm(rows, up))  # [m, Ie]
+    o = mm(a, down)[: T * k]  # [T k, H]
+    w = jnp.where(mine, weights, jnp.zeros_like(weights)).reshape(-1)[order]
+    o = jnp.where((w != 0)[:, None], o * w[:, None], 0)
+    return jnp.zeros_like(h).at[src].add(o)
+
+
+def tpu_experts(interpret=False):
+    """`gmm_experts` with `interpret` bound: the experts function the runner passes for platform tpu."""
+    return functools.partial(gmm_experts, interpret=interpret)
+
+
+__all__ = ["MAX_WEIGHT_TILE", "gmm_experts", "gmm_tiling", "tpu_experts"]
