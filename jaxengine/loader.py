@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from enginecore.arch import ArchConfig, ModelLoadError, weight_spec
+from enginecore.arch import DENSE_MLP_PARAMS, MOE_PARAMS, ArchConfig, ModelLoadError, weight_spec
+from enginecore.model_checks import expert_tensor_name
 from enginecore.model_loader import ModelSource
 from cpu_kernels.memory import huge_page_array
 from jaxengine.cpu_wing import QX_LINEARS
@@ -54,6 +55,22 @@ def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
 
+def stack_index(arch: ArchConfig, name: str, layer: int, param: str) -> int:
+    """Where decoder layer `layer`'s `param` sits in its stack: the dense MLP's params stack the dense layers, the
+    sparse MLP's the sparse ones (`model.LayerParams`), the rest every layer."""
+    if layer >= arch.num_hidden_layers:
+        raise ModelLoadError(f"{name}: layer {layer} but the config has {arch.num_hidden_layers} layers")
+    dense, sparse = param in DENSE_MLP_PARAMS, param in MOE_PARAMS
+    if not (dense or sparse):
+        return layer
+    if sparse != arch.is_sparse(layer):
+        raise ModelLoadError(f"{name}: layer {layer} is {'sparse (MoE)' if arch.is_sparse(layer) else 'dense'} in "
+                             "the config (num_experts / decoder_sparse_step / mlp_only_layers)")
+    if arch.moe is None:
+        return layer
+    return arch.moe.sparse_index(layer) if sparse else arch.moe.dense_index(layer)
+
+
 def load_params(
     source: ModelSource,
     arch: ArchConfig,
@@ -74,52 +91,85 @@ def load_params(
     array instead and placed once complete, without a copy (`_host_array`): the
     same values, without the two small XLA programs (zeros, update-slice) each
     stacked shape compiled at load (~2 s of the embedded model's 3.4 s here).
+
+    A sparse layer's experts come one tensor per expert (Hugging Face's) or all of them stacked (GGUF's,
+    transformers 5's fused ones). On devices, one-expert tensors gather on the host into their layer's
+    [E, ...] slice, placed once every expert is in (so the slice lands sharded, experts or columns, as its
+    param is); the host holds a layer's experts of a param, not more, as files list them layer by layer.
     """
     t0 = time.perf_counter()
     abstract = abstract_params(arch, dtype)
     out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
+    gathering: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # (field, index) -> ([E, ...] on the host, experts)
+    experts_seen: dict[tuple, set[int]] = {}  # (field, index) -> experts filled one by one (the host path)
     for name, arr in source.iter_weights():
         path = param_path(name)
         if path is None:
             continue
+        found = weight_spec(name)
+        expert = found[1].expert if found is not None else None
         if kv_repeats > 1 and name.endswith(_KV_PROJECTIONS):
             arr = repeat_heads(arr, kv_repeats, arch.head_dim)
         if path == ("lm_head",) and arch.tie_word_embeddings:
             continue
         spec = _get(abstract, path)
         if spec is None:
-            raise ModelLoadError(f"{name}: the config does not expect this tensor (check attention_bias / qk_norm)")
+            raise ModelLoadError(f"{name}: the config does not expect this tensor (check attention_bias / qk_norm / "
+                                 "the MoE settings)")
         sharding = _get(shardings, path)
         if path[0] != "layers":
             _check_size(name, arr, spec.shape, spec)
             _set(out, path, _put(arr, spec.shape, spec.dtype, sharding))
             filled[path] = {0}
             continue
-        layer = path[1]
-        if layer >= arch.num_hidden_layers:
-            raise ModelLoadError(f"{name}: layer {layer} but the config has {arch.num_hidden_layers} layers")
+        index = stack_index(arch, name, path[1], path[2])
         key = ("layers", path[2])
+        if expert is not None and not 0 <= expert < spec.shape[1]:
+            raise ModelLoadError(f"{name}: expert {expert} but the config has {spec.shape[1]} experts")
+        one = spec.shape[2:] if expert is not None else spec.shape[1:]
+        _check_size(name, arr, one, spec)
         stacked = _get(out, path)
-        _check_size(name, arr, spec.shape[1:], spec)
         if isinstance(stacked, ParamSpec):  # on one CPU device a host array, placed once complete (below)
             stacked = (_host_array(spec.shape, spec.dtype) if _host_memory(sharding) else
                        jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)())
         if isinstance(stacked, np.ndarray):
-            stacked[layer] = np.asarray(arr).reshape(spec.shape[1:])  # cast to the param's dtype by numpy
+            at = (index,) if expert is None else (index, expert)
+            stacked[at] = np.asarray(arr).reshape(one)  # cast to the param's dtype by numpy
+            if expert is not None:
+                got = experts_seen.setdefault((path[2], index), set())
+                got.add(expert)
+                if len(got) < spec.shape[1]:
+                    _set(out, path, stacked)
+                    continue
         else:
+            if expert is not None:
+                host, got = gathering.setdefault((path[2], index), (np.empty(spec.shape[1:], spec.dtype), set()))
+                host[expert] = np.asarray(arr).reshape(one)
+                got.add(expert)
+                _set(out, path, stacked)
+                if len(got) < spec.shape[1]:
+                    continue
+                arr = gathering.pop((path[2], index))[0]
             x = _put(arr, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
-            stacked = _set_layer(stacked, x, jnp.int32(layer))
+            stacked = _set_layer(stacked, x, jnp.int32(index))
         _set(out, path, stacked)
-        filled.setdefault(key, set()).add(layer)
+        filled.setdefault(key, set()).add(index)
     missing = [
         jax.tree_util.keystr(p)
         for p, leaf in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_spec)[0]
         if isinstance(leaf, ParamSpec)
     ]
+    partial = {k: got for k, got in experts_seen.items() if k[1] not in filled.get(("layers", k[0]), ())}
+    partial.update({k: got for k, (_, got) in gathering.items()})
+    for (field, index), got in sorted(partial.items()):
+        layer = _stack_layers(arch, field)[index]
+        gap = min(set(range(arch.moe.num_experts)) - got)
+        missing.insert(0, f"{expert_tensor_name(arch, layer, gap, field)} (expert {gap} of layer {layer})")
     for key, layers in filled.items():
-        if key[0] == "layers" and len(layers) != arch.num_hidden_layers:
-            gaps = sorted(set(range(arch.num_hidden_layers)) - layers)
+        n = _get(abstract, ("layers", 0, key[1])).shape[0] if key[0] == "layers" else 1
+        if key[0] == "layers" and len(layers) != n:
+            gaps = sorted(_stack_layers(arch, key[1])[i] for i in set(range(n)) - layers)
             missing.append(f"{key[1]} of layer(s) {gaps[:5]}")
     if missing:
         raise ModelLoadError(
@@ -132,6 +182,16 @@ def load_params(
     if log:
         log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
     return out
+
+
+def _stack_layers(arch: ArchConfig, param: str) -> list[int]:
+    """The decoder layers a param's stack holds, in order."""
+    layers = range(arch.num_hidden_layers)
+    if param in MOE_PARAMS:
+        return [l for l in layers if arch.is_sparse(l)]
+    if param in DENSE_MLP_PARAMS:
+        return [l for l in layers if not arch.is_sparse(l)]
+    return list(layers)
 
 
 _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",

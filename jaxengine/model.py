@@ -19,6 +19,7 @@ norms, RoPE, activation and LM head, or every layer in one call
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +27,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from enginecore.arch import ArchConfig
+from enginecore.arch import DENSE_MLP_PARAMS, MOE_PARAMS, ArchConfig
+from jaxengine.moe import moe_mlp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -65,14 +67,24 @@ class LayerParams:
     v_proj: jax.Array  # [L, Hkv, D, H]
     o_proj: jax.Array  # [L, H, Hq, D]
     mlp_norm: jax.Array  # [L, H]
-    gate_proj: jax.Array  # [L, I, H]
-    up_proj: jax.Array  # [L, I, H]
-    down_proj: jax.Array  # [L, H, I]
+    # the dense MLP, stacked over the Ld dense layers (every layer of a dense model; None: no dense layer)
+    gate_proj: jax.Array | None = None  # [Ld, I, H]
+    up_proj: jax.Array | None = None  # [Ld, I, H]
+    down_proj: jax.Array | None = None  # [Ld, H, I]
     q_bias: jax.Array | None = None  # [L, Hq, D] (Qwen2)
     k_bias: jax.Array | None = None  # [L, Hkv, D]
     v_bias: jax.Array | None = None  # [L, Hkv, D]
     q_norm: jax.Array | None = None  # [L, D] (Qwen3)
     k_norm: jax.Array | None = None  # [L, D]
+    # the sparse MLP (`jaxengine.moe`), stacked over the Ls sparse layers (None: a dense model)
+    router: jax.Array | None = None  # [Ls, E, H]
+    experts_gate: jax.Array | None = None  # [Ls, E, Ie, H]
+    experts_up: jax.Array | None = None  # [Ls, E, Ie, H]
+    experts_down: jax.Array | None = None  # [Ls, E, H, Ie]
+    shared_gate_proj: jax.Array | None = None  # [Ls, Is, H] (Qwen2-MoE's shared expert)
+    shared_up_proj: jax.Array | None = None  # [Ls, Is, H]
+    shared_down_proj: jax.Array | None = None  # [Ls, H, Is]
+    shared_expert_gate: jax.Array | None = None  # [Ls, 1, H]
 
 
 @jax.tree_util.register_dataclass
@@ -97,8 +109,11 @@ def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
     def spec(shape, axes):
         return ParamSpec(tuple(shape), dt, tuple(axes))
 
-    def lspec(shape, axes):
-        return spec((L, *shape), ("layers", *axes))
+    moe = arch.moe
+    Ls = moe.num_sparse_layers if moe is not None else 0
+
+    def lspec(shape, axes, n=L):
+        return spec((n, *shape), ("layers", *axes))
 
     def layer() -> LayerParams:
         lp = LayerParams(
@@ -108,10 +123,23 @@ def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
             v_proj=lspec((Hkv, D, H), ("kv_heads", "head_dim", "embed")),
             o_proj=lspec((H, Hq, D), ("embed", "q_heads", "head_dim")),
             mlp_norm=lspec((H,), ("norm",)),
-            gate_proj=lspec((I, H), ("mlp", "embed")),
-            up_proj=lspec((I, H), ("mlp", "embed")),
-            down_proj=lspec((H, I), ("embed", "mlp")),
         )
+        if L - Ls:
+            lp.gate_proj = lspec((I, H), ("mlp", "embed"), L - Ls)
+            lp.up_proj = lspec((I, H), ("mlp", "embed"), L - Ls)
+            lp.down_proj = lspec((H, I), ("embed", "mlp"), L - Ls)
+        if Ls:
+            E, Ie, Is = moe.num_experts, moe.intermediate_size, moe.shared_expert_intermediate_size
+            lp.router = lspec((E, H), (None, "embed"), Ls)  # (tiny: every device routes every token)
+            lp.experts_gate = lspec((E, Ie, H), ("experts", "expert_mlp", "embed"), Ls)
+            lp.experts_up = lspec((E, Ie, H), ("experts", "expert_mlp", "embed"), Ls)
+            lp.experts_down = lspec((E, H, Ie), ("experts", "embed", "expert_mlp"), Ls)
+            if Is:
+                lp.shared_gate_proj = lspec((Is, H), ("mlp", "embed"), Ls)
+                lp.shared_up_proj = lspec((Is, H), ("mlp", "embed"), Ls)
+                lp.shared_down_proj = lspec((H, Is), ("embed", "mlp"), Ls)
+            if moe.shared_expert_gate:
+                lp.shared_expert_gate = lspec((1, H), (None, "embed"), Ls)
         if arch.attention_bias:
             lp.q_bias = lspec((Hq, D), ("q_heads", "head_dim"))
             lp.k_bias = lspec((Hkv, D), ("kv_heads", "head_dim"))
@@ -256,6 +284,9 @@ class ModelKernels:
     # (params, x [T, H], cos, sin, kv_cache, md, keep, all_rows) -> (hidden, kv_cache): every layer of a step
     # at once, in place of the scan over `_layer` (the same arithmetic); None: the scan
     layers: Callable | None = None
+    # (h [T, H] after the MLP norm, lp, MoEConfig) -> [T, H]: a sparse layer's MLP (`jaxengine.moe.moe_mlp`; the
+    # runner's is shard_map'd over the mesh, `jaxengine.sharding.shard_experts`)
+    moe: Callable = moe_mlp
 
     @classmethod
     def xla(cls, weights_first_rows: int = 0) -> ModelKernels:
@@ -294,8 +325,42 @@ def _layer(params: ModelParams, lp: LayerParams, layer, x, kv_cache, md: RaggedM
     (o,) = lin(attn.astype(x.dtype).reshape(T, Hq * D), "o")
     x = x + o
     h = norm(x, lp.mlp_norm, eps)
+    if lp.router is not None:  # a sparse layer
+        return x + kernels.moe(h, lp, arch.moe), kv_cache
     (down,) = lin(kernels.gated_act(*lin(h, "gate_up")), "down")
     return x + down, kv_cache
+
+
+def layer_runs(arch: ArchConfig) -> tuple[tuple[int, int, bool], ...]:
+    """The decoder's runs of consecutive layers of one kind, (start, stop, sparse): one run for a uniform model
+    (each run is one scan: its layers' params stack alike)."""
+    kinds = [arch.is_sparse(l) for l in range(arch.num_hidden_layers)]
+    runs, start = [], 0
+    for l in range(1, len(kinds) + 1):
+        if l == len(kinds) or kinds[l] != kinds[start]:
+            runs.append((start, l, kinds[start]))
+            start = l
+    return tuple(runs)
+
+
+def run_params(layers: LayerParams, arch: ArchConfig, start: int, stop: int, sparse: bool) -> LayerParams:
+    """Layers [start, stop) of one kind: each field cut from its own stack (the dense MLP's over the dense layers,
+    the sparse MLP's over the sparse ones), the other kind's MLP None. A whole stack is passed as it is."""
+    n = stop - start
+    mlp_start = start if arch.moe is None else (arch.moe.sparse_index(start) if sparse
+                                                 else arch.moe.dense_index(start))
+
+    def cut(a, lo):
+        return a if a is None or (lo == 0 and a.shape[0] == n) else a[lo:lo + n]
+
+    fields = {}
+    for f in dataclasses.fields(layers):
+        a = getattr(layers, f.name)
+        if f.name in DENSE_MLP_PARAMS or f.name in MOE_PARAMS:
+            fields[f.name] = cut(a, mlp_start) if (f.name in MOE_PARAMS) == sparse else None
+        else:
+            fields[f.name] = cut(a, start)
+    return LayerParams(**fields)
 
 
 def forward(
@@ -333,16 +398,18 @@ def forward(
         md_l = RaggedMetadata(md.kv_lens, md.block_tables + l * num_blocks, md.cu_q_lens, md.distribution)
         return _layer(params, lp, l, x, cache, md_l, cos, sin, arch, attention_fn, kernels)
 
-    if scan_layers:
-        def body(carry, xs):
-            lp, l = xs
-            return layer(*carry, lp, l), None
+    def body(carry, xs):
+        lp, l = xs
+        return layer(*carry, lp, l), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, jnp.arange(L, dtype=jnp.int32)))
-    else:
-        for l in range(L):
-            lp = jax.tree.map(lambda a: a[l], params.layers)
-            x, kv_cache = layer(x, kv_cache, lp, l)
+    for start, stop, sparse in layer_runs(arch):  # (one run, the whole stack, for a uniform model)
+        lps = run_params(params.layers, arch, start, stop, sparse)
+        if scan_layers:
+            (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (lps, jnp.arange(start, stop, dtype=jnp.int32)))
+        else:
+            for i in range(stop - start):
+                lp = jax.tree.map(lambda a: a[i], lps)
+                x, kv_cache = layer(x, kv_cache, lp, start + i)
     return x, kv_cache
 
 
@@ -384,4 +451,6 @@ __all__ = [
     "jnp_dtype",
     "kv_cache_shape",
     "greedy_tokens",
+    "layer_runs",
+    "run_params",
 ]

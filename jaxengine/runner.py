@@ -60,6 +60,7 @@ from jaxengine.compilation import (
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.loader import attach_cpu_qx
 from jaxengine.model import ModelKernels, abstract_params, is_spec, jnp_dtype, kv_cache_shape
+from jaxengine.moe import moe_mlp, routed_experts
 from jaxengine.programs import (
     ModelLayout,
     ProgramKey,
@@ -80,6 +81,7 @@ from jaxengine.sharding import (
     repeat_kv_heads,
     replicated,
     shard_attention,
+    shard_experts,
 )
 from jaxengine.tpu_target import check_attached
 
@@ -139,7 +141,7 @@ class JaxModelRunner:
         elif self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
             logger.warning(note)
         self.mesh = make_mesh(pc.tensor_parallel_size, 1, self.devices)
-        self.rules = ShardingRules.for_model(self.arch, self.mesh)
+        self.rules = ShardingRules.for_model(self.arch, self.mesh, expert_parallel=pc.enable_expert_parallel)
         self.heads_tp = self.mesh.shape["model"] if self.rules.shard_heads else 1
         self.attention_backend = plat.resolve_attention_backend(dc.attention_backend, self.platform)
         self.block_size = cc.block_size
@@ -184,6 +186,12 @@ class JaxModelRunner:
         # what forward runs: XLA's ops (weights first for few rows: model.dense), or the CPU kernels on the panels
         self.kernels = (cpu_wing.model_kernels(self.arch, layers=self.cpu_layers) if self.cpu_linears
                         else ModelKernels.xla(self.weights_first_rows))
+        if self.arch.moe is not None:
+            # the routed experts' method by each bucket's token count (jaxengine.moe.pick_method) unless
+            # compilation_config={"moe_method": ...} fixes one; split over the mesh under shard_map
+            experts = functools.partial(routed_experts, method=opts.get("moe_method"), platform=self.platform)
+            self.kernels = dataclasses.replace(self.kernels, moe=functools.partial(
+                moe_mlp, experts=shard_experts(experts, self.mesh, self.rules, self.arch)))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most

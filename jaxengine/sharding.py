@@ -12,6 +12,14 @@ With more devices than kv heads (Llama-3.1-70B's 8 on 16 chips), each kv head
 is repeated so that there are as many as devices (`kv_head_repeats`, as vLLM
 does): q heads stay sharded and every device stores the one kv head its q
 heads read, instead of every device holding all attention weights.
+
+A sparse layer's experts split like the dense MLP by default: each expert's
+columns (Ie) over 'model'. With `--enable-expert-parallel` whole experts split
+instead (E / N per device; vLLM's EP size is TP x DP, here the 'model' axis:
+the jax backend runs one data-parallel replica). Either way the routed
+experts run under shard_map (`shard_experts`; GSPMD does not partition the
+grouped matmul well): every device routes every token, computes its experts'
+or columns' share and a psum adds them up.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from enginecore.arch import ArchConfig
+from enginecore.config import ConfigError
 from jaxengine.model import ParamSpec, is_spec
 
 MESH_AXES = ("data", "model")
@@ -67,9 +76,16 @@ class ShardingRules:
     shard_heads: bool  # attention heads (and the KV cache) split over 'model'
 
     @classmethod
-    def for_model(cls, arch: ArchConfig, mesh: Mesh) -> "ShardingRules":
+    def for_model(cls, arch: ArchConfig, mesh: Mesh, expert_parallel: bool = False) -> "ShardingRules":
+        """`expert_parallel` (--enable-expert-parallel): whole experts over 'model', not their columns; the
+        expert count must divide by the axis (a ConfigError otherwise)."""
         tp = mesh.shape["model"]
         heads = tp > 1 and arch.num_key_value_heads % tp == 0
+        if expert_parallel and arch.moe is not None and arch.moe.num_experts % tp:
+            raise ConfigError(f"--enable-expert-parallel splits the {arch.moe.num_experts} experts over "
+                              f"--tensor-parallel-size {tp} devices, which does not divide them: choose a size "
+                              "that divides the expert count, or drop --enable-expert-parallel (each expert's "
+                              "columns split instead)")
         rules = {
             "layers": None,
             "vocab": "model",
@@ -79,6 +95,8 @@ class ShardingRules:
             "head_dim": None,
             "mlp": "model",
             "norm": None,
+            "experts": "model" if expert_parallel else None,
+            "expert_mlp": None if expert_parallel else "model",
         }
         return cls(tuple(rules.items()), heads)
 
@@ -137,6 +155,30 @@ def shard_attention(attention_fn, mesh: Mesh, rules: ShardingRules, opaque: bool
             out_specs=(heads, cache),
             check_vma=False,
         )(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution)
+
+    return fn
+
+
+def shard_experts(experts_fn, mesh: Mesh, rules: ShardingRules, arch: ArchConfig):
+    """`jaxengine.moe.routed_experts` (h, ids, weights, gate, up, down) -> [T, H] run per device under shard_map:
+    each device its experts (expert parallel: `first_expert` its first) or its columns of every expert, for every
+    token, then a psum over 'model'. As is where neither splits (one device, or sizes that do not divide)."""
+    m = arch.moe
+    H, E, Ie = arch.hidden_size, m.num_experts, m.intermediate_size
+    gate = rules.spec((E, Ie, H), ("experts", "expert_mlp", "embed"), mesh)
+    down = rules.spec((E, H, Ie), ("experts", "embed", "expert_mlp"), mesh)
+    if gate == P(None, None, None):
+        return experts_fn
+    by_expert = gate[0] is not None
+    rep = P()
+
+    def local(h, ids, weights, g, u, d):
+        first = jax.lax.axis_index("model") * g.shape[0] if by_expert else 0
+        return jax.lax.psum(experts_fn(h, ids, weights, g, u, d, first_expert=first), "model")
+
+    def fn(h, ids, weights, g, u, d):
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, gate, gate, down), out_specs=rep,
+                             check_vma=False)(h, ids, weights, g, u, d)
 
     return fn
 

@@ -1,0 +1,156 @@
+"""A sparse layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router, the routed experts, the shared expert.
+
+`moe_mlp(h, lp, moe)` is the whole block over a layer's slice of the params
+(`model.LayerParams`' router / experts_* / shared_* fields), in Hugging Face's
+order: probs = softmax(float32 router logits) over every expert, the top_k
+kept (renormalised when `norm_topk_prob`), cast to the activations' dtype;
+out = sum_k w_k * down_e(silu(gate_e h) * up_e h), plus Qwen2-MoE's shared
+expert scaled by sigmoid(h . shared_expert_gate^T).
+
+The routed experts (`routed_experts`) are computed one of three ways, all
+with static shapes (new routing never recompiles):
+
+- "ragged": the T*k (token, expert) rows sorted by expert, one grouped matmul
+  (`jax.lax.ragged_dot_general`) with the group sizes. Native on TPU (and
+  GPU); XLA:CPU lowers it as every row through every group (masked), G times
+  the dense method's work.
+- "gather": each row multiplies its own expert's weights, gathered (w[ids]):
+  reads only the routed experts, what a decode step of few tokens wants.
+- "dense": every token through every expert, the outputs combined with the
+  routing weights (zero off the top_k): reads each expert once, the most
+  work, the fastest on a CPU once most experts are routed to anyway.
+
+`pick_method` chooses by the static row count (a bucket's T). An expert-parallel
+device holds experts [first_expert, first_expert + E_local) and computes those
+rows only (`jaxengine.sharding.shard_experts` sums the devices' parts).
+`moe_reference` is the plain per-expert loop the tests compare against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from enginecore.arch import MoEConfig
+
+METHODS = ("ragged", "gather", "dense")
+# XLA:CPU: the gather method up to this many (token, expert) rows, every expert dense above it
+# (benchmarks/bench_moe.py: equal at ~2 rows per expert)
+CPU_GATHER_ROWS_PER_EXPERT = 2
+
+
+def route(h, router, moe: MoEConfig):
+    """h [T, H], router [E, H] -> (ids [T, k] int32, weights [T, k] in h's dtype)."""
+    logits = jax.lax.dot_general(h, router, (((1,), (1,)), ((), ())))  # [T, E], as transformers: in h's dtype
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, ids = jax.lax.top_k(probs, moe.top_k)
+    if moe.norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), w.astype(h.dtype)
+
+
+def pick_method(rows: int, num_experts: int, platform: str = "cpu") -> str:
+    """The routed experts' method for `rows` = T * top_k (token, expert) rows of `num_experts` experts."""
+    if platform != "cpu":
+        return "ragged"
+    return "gather" if rows <= CPU_GATHER_ROWS_PER_EXPERT * num_experts else "dense"
+
+
+def _local(ids, weights, first_expert, num_local: int):
+    """ids [T, k] as indices into this device's experts (clipped), and the weights with other devices' rows 0."""
+    local = ids - first_expert
+    mine = (local >= 0) & (local < num_local)
+    return jnp.clip(local, 0, num_local - 1), jnp.where(mine, weights, jnp.zeros_like(weights)), mine
+
+
+def _gather(h, ids, weights, gate, up, down, act):
+    wg, wu = gate[ids], up[ids]  # [T, k, Ie, H]: the routed experts' rows only
+    a = act(jnp.einsum("th,tkih->tki", h, wg), jnp.einsum("th,tkih->tki", h, wu))
+    o = jnp.einsum("tki,tkhi->tkh", a, down[ids])  # [T, k, H]
+    return jnp.einsum("tk,tkh->th", weights, o)
+
+
+def _dense(h, ids, weights, gate, up, down, act):
+    E = gate.shape[0]
+    combine = jnp.sum(jnp.where(ids[..., None] == jnp.arange(E), weights[..., None], 0), axis=1)  # [T, E]
+    a = act(jnp.einsum("th,eih->tei", h, gate), jnp.einsum("th,eih->tei", h, up))  # [T, E, Ie]
+    o = jnp.einsum("tei,ehi->teh", a, down)
+    return jnp.einsum("te,teh->th", combine.astype(o.dtype), o)
+
+
+def _ragged(h, ids, weights, mine, gate, up, down, act):
+    T, k = ids.shape
+    E = gate.shape[0]
+    flat = jnp.where(mine, ids, E).reshape(-1)  # other devices' rows sort last, in no group
+    order = jnp.argsort(flat, stable=True)
+    rows = h[order // k]  # [T * k, H] grouped by expert
+    sizes = jnp.sum(flat[:, None] == jnp.arange(E, dtype=flat.dtype), axis=0, dtype=jnp.int32)  # [E]
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                             lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+    grouped = functools.partial(jax.lax.ragged_dot_general, group_sizes=sizes, ragged_dot_dimension_numbers=dims)
+    a = act(grouped(rows, gate), grouped(rows, up))  # [T * k, Ie]
+    o = grouped(a, down)  # [T * k, H]; rows past the groups are not defined on every platform: zeroed by w
+    w = weights.reshape(-1)[order]
+    o = jnp.where((w != 0)[:, None], o * w[:, None], 0)
+    return jnp.zeros_like(h).at[order // k].add(o)
+
+
+def routed_experts(h, ids, weights, gate, up, down, *, first_expert=0, method: str | None = None,
+                   platform: str = "cpu", act=None):
+    """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over this device's experts -> [T, H].
+
+    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H]; down [E_local, H, Ie] (Hugging Face's [out, in]);
+    first_expert: the global index of gate[0] (an int32 scalar under shard_map); rows routed elsewhere add 0.
+    method: one of METHODS, None: `pick_method`'s. act(gate, up) -> the gated activation (SiLU by default).
+    """
+    act = act or (lambda g, u: jax.nn.silu(g) * u)
+    E = gate.shape[0]
+    method = method or pick_method(ids.size, E, platform)
+    if method not in METHODS:
+        raise ValueError(f"MoE method must be one of {', '.join(METHODS)}; got {method!r}")
+    local, weights, mine = _local(ids, weights, first_expert, E)
+    if method == "ragged":
+        return _ragged(h, local, weights, mine, gate, up, down, act)
+    return (_gather if method == "gather" else _dense)(h, local, weights, gate, up, down, act)
+
+
+def shared_expert(h, lp):
+    """Qwen2-MoE's shared expert, gated by sigmoid(h . shared_expert_gate^T); None where the layer has none."""
+    if lp.shared_gate_proj is None:
+        return None
+    dims = (((1,), (1,)), ((), ()))
+    mm = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
+    out = mm(jax.nn.silu(mm(h, lp.shared_gate_proj)) * mm(h, lp.shared_up_proj), lp.shared_down_proj)
+    if lp.shared_expert_gate is not None:
+        out = jax.nn.sigmoid(mm(h, lp.shared_expert_gate)) * out
+    return out
+
+
+def moe_mlp(h, lp, moe: MoEConfig, experts=routed_experts):
+    """A sparse layer's MLP: h [T, H] (after the MLP norm), lp the layer's params -> [T, H].
+
+    experts(h, ids, weights, gate, up, down) -> [T, H]: `routed_experts` (one device), or its shard_map'd form.
+    """
+    ids, w = route(h, lp.router, moe)
+    out = experts(h, ids, w, lp.experts_gate, lp.experts_up, lp.experts_down)
+    shared = shared_expert(h, lp)
+    return out if shared is None else out + shared
+
+
+def moe_reference(h, lp, moe: MoEConfig):
+    """The plain form for tests: every expert over every token, masked by the routing, one expert at a time."""
+    ids, w = route(h, lp.router, moe)
+    out = jnp.zeros(h.shape, jnp.float32)
+    for e in range(moe.num_experts):
+        g = h @ lp.experts_gate[e].T
+        y = (jax.nn.silu(g) * (h @ lp.experts_up[e].T)) @ lp.experts_down[e].T
+        scale = jnp.sum(jnp.where(ids == e, w, 0), axis=-1)
+        out = out + scale[:, None].astype(jnp.float32) * y.astype(jnp.float32)
+    shared = shared_expert(h, lp)
+    out = out.astype(h.dtype)
+    return out if shared is None else out + shared
+
+
+__all__ = ["METHODS", "moe_mlp", "moe_reference", "pick_method", "route", "routed_experts", "shared_expert"]
