@@ -20,6 +20,14 @@ rows routed to another device's experts fall into one extra group it zeroes.
 `gmm_experts` has `jaxengine.moe.routed_experts`' contract, so the runner hands
 it to the model on platform tpu; `interpret` runs the kernel in Pallas'
 interpreter (the tests, on a CPU).
+
+Inside the model's scan over layers the experts come in as the layer's slice
+of the stacked [Ls, E, N, K] params, and XLA materializes that slice for the
+custom call: a copy of every local expert of the layer on every step (for
+Qwen3-30B-A3B on 4 chips 3 x 96 MiB a layer, about 3x the bytes a 16-token
+decode step's reached experts weigh). Given the whole stack and the `layer`
+index instead, `gmm_experts` multiplies it as [Ls E, N, K] (a bitcast) with
+the other layers' groups empty, which the kernel never visits: no copy.
 """
 
 from __future__ import annotations
@@ -56,16 +64,21 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
-def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, act=None, interpret=False, **_):
+def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, layer=None, act=None, interpret=False, **_):
     """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over this device's experts -> [T, H].
 
-    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H]; down [E_local, H, Ie] ([out, in]); first_expert:
-    the global index of gate[0] (an int32 scalar under shard_map): rows routed to other devices add 0.
+    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H]; down [E_local, H, Ie] ([out, in]), or all sparse
+    layers' stacks [Ls, E_local, ...] with `layer` (an int32 scalar) the one to multiply; first_expert: the
+    global index of gate[0] (an int32 scalar under shard_map): rows routed to other devices add 0.
     `interpret`: False, True or a `pltpu.InterpretParams` (Pallas' interpreter, any platform).
     """
     act = act or (lambda g, u: jax.nn.silu(g) * u)
     T, k = ids.shape
-    E, Ie, H = gate.shape
+    stacks = 1
+    if gate.ndim == 4:  # [Ls, E, N, K] -> [Ls E, N, K], this layer's groups at layer * E
+        stacks = gate.shape[0]
+        gate, up, down = (w.reshape(-1, *w.shape[2:]) for w in (gate, up, down))
+    E, Ie, H = gate.shape[0] // stacks, gate.shape[1], gate.shape[2]
     local = ids - first_expert
     mine = (local >= 0) & (local < E)
     flat = jnp.where(mine, local, E).reshape(-1)  # other devices' rows sort last, into group E
@@ -77,6 +90,9 @@ def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, act=None, in
     src = order // k
     rows = h[jnp.pad(src, (0, m - T * k))]  # [m, H]; the padded rows fall in group E (sizes sum to T k)
     sizes = sizes.at[E].add(m - T * k)
+    if stacks > 1:
+        full = jnp.zeros((stacks * E + 1,), jnp.int32).at[stacks * E].set(sizes[E])
+        sizes = jax.lax.dynamic_update_slice(full, sizes[:E], (layer * E,))
     zero = jnp.zeros((), jnp.int32)
 
     def mm(x, w):  # x [m, K] . w [E, N, K]^T per group -> [m, N]

@@ -233,6 +233,53 @@ def test_gmm_experts_in_the_pallas_interpreter(T, first):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_gmm_experts_on_the_whole_stack_multiply_the_layers_experts():
+    """Given [Ls, E, N, K] stacks and a layer index (an expert-parallel device's 4 experts of 8 from 4), the
+    layer's experts, in the Pallas interpreter: the form that spares the scan a copy of the layer's slice."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxengine.tpu_moe import gmm_experts
+
+    h, ids, w, gate, up, down = _experts_case(T=8)
+    stack = lambda a: jnp.stack([a[4:] * 0.5, a[4:], -a[4:]])  # noqa: E731 (3 layers; layer 1 is the one)
+    got = gmm_experts(h, ids, w, stack(gate), stack(up), stack(down), first_expert=jnp.int32(4),
+                      layer=jnp.int32(1), interpret=pltpu.InterpretParams(detect_races=True))
+    np.testing.assert_allclose(np.asarray(got), _experts_reference(h, ids, w, gate[4:], up[4:], down[4:], 4),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_libtpu
+def test_gmm_on_the_whole_stack_spares_the_scan_a_copy_of_each_layers_experts():
+    """A scan over 4 sparse layers of 32 [768, 2048] experts, compiled for v6e: sliced per layer (xs), XLA
+    materializes each layer's experts for the custom call; the whole stack with the layer index needs none."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxengine.tpu_moe import gmm_experts
+    from jaxengine.tpu_target import topology_devices
+
+    device = topology_devices(parse_topology("v6e:1x1"))[0]
+    one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
+    L, E, Ie, H, T, k = 4, 32, 768, 2048, 16, 8
+    sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((L, E, Ie, H)), sd((L, E, Ie, H)), sd((L, E, H, Ie)))
+
+    def sliced(h, ids, w, g, u, d):
+        return jax.lax.scan(lambda x, lw: (x + gmm_experts(x, ids, w, *lw), None), h, (g, u, d))[0]
+
+    def stacked(h, ids, w, g, u, d):
+        return jax.lax.scan(lambda x, l: (x + gmm_experts(x, ids, w, g, u, d, layer=l), None), h,
+                            jnp.arange(L, dtype=jnp.int32))[0]
+
+    temps = [jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes for f in (sliced, stacked)]
+    one_expert_tensor = E * Ie * H * 2
+    assert temps[0] >= one_expert_tensor > 16 * temps[1], temps
+
+
 def test_gmm_tiling_keeps_the_weight_tile_in_vmem():
     from jaxengine.tpu_moe import MAX_WEIGHT_TILE, gmm_tiling
 
@@ -467,6 +514,8 @@ def test_tiny_moe_compiles_for_v5e_with_expert_parallelism(tmp_path, capsys):
 @needs_libtpu
 @pytest.mark.parametrize("ep", [True, False])
 def test_moe_model_step_for_tpu_runs_gmm_without_copying_experts(tmp_path, ep):
+    """The runner's sparse layers on a TPU call megablox's gmm, not ragged_dot, and XLA relayouts no expert
+    weight (the scan still materializes each layer's slice of them: jaxengine.tpu_moe says why and how not)."""
     from jaxengine.aot import _engine_config
     from jaxengine.programs import ProgramKey
     from jaxengine.runner import JaxModelRunner
