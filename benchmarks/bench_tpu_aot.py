@@ -201,7 +201,7 @@ def _moe_block(model: dict, topology: str, tp: int, ep: bool, tokens: list[int])
             compiled = jax.jit(shard_experts(fn, mesh, rules, arch)).lower(*args).compile()
             text, mem = compiled.as_text(), compiled.memory_analysis()
             copies = sum(1 for line in text.splitlines() if " copy(" in line
-                         and f"[{local_e}," in line.split(" copy(")[0])
+                         and f"[{local_e}," in (out := line.split(" copy(")[0]) and str(H) in out)
             rows.append({"method": name, "tokens": T, "compile_s": time.perf_counter() - t0,
                          "temp_mib": mem.temp_size_in_bytes / 2**20, "weight_copies": copies,
                          "ragged_dot_kernels": text.count("ragged-dot-none"),
