@@ -129,6 +129,7 @@ def load_params(
             raise ModelLoadError(f"{name}: expert {expert} but the config has {spec.shape[1]} experts")
         one = spec.shape[2:] if expert is not None else spec.shape[1:]
         _check_size(name, arr, one, spec)
+        arr = _as_stored(name, path[2], arr, one)
         stacked = _get(out, path)
         if isinstance(stacked, ParamSpec):  # on one CPU device a host array, placed once complete (below)
             stacked = (_host_array(spec.shape, spec.dtype) if _host_memory(sharding) else
@@ -182,6 +183,17 @@ def load_params(
     if log:
         log("loaded %d tensors in %.2fs", sum(len(v) for v in filled.values()), time.perf_counter() - t0)
     return out
+
+
+def _as_stored(name: str, param: str, arr, shape: tuple):
+    """A tensor in its param's layout: the experts' down projection, [..., H, Ie] in the file, is stored
+    [..., Ie, H] (`model.LayerParams`); the rest as they are."""
+    if param != "experts_down":
+        return arr
+    if tuple(arr.shape[-2:]) != tuple(shape[-2:])[::-1]:
+        raise ModelLoadError(f"{name}: shape {tuple(arr.shape)} does not fit the expected "
+                             f"{(*shape[:-2], *shape[-2:][::-1])} ([..., hidden_size, moe_intermediate_size])")
+    return np.swapaxes(np.asarray(arr), -1, -2)
 
 
 def _stack_layers(arch: ArchConfig, param: str) -> list[int]:

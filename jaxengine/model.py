@@ -7,7 +7,11 @@ dataclass pytrees; `abstract_params` gives every leaf's shape, dtype and
 *logical* axes, which `sharding.py` maps to the mesh and `loader.py` fills
 tensor by tensor. Linear weights keep the Hugging Face [out, in] orientation
 (split into heads where there are heads): no transpose at load time, XLA
-contracts either side for free.
+contracts either side for free; but for the experts' down projection, stored
+[E, Ie, H] so that every expert's down is one 2-D dot (`jaxengine.moe`).
+Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) stack their sparse
+layers' MLP params over the sparse layers and the dense MLP's over the dense
+ones; `forward` scans each run of consecutive layers of one kind.
 
 `forward(params, kv_cache, input_ids, md, rope, ...) -> (hidden, kv_cache)` runs
 all scheduled tokens of one ragged step; `compute_logits` projects only the
@@ -80,7 +84,7 @@ class LayerParams:
     router: jax.Array | None = None  # [Ls, E, H]
     experts_gate: jax.Array | None = None  # [Ls, E, Ie, H]
     experts_up: jax.Array | None = None  # [Ls, E, Ie, H]
-    experts_down: jax.Array | None = None  # [Ls, E, H, Ie]
+    experts_down: jax.Array | None = None  # [Ls, E, Ie, H]: [in, out], transposed at load (`jaxengine.moe`)
     shared_gate_proj: jax.Array | None = None  # [Ls, Is, H] (Qwen2-MoE's shared expert)
     shared_up_proj: jax.Array | None = None  # [Ls, Is, H]
     shared_down_proj: jax.Array | None = None  # [Ls, H, Is]
@@ -133,7 +137,7 @@ def abstract_params(arch: ArchConfig, dtype: str) -> ModelParams:
             lp.router = lspec((E, H), (None, "embed"), Ls)  # (tiny: every device routes every token)
             lp.experts_gate = lspec((E, Ie, H), ("experts", "expert_mlp", "embed"), Ls)
             lp.experts_up = lspec((E, Ie, H), ("experts", "expert_mlp", "embed"), Ls)
-            lp.experts_down = lspec((E, H, Ie), ("experts", "embed", "expert_mlp"), Ls)
+            lp.experts_down = lspec((E, Ie, H), ("experts", "expert_mlp", "embed"), Ls)
             if Is:
                 lp.shared_gate_proj = lspec((Is, H), ("mlp", "embed"), Ls)
                 lp.shared_up_proj = lspec((Is, H), ("mlp", "embed"), Ls)

@@ -166,7 +166,6 @@ def shard_experts(experts_fn, mesh: Mesh, rules: ShardingRules, arch: ArchConfig
     m = arch.moe
     H, E, Ie = arch.hidden_size, m.num_experts, m.intermediate_size
     gate = rules.spec((E, Ie, H), ("experts", "expert_mlp", "embed"), mesh)
-    down = rules.spec((E, H, Ie), ("experts", "embed", "expert_mlp"), mesh)
     if gate == P(None, None, None):
         return experts_fn
     by_expert = gate[0] is not None
@@ -177,7 +176,7 @@ def shard_experts(experts_fn, mesh: Mesh, rules: ShardingRules, arch: ArchConfig
         return jax.lax.psum(experts_fn(h, ids, weights, g, u, d, first_expert=first), "model")
 
     def fn(h, ids, weights, g, u, d):
-        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, gate, gate, down), out_specs=rep,
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, gate, gate, gate), out_specs=rep,
                              check_vma=False)(h, ids, weights, g, u, d)
 
     return fn
