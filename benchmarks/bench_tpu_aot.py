@@ -186,7 +186,7 @@ def _moe_block(model: dict, topology: str, tp: int, ep: bool, tokens: list[int])
     rules = ShardingRules.for_model(arch, mesh, expert_parallel=ep)
     shape = ShardedShape.of(arch, tp, rules.shard_heads, 2, 2, expert_parallel=ep)
     gate_spec = rules.spec((E, Ie, H), ("experts", "expert_mlp", "embed"), mesh)
-    down_spec = rules.spec((E, H, Ie), ("experts", "embed", "expert_mlp"), mesh)
+    down_spec = rules.spec((E, Ie, H), ("experts", "expert_mlp", "embed"), mesh)  # [in, out] (jaxengine.moe)
     methods = {"gmm (megablox)": tpu_experts(),
                "ragged_dot": functools.partial(routed_experts, method="ragged", platform="tpu")}
     local_e = E // shape.experts_ep
@@ -194,7 +194,7 @@ def _moe_block(model: dict, topology: str, tp: int, ep: bool, tokens: list[int])
     for T in tokens:
         sd = lambda sh, spec, d=jnp.bfloat16: jax.ShapeDtypeStruct(sh, d, sharding=NamedSharding(mesh, spec))  # noqa: E731
         args = (sd((T, H), P()), sd((T, k), P(), jnp.int32), sd((T, k), P()), sd((E, Ie, H), gate_spec),
-                sd((E, Ie, H), gate_spec), sd((E, H, Ie), down_spec))
+                sd((E, Ie, H), gate_spec), sd((E, Ie, H), down_spec))
         read = expected_distinct_experts(E, k, T) / shape.experts_ep * expert_params(arch, shape) * 2
         for name, fn in methods.items():
             t0 = time.perf_counter()

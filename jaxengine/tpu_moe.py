@@ -3,18 +3,17 @@
 Why not `jax.lax.ragged_dot` there: libtpu does lower it to a native Mosaic
 grouped matmul (a `ragged-dot-none` kernel over whole [K, N] expert blocks,
 its grid only the tiles of non-empty groups), but that kernel takes the
-experts as [E, K, N] with N minor. Stored as the checkpoints give them,
-[E, out, in] (what the model keeps everywhere: no transpose at load time),
-XLA copies every expert of the layer into that layout on every step: for
-Qwen3-30B-A3B's 128 x 768 x 2048 up to 3 x 384 MiB of temporaries and about
-2.4 GB of extra HBM traffic a layer, 32x what a one-token decode step's 8
-experts weigh. Stored [E, in, out] it needs no copy, except where the
-per-device N is not a multiple of 128 lanes (Qwen3-30B-A3B's 768 columns over
-4 chips: 192): the chip's own layout of such an array puts K minor, and any
-kernel then copies that weight (expert parallelism avoids it). megablox's
-`gmm` reads [E, N, K] blocks as they are (`transpose_rhs`) and skips the empty
-groups' tiles, so a decode step reads only the experts its tokens reached;
-rows routed to another device's experts fall into one extra group it zeroes.
+experts as [E, K, N] with N minor. gate and up are stored as the checkpoints
+give them, [E, out, in] (no transpose at load time), so XLA copies every
+expert of the layer into [E, in, out] on every step: for Qwen3-30B-A3B's
+128 x 768 x 2048 two 384 MiB temporaries and about 1.6 GB of extra HBM traffic
+a layer, 21x what a one-token decode step's 8 experts weigh (down, stored
+[E, Ie, H], is ragged_dot's layout already). Where a per-device N is not a
+multiple of 128 lanes the chip's own layout of that array puts K minor, and
+any kernel copies it. megablox's `gmm` reads [E, N, K] blocks as they are
+(`transpose_rhs`; down is [E, K, N]) and skips the empty groups' tiles, so a
+decode step reads only the experts its tokens reached; rows routed to another
+device's experts fall into one extra group it zeroes.
 `benchmarks/bench_tpu_aot.py --moe-block` compiles both and prints the numbers.
 
 `gmm_experts` has `jaxengine.moe.routed_experts`' contract, so the runner hands
@@ -67,7 +66,8 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
 def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, layer=None, act=None, interpret=False, **_):
     """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over this device's experts -> [T, H].
 
-    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H]; down [E_local, H, Ie] ([out, in]), or all sparse
+    h [T, H]; ids, weights [T, k]; gate, up [E_local, Ie, H] ([out, in]); down [E_local, Ie, H] ([in, out], as
+    `jaxengine.moe` stores it), or all sparse
     layers' stacks [Ls, E_local, ...] with `layer` (an int32 scalar) the one to multiply; first_expert: the
     global index of gate[0] (an int32 scalar under shard_map): rows routed to other devices add 0.
     `interpret`: False, True or a `pltpu.InterpretParams` (Pallas' interpreter, any platform).
@@ -95,13 +95,13 @@ def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, layer=None, 
         sizes = jax.lax.dynamic_update_slice(full, sizes[:E], (layer * E,))
     zero = jnp.zeros((), jnp.int32)
 
-    def mm(x, w):  # x [m, K] . w [E, N, K]^T per group -> [m, N]
-        n, kk = w.shape[1], w.shape[2]
-        return _megablox.gmm(x, w, sizes, x.dtype, gmm_tiling(m, kk, n), group_offset=zero, transpose_rhs=True,
-                             interpret=interpret)
+    def mm(x, w, transposed):  # x [m, K] . per group w [E, N, K]^T (transposed) or w [E, K, N] -> [m, N]
+        kk, n = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
+        return _megablox.gmm(x, w, sizes, x.dtype, gmm_tiling(m, kk, n), group_offset=zero,
+                             transpose_rhs=transposed, interpret=interpret)
 
-    a = act(mm(rows, gate), mm(rows, up))  # [m, Ie]
-    o = mm(a, down)[: T * k]  # [T k, H]
+    a = act(mm(rows, gate, True), mm(rows, up, True))  # [m, Ie]
+    o = mm(a, down, False)[: T * k]  # [T k, H]
     w = jnp.where(mine, weights, jnp.zeros_like(weights)).reshape(-1)[order]
     o = jnp.where((w != 0)[:, None], o * w[:, None], 0)
     return jnp.zeros_like(h).at[src].add(o)

@@ -195,8 +195,9 @@ def _experts_case(T=8, k=2, E=8, Ie=128, H=256, seed=0):
     rng = np.random.default_rng(seed)
     f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, jnp.float32)  # noqa: E731
     ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    # gate / up [E, Ie, H] ([out, in]), down [E, Ie, H] ([in, out]), as jaxengine.moe stores them
     return f(T, H), ids, jnp.asarray(rng.random((T, k)), jnp.float32), f(E, Ie, H, s=0.05), f(E, Ie, H, s=0.05), \
-        f(E, H, Ie, s=0.05)
+        f(E, Ie, H, s=0.05)
 
 
 def _experts_reference(h, ids, w, gate, up, down, first=0):
@@ -209,7 +210,7 @@ def _experts_reference(h, ids, w, gate, up, down, first=0):
         e = int(ids[t, j]) - first
         if 0 <= e < gate.shape[0]:
             g = gate[e] @ h[t]
-            out[t] += float(w[t, j]) * (down[e] @ (g / (1 + np.exp(-g)) * (up[e] @ h[t])))
+            out[t] += float(w[t, j]) * ((g / (1 + np.exp(-g)) * (up[e] @ h[t])) @ down[e])
     return out
 
 
@@ -266,7 +267,7 @@ def test_gmm_on_the_whole_stack_spares_the_scan_a_copy_of_each_layers_experts():
     one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
     L, E, Ie, H, T, k = 4, 32, 768, 2048, 16, 8
     sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
-    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((L, E, Ie, H)), sd((L, E, Ie, H)), sd((L, E, H, Ie)))
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((L, E, Ie, H)), sd((L, E, Ie, H)), sd((L, E, Ie, H)))
 
     def sliced(h, ids, w, g, u, d):
         return jax.lax.scan(lambda x, lw: (x + gmm_experts(x, ids, w, *lw), None), h, (g, u, d))[0]
@@ -293,14 +294,17 @@ def test_gmm_tiling_keeps_the_weight_tile_in_vmem():
 @needs_libtpu
 @pytest.mark.parametrize("method", ["gmm", "ragged_dot"])
 def test_experts_grouped_matmul_for_tpu_copies_no_weight(method):
-    """Compiled for v6e with Qwen3-30B-A3B's expert shape (8 of them): megablox reads the [out, in] experts as
-    they are; ragged_dot's native kernel makes XLA copy every expert into [E, in, out] first (why the runner
-    uses gmm on a TPU)."""
+    """Compiled for v6e with Qwen3-30B-A3B's expert shape (8 of them), the weights as jaxengine.moe stores them:
+    megablox reads them as they are; ragged_dot's native kernel (`routed_experts`' "ragged") makes XLA copy
+    gate and up ([out, in]) into [E, in, out] first (why the runner uses gmm on a TPU)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from jaxengine.moe import routed_experts
     from jaxengine.tpu_moe import gmm_experts
     from jaxengine.tpu_target import topology_devices
 
@@ -308,17 +312,8 @@ def test_experts_grouped_matmul_for_tpu_copies_no_weight(method):
     one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
     T, k, E, Ie, H = 16, 8, 8, 768, 2048
     sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
-
-    def ragged(h, ids, w, gate, up, down):
-        order = jnp.argsort(ids.reshape(-1))
-        rows, sizes = h[order // k], jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
-        dims = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
-        mm = lambda x, m: jax.lax.ragged_dot_general(x, m, sizes, dims)  # noqa: E731
-        o = mm(jax.nn.silu(mm(rows, gate)) * mm(rows, up), down) * w.reshape(-1)[order][:, None]
-        return jnp.zeros_like(h).at[order // k].add(o)
-
-    fn = gmm_experts if method == "gmm" else ragged
-    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((E, Ie, H)), sd((E, Ie, H)), sd((E, H, Ie)))
+    fn = gmm_experts if method == "gmm" else functools.partial(routed_experts, method="ragged", platform="tpu")
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((E, Ie, H)), sd((E, Ie, H)), sd((E, Ie, H)))
     compiled = jax.jit(fn).lower(*args).compile()
     text, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
     expert_bytes = E * Ie * H * 2
@@ -326,7 +321,7 @@ def test_experts_grouped_matmul_for_tpu_copies_no_weight(method):
     if method == "gmm":
         assert text.count('custom_call_target="tpu_custom_call"') == 3 and not copies and temp < expert_bytes / 8
     else:
-        assert "ragged-dot" in text and len(copies) == 3  # gate, up and down, each transposed
+        assert "ragged-dot" in text and len(copies) == 2  # gate and up, each transposed
 
 
 # ------------------------------------------------------------------------- the kernel
