@@ -32,33 +32,54 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class ModelCost:
-    """FLOPs and bytes of a Llama-family decoder, per token."""
+    """FLOPs and bytes of a Llama-family decoder, per token; a Mixture-of-Experts model's tokens each go through
+    top_k of its experts, and a step of N tokens reads the distinct experts they reach
+    (`jaxengine.step_cost.expected_distinct_experts`, uniform routing)."""
 
     name: str
-    linear_params: int  # parameters in matmuls a token goes through (incl. the LM head)
+    linear_params: int  # parameters in matmuls a token goes through (incl. the LM head; its top_k experts only)
     embedding_params: int  # the embedding table (a lookup, no FLOPs)
     attn_flops_per_ctx_token: int  # QK^T and PV FLOPs per token per context position
     kv_elems_per_token: int  # K and V elements cached per token (all layers)
+    expert_params: int = 0  # one expert's gate/up/down, summed over the sparse layers
+    num_experts: int = 0  # 0: dense
+    top_k: int = 0
 
     @classmethod
     def from_arch(cls, cfg, name: str = "") -> "ModelCost":
         H, L, I, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        per_layer = H * q + 2 * H * kv + q * H + 3 * H * I
+        attn = H * q + 2 * H * kv + q * H
+        moe = getattr(cfg, "moe", None)
+        sparse = moe.num_sparse_layers if moe is not None else 0
+        linear = L * attn + (L - sparse) * 3 * H * I + H * V
+        experts = dict(expert_params=0, num_experts=0, top_k=0)
+        if sparse:
+            linear += sparse * cfg.moe_mlp_params(active=True)
+            experts = dict(expert_params=sparse * 3 * H * moe.intermediate_size, num_experts=moe.num_experts,
+                           top_k=moe.top_k)
         return cls(
             name=name or cfg.model_type,
-            linear_params=L * per_layer + H * V,
+            linear_params=linear,
             embedding_params=V * H,
             attn_flops_per_ctx_token=L * 2 * 2 * q,
             kv_elems_per_token=L * 2 * kv,
+            **experts,
         )
 
     def flops_per_token(self, context: int) -> float:
         return 2.0 * self.linear_params + self.attn_flops_per_ctx_token * context
 
-    def weight_bytes(self, dtype: str) -> float:
-        """Bytes read per forward step: every matmul weight once (the embedding rows are negligible)."""
-        return self.linear_params * DTYPE_BYTES[dtype]
+    def weight_bytes(self, dtype: str, tokens: float = 1) -> float:
+        """Bytes read per forward step of `tokens` tokens: every matmul weight once, of the experts those
+        reached (the embedding rows are negligible)."""
+        params = self.linear_params
+        if self.num_experts:
+            from jaxengine.step_cost import expected_distinct_experts
+
+            reached = expected_distinct_experts(self.num_experts, self.top_k, tokens)
+            params += (reached - self.top_k) * self.expert_params
+        return params * DTYPE_BYTES[dtype]
 
     def kv_bytes(self, context: int, dtype: str) -> float:
         return self.kv_elems_per_token * context * DTYPE_BYTES[dtype]
@@ -80,12 +101,12 @@ class Roofline:
     def decode_step_time(self, cost: ModelCost, batch: int, context: float, dtype: str) -> float:
         """Lower bound of one decode step of `batch` sequences at `context` tokens: compute vs memory."""
         compute = batch * cost.flops_per_token(context) / self.peak_flops[dtype]
-        memory = (cost.weight_bytes(dtype) + batch * cost.kv_bytes(context, dtype)) / self.mem_bw
+        memory = (cost.weight_bytes(dtype, batch) + batch * cost.kv_bytes(context, dtype)) / self.mem_bw
         return max(compute, memory)
 
     def prefill_time(self, cost: ModelCost, tokens: int, context: float, dtype: str) -> float:
         compute = tokens * cost.flops_per_token(context) / self.peak_flops[dtype]
-        memory = cost.weight_bytes(dtype) / self.mem_bw
+        memory = cost.weight_bytes(dtype, tokens) / self.mem_bw
         return max(compute, memory)
 
     def generate_limit(self, cost: ModelCost, batch: int, input_len: int, output_len: int, dtype: str) -> float:

@@ -34,7 +34,8 @@ from enginecore.config import ConfigError, EngineArgs
 from enginecore.model_checks import arch_from_config_json
 from enginecore.model_loader import ModelSource, resolve_model
 from jaxengine.hbm import MemoryPlan, check_fit
-from jaxengine.step_cost import ShardedShape, StepCost, model_step_cost, prompt_logprobs_cost, sample_step_cost
+from jaxengine.step_cost import (ShardedShape, StepCost, expected_distinct_experts, model_step_cost, moe_split,
+                                 prompt_logprobs_cost, sample_step_cost)
 from jaxengine.tpu_target import GiB, Topology, num_hosts, parse_topology, topology_devices
 
 logger = logging.getLogger("xlaserve.aot")
@@ -122,7 +123,8 @@ def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *
               "hbm_gib_per_chip": topo.chip.hbm_bytes / GiB, "peak_bf16_tflops": topo.chip.peak_bf16_flops / 1e12,
               "hbm_gbps": topo.chip.hbm_bandwidth / 1e9, "num_programs": len(rows),
               "attention": runner.attention_backend, "dtype": runner.dtype, "kv_dtype": runner.kv_dtype,
-              "num_blocks": plan.num_blocks, "roofline_context": roofline_context}
+              "num_blocks": plan.num_blocks, "roofline_context": roofline_context,
+              "experts": _experts_line(runner)}
     notes = _notes(target, rows, config, runner.cache_dir, saved)
     return AotReport(target, plan, rows, fit, runner.cache_dir, saved, notes)
 
@@ -137,7 +139,7 @@ def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
     padding = stored / (arch.num_key_value_heads * arch.head_dim)
     shape = ShardedShape.of(arch, runner.mesh.shape["model"], runner.rules.shard_heads,
                             jnp.dtype(jnp_dtype(runner.dtype)).itemsize, jnp.dtype(jnp_dtype(runner.kv_dtype)).itemsize,
-                            padding)
+                            padding, runner.config.parallel_config.enable_expert_parallel)
     peak, bw = topo.chip.peak_bf16_flops, topo.chip.hbm_bandwidth
     kv = runner.abstract_inputs().kv_cache
     kv_local = kv.sharding.shard_shape(kv.shape)
@@ -154,10 +156,25 @@ def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "code_bytes": mem.generated_code_size_in_bytes,
             "flops": cost.flops, "bytes": cost.bytes, "roofline_ms": cost.seconds(peak, bw) * 1e3,
+            "experts_read": (expected_distinct_experts(arch.moe.num_experts, arch.moe.top_k, key.size)
+                             / shape.experts_ep if arch.moe is not None and key.kind == "model" else None),
             "bound": cost.bound(peak, bw),
             "kv_layout": kv_cache_layout(prog.as_text(), kv_local) if key.kind == "model" else None,
         })
     return rows
+
+
+def _experts_line(runner) -> str | None:
+    """How a MoE model's experts sit on the chips (None: dense)."""
+    m = runner.arch.moe
+    if m is None:
+        return None
+    tp = runner.mesh.shape["model"]
+    ep, cols, _ = moe_split(runner.arch, tp, runner.config.parallel_config.enable_expert_parallel)
+    where = (f"{m.num_experts // ep} whole experts per chip (expert parallel)" if ep > 1 else
+             f"every expert's {m.intermediate_size // cols} of {m.intermediate_size} columns per chip"
+             if cols > 1 else "every expert whole on every chip")
+    return f"{m.num_sparse_layers} sparse layers of {m.num_experts} experts, top-{m.top_k}: {where}"
 
 
 def kv_cache_layout(hlo_text: str, local_shape: tuple[int, ...]) -> str | None:
@@ -285,13 +302,19 @@ def format_report(report: AotReport) -> str:
         f"{t['hbm_gbps']:.0f} GB/s; plan {report.plan.describe()}",
         f"roofline: max(FLOPs / peak, bytes / bandwidth) per chip from jaxengine.step_cost, a model step of N tokens "
         f"from min(N, --max-num-seqs) requests with {t['roofline_context']} cached tokens each: an estimate on paper.",
-        "",
     ]
+    if t.get("experts"):
+        lines.append(f"experts: {t['experts']}; a step of N tokens reads only the experts they reach, "
+                     "E(1 - (1 - k/E)^N) under uniform routing (experts_read: per chip), and multiplies k per token.")
+    lines.append("")
+    moe = bool(t.get("experts"))
     cols = ("bucket", "compile_s", "status", "args_GiB", "out_GiB", "temp_GiB", "code_MiB", "GFLOP", "GB",
-            "roofline_ms", "bound")
+            "roofline_ms", "bound") + (("experts_read",) if moe else ())
     table = [[r["bucket"], f"{r['compile_s']:.1f}", r["status"], g(r["args_bytes"]), g(r["out_bytes"]),
               g(r["temp_bytes"]), f"{r['code_bytes'] / 2**20:.1f}", f"{r['flops'] / 1e9:.1f}",
-              f"{r['bytes'] / 1e9:.2f}", f"{r['roofline_ms']:.3f}", r["bound"]] for r in report.rows]
+              f"{r['bytes'] / 1e9:.2f}", f"{r['roofline_ms']:.3f}", r["bound"]]
+             + ([f"{r['experts_read']:.1f}" if r.get("experts_read") is not None else "-"] if moe else [])
+             for r in report.rows]
     widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]

@@ -23,6 +23,7 @@ from enginecore.kv_cache import num_kv_blocks
 from enginecore.platform import resolve_dtype
 from jaxengine.model import abstract_params, is_spec, jnp_dtype
 from jaxengine.sharding import ShardingRules, param_shardings
+from jaxengine.step_cost import moe_split
 from jaxengine.tpu_target import GiB, chip_for_device_kind
 
 # The code of every compiled program (all stay loaded: 169 MiB for Llama-3.1-8B's 36 programs on v5e)
@@ -47,14 +48,36 @@ def step_temporaries_bytes(config: EngineConfig, arch: ArchConfig, mesh, rules: 
     """
     sc = config.scheduler_config
     tp = mesh.shape["model"]
-    heads_tp = tp if rules.shard_heads else 1
     item = jnp.dtype(jnp_dtype(_dtype(config))).itemsize
-    H, D, I, V = arch.hidden_size, arch.head_dim, arch.intermediate_size, arch.vocab_size
-    I_d = I // tp if I % tp == 0 else I
-    qkv_d = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * D // heads_tp
-    model = sc.max_num_batched_tokens * (4 * H + 2 * qkv_d + 2 * I_d) * item
-    sample = sc.max_num_seqs * V * 4 * 4
+    T = sc.max_num_batched_tokens
+    model = layer_temporaries_bytes(arch, tp, rules.shard_heads, config.parallel_config.enable_expert_parallel,
+                                    T, item)
+    sample = sc.max_num_seqs * arch.vocab_size * 4 * 4
     return int(max(model, sample)) + OVERHEAD_BYTES
+
+
+def layer_temporaries_bytes(arch: ArchConfig, tp: int, heads_sharded: bool, expert_parallel: bool, tokens: int,
+                            item: int) -> int:
+    """One layer's activations alive at once for `tokens` tokens on one of `tp` devices: the residual, norm and
+    attention rows, and the larger MLP's. A dense MLP: gate and up [T, I / tp]. A sparse one
+    (`step_cost.moe_split`): float32 router logits and probabilities [T, E], the T x top_k rows sorted by expert
+    [T k, H] with their outputs, gate and up [T k, Ie] (Ie / tp with expert-column TP; whole under expert
+    parallelism, where the sorted buffer keeps all T k rows and a device fills only its experts' groups) and
+    the shared expert's [T, Is]."""
+    H, D, I = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    heads_tp = tp if heads_sharded else 1
+    qkv_d = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * D // heads_tp
+    base = tokens * (4 * H + 2 * qkv_d) * item
+    dense = tokens * 2 * (I // tp if I % tp == 0 else I) * item
+    if arch.moe is None:
+        return base + dense
+    m = arch.moe
+    _, cols, shared_tp = moe_split(arch, tp, expert_parallel)
+    rows = tokens * m.top_k
+    sparse = (tokens * m.num_experts * 4 * 2 + rows * (2 * H + 2 * m.intermediate_size // cols) * item
+              + tokens * 2 * m.shared_expert_intermediate_size // shared_tp * item)
+    has_dense = m.num_sparse_layers < arch.num_hidden_layers
+    return base + max(sparse, dense if has_dense else 0)
 
 
 def _dtype(config: EngineConfig) -> str:
@@ -149,5 +172,5 @@ def check_fit(config: EngineConfig, arch: ArchConfig, mesh, rules: ShardingRules
     return MemoryPlan(hbm_bytes, util, weights, temps, per_block, blocks)
 
 
-__all__ = ["MemoryPlan", "check_fit", "device_hbm_bytes", "step_temporaries_bytes",
+__all__ = ["MemoryPlan", "check_fit", "device_hbm_bytes", "layer_temporaries_bytes", "step_temporaries_bytes",
            "weights_bytes_per_device"]

@@ -61,6 +61,7 @@ from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.loader import attach_cpu_qx
 from jaxengine.model import ModelKernels, abstract_params, is_spec, jnp_dtype, kv_cache_shape
 from jaxengine.moe import moe_mlp, routed_experts
+from jaxengine.tpu_moe import tpu_experts
 from jaxengine.programs import (
     ModelLayout,
     ProgramKey,
@@ -189,7 +190,13 @@ class JaxModelRunner:
         if self.arch.moe is not None:
             # the routed experts' method by each bucket's token count (jaxengine.moe.pick_method) unless
             # compilation_config={"moe_method": ...} fixes one; split over the mesh under shard_map
-            experts = functools.partial(routed_experts, method=opts.get("moe_method"), platform=self.platform)
+            method = opts.get("moe_method")
+            if self.platform == "tpu" and method in (None, "gmm"):
+                # megablox's gmm reads the [out, in] experts as stored; ragged_dot's TPU kernel would have XLA
+                # transpose every expert of the layer on every step (jaxengine.tpu_moe)
+                experts = tpu_experts()
+            else:
+                experts = functools.partial(routed_experts, method=method, platform=self.platform)
             self.kernels = dataclasses.replace(self.kernels, moe=functools.partial(
                 moe_mlp, experts=shard_experts(experts, self.mesh, self.rules, self.arch)))
         self.warmup_level = dc.warmup_level

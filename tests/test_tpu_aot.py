@@ -71,6 +71,259 @@ def test_config_only_folder_is_for_aot_only(tmp_path):
         resolve_model(folder)
 
 
+# ------------------------------------------------------------------------- MoE on paper (no libtpu needed)
+
+
+# A Qwen3-MoE small enough to count by hand: E 8, top-2, Ie 32; and the two released models the benchmark compiles.
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def _arch(cfg):
+    from enginecore.arch import ArchConfig
+
+    return ArchConfig.from_hf_dict(cfg)
+
+
+def test_expected_distinct_experts():
+    from jaxengine.step_cost import expected_distinct_experts as distinct
+
+    assert distinct(8, 2, 0) == 0 and distinct(8, 2, 1) == 2  # one token: its top-k
+    # two tokens of top-2 of 8: the second token's 2 picks each miss the first's 2 with probability 6/8
+    assert distinct(8, 2, 2) == pytest.approx(2 + 2 * 6 / 8)
+    assert distinct(128, 8, 128) == pytest.approx(128 - 128 * (120 / 128) ** 128) and distinct(128, 8, 4096) <= 128
+    assert 127.9 < distinct(128, 8, 128) < distinct(128, 8, 129)
+
+
+def test_moe_decode_step_reads_only_the_reached_experts():
+    """FLOPs of top_k experts a token, bytes of the experts reached, router and attention: by hand."""
+    from jaxengine.step_cost import ShardedShape, model_step_cost
+
+    arch = _arch(TINY_MOE)
+    H, E, k, Ie, L, D, Hq, Hkv = 64, 8, 2, 32, 2, 16, 4, 4
+    s = ShardedShape.of(arch, 1, False, 2, 2)
+    attn, router, expert = (2 * Hq + 2 * Hkv) * D * H, E * H, 3 * H * Ie
+    ctx = 100
+    one = model_step_cost(arch, s, tokens=1, reqs=1, context=ctx)
+    keys = ctx + 1
+    assert one.flops == pytest.approx(L * (2 * (attn + router + k * expert) + 4 * Hq * D * keys))
+    kv = 2 * Hkv * D * 2
+    acts = (6 * H + 3 * (Hq + 2 * Hkv) * D) * 2 + E * 4 * 2 + k * 2 * H * 2 + k * (6 * Ie + 2 * H) * 2
+    assert one.bytes == pytest.approx(L * ((attn + router + k * expert) * 2 + (ctx + 1) * kv + kv + acts) + H * 2)
+    # two decode tokens: twice the FLOPs of the experts, but 3.5 experts read, not 4 (not 8)
+    two = model_step_cost(arch, s, tokens=2, reqs=2, context=ctx)
+    assert two.flops - 2 * one.flops == pytest.approx(0)
+    w_two = L * (attn + router + 3.5 * expert) * 2
+    assert two.bytes == pytest.approx(w_two + 2 * (one.bytes - L * (attn + router + k * expert) * 2))
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_moe_sharded_per_device(ep):
+    """Expert parallelism: E / N whole experts a device; expert-column TP: every expert's Ie / N columns. Either
+    way a device does 1/N of the experts' FLOPs and holds 1/N of their weights; the router stays replicated."""
+    from jaxengine.step_cost import (ShardedShape, expert_params, model_step_cost, moe_split, sparse_layer_params,
+                                     weights_bytes_on_paper)
+
+    arch = _arch(TINY_MOE)
+    H, E, k, Ie = 64, 8, 2, 32
+    s1 = ShardedShape.of(arch, 1, False, 2, 2)
+    s4 = ShardedShape.of(arch, 4, True, 2, 2, expert_parallel=ep)
+    assert (s4.experts_ep, s4.expert_cols_tp) == ((4, 1) if ep else (1, 4))
+    assert expert_params(arch, s4) == 3 * H * Ie // (1 if ep else 4)
+    attn4 = (2 * 4 + 2 * 4) * 16 * H // 4
+    per_token, read = sparse_layer_params(arch, s4, 1)
+    assert per_token == pytest.approx(attn4 + E * H + k * 3 * H * Ie / 4)
+    assert read == pytest.approx(attn4 + E * H + k * 3 * H * Ie / 4)
+    _, read_all = sparse_layer_params(arch, s4, 10**6)
+    assert read_all == pytest.approx(attn4 + E * H + E * 3 * H * Ie / 4)
+    one, four = (model_step_cost(arch, s, tokens=64, reqs=64, context=10) for s in (s1, s4))
+    router = 2 * 2 * 64 * E * H  # L x 2 T E H, on every device
+    assert four.flops == pytest.approx((one.flops - router) / 4 + router)
+    # weights a device holds: all but the norms and the router divided by 4
+    L, V = 2, 256
+    norms = L * 2 * H + L * 2 * 16 + H
+    whole = arch.num_params() * 2
+    assert weights_bytes_on_paper(arch, s1) == whole
+    assert weights_bytes_on_paper(arch, s4) == (whole - (norms + L * E * H) * 2) // 4 + (norms + L * E * H) * 2
+    # 6 experts on 4 devices: no expert parallelism, the columns split instead
+    assert moe_split(_arch(dict(TINY_MOE, num_experts=6)), 4, True) == (1, 4, 1)
+
+
+def test_moe_step_temporaries_by_hand():
+    """Qwen3-30B-A3B at 512 tokens on 4 chips: the sorted T x top_k rows with gate/up of a whole expert under
+    expert parallelism, of its quarter of the columns with expert-column TP."""
+    from jaxengine.hbm import layer_temporaries_bytes
+
+    from benchmarks.bench_tpu_aot import QWEN3_30B_A3B
+
+    arch = _arch(QWEN3_30B_A3B)
+    T, H, E, k, Ie = 512, 2048, 128, 8, 768
+    base = T * (4 * H + 2 * (32 + 8) * 128 // 4) * 2
+    router = T * E * 4 * 2
+    assert layer_temporaries_bytes(arch, 4, True, True, T, 2) == base + router + T * k * (2 * H + 2 * Ie) * 2
+    assert layer_temporaries_bytes(arch, 4, True, False, T, 2) == base + router + T * k * (2 * H + 2 * Ie // 4) * 2
+
+
+def test_roofline_model_cost_counts_active_params():
+    from benchmarks.bench_roofline import ModelCost
+    from benchmarks.bench_tpu_aot import MIXTRAL_8X7B, QWEN3_30B_A3B
+
+    for cfg in (QWEN3_30B_A3B, MIXTRAL_8X7B, TINY_MOE):
+        arch = _arch(cfg)
+        cost = ModelCost.from_arch(arch)
+        H, V, L = arch.hidden_size, arch.vocab_size, arch.num_hidden_layers
+        assert cost.linear_params == arch.num_params(active=True) - L * 2 * H - H - V * H - (
+            L * 2 * arch.head_dim if arch.qk_norm else 0)
+        # one token reads its top_k experts; a long prefill all of them
+        assert cost.weight_bytes("bfloat16", 1) == cost.linear_params * 2
+        every = cost.weight_bytes("bfloat16", 10**6) / 2
+        assert every == pytest.approx(arch.num_params() - L * 2 * H - H - V * H
+                                      - (L * 2 * arch.head_dim if arch.qk_norm else 0))
+    assert 3.0e9 < _arch(QWEN3_30B_A3B).num_params(active=True) < 3.5e9
+
+
+# ------------------------------------------------------------------------- the routed experts' grouped matmul
+
+
+def _experts_case(T=8, k=2, E=8, Ie=128, H=256, seed=0):
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, jnp.float32)  # noqa: E731
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    # gate / up [E, Ie, H] ([out, in]), down [E, Ie, H] ([in, out]), as jaxengine.moe stores them
+    return f(T, H), ids, jnp.asarray(rng.random((T, k)), jnp.float32), f(E, Ie, H, s=0.05), f(E, Ie, H, s=0.05), \
+        f(E, Ie, H, s=0.05)
+
+
+def _experts_reference(h, ids, w, gate, up, down, first=0):
+    """One (token, expert) pair at a time, in float64."""
+    import numpy as np
+
+    h, gate, up, down = (np.asarray(a, np.float64) for a in (h, gate, up, down))
+    out = np.zeros(h.shape)
+    for t, j in np.ndindex(*ids.shape):
+        e = int(ids[t, j]) - first
+        if 0 <= e < gate.shape[0]:
+            g = gate[e] @ h[t]
+            out[t] += float(w[t, j]) * ((g / (1 + np.exp(-g)) * (up[e] @ h[t])) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("T,first", [(8, 0), (8, 4), (64, 2)])
+def test_gmm_experts_in_the_pallas_interpreter(T, first):
+    """megablox's gmm over [out, in] experts (all of them, or an expert-parallel device's 4 from `first`) against
+    the per-pair loop, in Pallas' TPU interpreter with its race detector; 64 tokens x top-2 span one 128-row
+    tile, several groups to a tile."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxengine.tpu_moe import gmm_experts
+
+    h, ids, w, gate, up, down = _experts_case(T=T)
+    n = 8 if first == 0 else 4
+    sl = slice(first, first + n)
+    got = gmm_experts(h, ids, w, gate[sl], up[sl], down[sl], first_expert=jnp.int32(first),
+                      interpret=pltpu.InterpretParams(detect_races=True))
+    np.testing.assert_allclose(np.asarray(got), _experts_reference(h, ids, w, gate[sl], up[sl], down[sl], first),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gmm_experts_on_the_whole_stack_multiply_the_layers_experts():
+    """Given [Ls, E, N, K] stacks and a layer index (an expert-parallel device's 4 experts of 8 from 4), the
+    layer's experts, in the Pallas interpreter: the form that spares the scan a copy of the layer's slice."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxengine.tpu_moe import gmm_experts
+
+    h, ids, w, gate, up, down = _experts_case(T=8)
+    stack = lambda a: jnp.stack([a[4:] * 0.5, a[4:], -a[4:]])  # noqa: E731 (3 layers; layer 1 is the one)
+    got = gmm_experts(h, ids, w, stack(gate), stack(up), stack(down), first_expert=jnp.int32(4),
+                      layer=jnp.int32(1), interpret=pltpu.InterpretParams(detect_races=True))
+    np.testing.assert_allclose(np.asarray(got), _experts_reference(h, ids, w, gate[4:], up[4:], down[4:], 4),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_libtpu
+def test_gmm_on_the_whole_stack_spares_the_scan_a_copy_of_each_layers_experts():
+    """A scan over 4 sparse layers of 32 [768, 2048] experts, compiled for v6e: sliced per layer (xs), XLA
+    materializes each layer's experts for the custom call; the whole stack with the layer index needs none."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxengine.tpu_moe import gmm_experts
+    from jaxengine.tpu_target import topology_devices
+
+    device = topology_devices(parse_topology("v6e:1x1"))[0]
+    one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
+    L, E, Ie, H, T, k = 4, 32, 768, 2048, 16, 8
+    sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((L, E, Ie, H)), sd((L, E, Ie, H)), sd((L, E, Ie, H)))
+
+    def sliced(h, ids, w, g, u, d):
+        return jax.lax.scan(lambda x, lw: (x + gmm_experts(x, ids, w, *lw), None), h, (g, u, d))[0]
+
+    def stacked(h, ids, w, g, u, d):
+        return jax.lax.scan(lambda x, l: (x + gmm_experts(x, ids, w, g, u, d, layer=l), None), h,
+                            jnp.arange(L, dtype=jnp.int32))[0]
+
+    temps = [jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes for f in (sliced, stacked)]
+    one_expert_tensor = E * Ie * H * 2
+    assert temps[0] >= one_expert_tensor > 16 * temps[1], temps
+
+
+def test_gmm_tiling_keeps_the_weight_tile_in_vmem():
+    from jaxengine.tpu_moe import MAX_WEIGHT_TILE, gmm_tiling
+
+    assert gmm_tiling(16, 2048, 768) == (16, 2048, 768)  # Qwen3-30B-A3B's expert whole
+    assert gmm_tiling(512, 2048, 768) == (128, 2048, 768)
+    for k, n in ((4096, 1792), (1792, 4096), (4096, 14336)):  # Mixtral over 8 chips, and whole
+        tm, tk, tn = gmm_tiling(128, k, n)
+        assert tk * tn <= MAX_WEIGHT_TILE and k % tk == 0 and n % tn == 0 and tk % 128 == 0 and tn % 128 == 0
+
+
+@needs_libtpu
+@pytest.mark.parametrize("method", ["gmm", "ragged_dot"])
+def test_experts_grouped_matmul_for_tpu_copies_no_weight(method):
+    """Compiled for v6e with Qwen3-30B-A3B's expert shape (8 of them), the weights as jaxengine.moe stores them:
+    megablox reads them as they are; ragged_dot's native kernel (`routed_experts`' "ragged") makes XLA copy
+    gate and up ([out, in]) into [E, in, out] first (why the runner uses gmm on a TPU)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxengine.moe import routed_experts
+    from jaxengine.tpu_moe import gmm_experts
+    from jaxengine.tpu_target import topology_devices
+
+    device = topology_devices(parse_topology("v6e:1x1"))[0]
+    one = NamedSharding(Mesh(np.array([device]), ("x",)), P())
+    T, k, E, Ie, H = 16, 8, 8, 768, 2048
+    sd = lambda shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d, sharding=one)  # noqa: E731
+    fn = gmm_experts if method == "gmm" else functools.partial(routed_experts, method="ragged", platform="tpu")
+    args = (sd((T, H)), sd((T, k), jnp.int32), sd((T, k)), sd((E, Ie, H)), sd((E, Ie, H)), sd((E, Ie, H)))
+    compiled = jax.jit(fn).lower(*args).compile()
+    text, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    expert_bytes = E * Ie * H * 2
+    copies = [line for line in text.splitlines() if " copy(" in line and f"[{E}," in line.split(" copy(")[0]]
+    if method == "gmm":
+        assert text.count('custom_call_target="tpu_custom_call"') == 3 and not copies and temp < expert_bytes / 8
+    else:
+        assert "ragged-dot" in text and len(copies) == 2  # gate and up, each transposed
+
+
 # ------------------------------------------------------------------------- the kernel
 
 
@@ -202,3 +455,76 @@ def test_step_cost_flops_match_xla_on_an_unrolled_step(tmp_path):
                            context=0).flops
     runner.shutdown()
     assert abs(xla - ours) / ours < 0.1, (xla, ours)
+
+
+# ------------------------------------------------------------------------- a MoE model's step
+
+
+# TINY_MOE with lane-sized experts (Ie 128, H 256) and 4 kv heads: 8 experts split 2 a chip over v5e:2x2
+TINY_MOE_TPU = dict(TINY_MOE, hidden_size=256, moe_intermediate_size=128, head_dim=32, num_attention_heads=8)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("cfg,tp,ep", [(TINY, 4, False), (TINY_MOE_TPU, 4, True), (TINY_MOE_TPU, 4, False),
+                                       (TINY_MOE_TPU, 2, True)])
+def test_weights_per_device_on_paper_match_the_shardings(cfg, tp, ep):
+    """step_cost's paper count of one device's params (the roofline's) is what jaxengine.sharding gives it."""
+    from jax.sharding import Mesh
+    import numpy as np
+
+    from jaxengine.hbm import weights_bytes_per_device
+    from jaxengine.sharding import MESH_AXES, ShardingRules
+    from jaxengine.step_cost import ShardedShape, weights_bytes_on_paper
+    from jaxengine.tpu_target import topology_devices
+
+    arch = _arch(cfg)
+    devices = topology_devices(parse_topology("v5e:2x2"))[:tp]
+    mesh = Mesh(np.array(devices, dtype=object).reshape(1, tp), MESH_AXES)
+    rules = ShardingRules.for_model(arch, mesh, expert_parallel=ep)
+    shape = ShardedShape.of(arch, tp, rules.shard_heads, 2, 2, expert_parallel=ep)
+    assert weights_bytes_per_device(arch, "bfloat16", rules, mesh) == weights_bytes_on_paper(arch, shape)
+
+
+@needs_libtpu
+def test_tiny_moe_compiles_for_v5e_with_expert_parallelism(tmp_path, capsys):
+    """`xlaserve warmup --topology v5e:2x2 --tensor-parallel-size 4 --enable-expert-parallel` on a Qwen3-MoE:
+    every bucket compiles, the fit holds, the table counts the experts a step reaches (2 of a chip's 2 at 16
+    tokens of top-2 of 8: 1.8), the model step calls megablox's gmm and copies no expert weight."""
+    from frontend.cli import main
+
+    folder = config_folder(tmp_path / "moe", TINY_MOE_TPU)
+    argv = ["warmup", folder, "--platform", "tpu", "--topology", "v5e:2x2", "--tensor-parallel-size", "4",
+            "--enable-expert-parallel", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
+            "--max-model-len", "256", "--compilation-cache-dir", "none", "--level", "decode"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 sparse layers of 8 experts, top-2: 2 whole experts per chip (expert parallel)" in out
+    model = next(line for line in out.splitlines() if line.startswith("model tokens=16"))
+    from jaxengine.step_cost import expected_distinct_experts
+
+    assert " compiled " in model and model.split()[-1] == f"{expected_distinct_experts(8, 2, 16) / 4:.1f}"
+    assert "fits --gpu-memory-utilization" in out and "WARNING" not in out
+
+
+@needs_libtpu
+@pytest.mark.parametrize("ep", [True, False])
+def test_moe_model_step_for_tpu_runs_gmm_without_copying_experts(tmp_path, ep):
+    """The runner's sparse layers on a TPU call megablox's gmm, not ragged_dot, and XLA relayouts no expert
+    weight (the scan still materializes each layer's slice of them: jaxengine.tpu_moe says why and how not)."""
+    from jaxengine.aot import _engine_config
+    from jaxengine.programs import ProgramKey
+    from jaxengine.runner import JaxModelRunner
+    from jaxengine.tpu_target import topology_devices
+
+    topo = parse_topology("v5e:2x2")
+    args = EngineArgs(model=config_folder(tmp_path / "moe", TINY_MOE_TPU), compilation_cache_dir="none",
+                      tensor_parallel_size=4, enable_expert_parallel=ep, **SMALL_SERVER)
+    config, source = _engine_config(args, topo)
+    runner = JaxModelRunner(config, source, devices=topology_devices(topo))
+    runner.init_kv_cache(64, allocate=False)
+    text = runner._compile(ProgramKey("model", 16)).as_text()
+    runner.shutdown()
+    local = "2," if ep else "8,"
+    copies = [line for line in text.splitlines() if " copy(" in line and f"[{local}" in line.split(" copy(")[0]]
+    # the attention kernel + 3 gmm calls in the scanned sparse layer
+    assert text.count('custom_call_target="tpu_custom_call"') >= 4 and "ragged-dot" not in text and not copies
