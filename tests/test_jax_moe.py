@@ -41,13 +41,14 @@ def test_moe_greedy_matches_transformers(arch, tiny_moe_dir):
     d = tiny_moe_dir(arch)
     llm = jax_llm(d, max_num_batched_tokens=32, enable_prefix_caching=False)
     runner = llm.llm_engine.core.runner
-    lp = runner.params.layers
-    sparse = 2 if arch == "qwen3_moe" else 3
-    assert lp.experts_gate.shape[0] == sparse and lp.experts_down.shape[0] == sparse
-    assert (lp.gate_proj is None) == (arch != "qwen3_moe")  # only Qwen3-MoE's layer 1 is dense
+    lp, panels = runner.params.layers, runner.params.panels
+    sparse, E = (2, 16) if arch == "qwen3_moe" else (3, 8)
+    # the C kernels but for the routing: each expert a panel linear, the dense layer's MLP on its own panels
+    assert runner.cpu_linears and not runner.cpu_layers and cpu_wing.uncovered(runner.arch) == []
+    assert panels.experts_gate_up.shape[0] == panels.experts_down.shape[0] == sparse * E
+    assert lp.experts_gate is None and lp.router.shape[0] == sparse
+    assert (panels.gate_up is None) == (arch != "qwen3_moe")  # only Qwen3-MoE's layer 1 is dense
     assert (lp.shared_gate_proj is not None) == (lp.shared_expert_gate is not None) == (arch == "qwen2_moe")
-    assert not runner.cpu_linears and runner.params.panels is None  # XLA's ops: the C kernels lack the MoE MLP
-    assert any("Mixture-of-Experts" in gap for gap in cpu_wing.uncovered(runner.arch))
     got = generate(llm)
     assert got == hf_greedy(d, PROMPTS, 32)
     assert all(len(set(t)) > 4 for t in got), "degenerate tokens would hide a wrong MLP"
