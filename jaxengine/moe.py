@@ -18,11 +18,15 @@ with static shapes (new routing never recompiles):
   reads only the routed experts, what a decode step of few tokens wants.
 - "dense": every token through every expert, the outputs combined with the
   routing weights (zero off the top_k): reads each expert once, the most
-  work.
+  work, the fastest on XLA:CPU once most experts are routed to anyway.
 - "sorted": the rows sorted by expert, then a loop over the experts and, in
   each, over chunks of C of its rows (a dynamic trip count: only the routed
-  rows are multiplied, each expert's weights read once per chunk; `sorted_experts`,
-  which also runs the CPU kernels' panels of each expert, `jaxengine.cpu_wing`).
+  rows are multiplied, each expert's weights read once per chunk;
+  `sorted_experts`). On XLA's dots 1.4-6x slower than the picked method on
+  XLA:CPU (benchmarks/bench_jax_moe.py: an expert's weights reach its dot
+  through a dynamic slice), so `pick_method` leaves it out there; on one CPU
+  device in float32 the C kernels run it, each expert a panel linear
+  (`jaxengine.cpu_wing`): the fastest there at every token count.
 
 `pick_method` chooses by the static row count (a bucket's T). An expert-parallel
 device holds experts [first_expert, first_expert + E_local) and computes those

@@ -98,6 +98,45 @@ def test_every_method_matches_the_reference(tokens, norm, shared):
     assert pick_method(tokens * k, E, "tpu") == "ragged"
 
 
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_sorted_in_chunks_and_on_the_cpu_panels_match_the_reference(tokens):
+    """The sorted method with several chunks per expert (XLA's dots), and as the CPU kernels run it (each expert a
+    panel linear of `cpu_wing.pack_cpu_panels`, `cpu_wing._moe`), against `moe_reference`."""
+    from cpu_kernels import jax_ops
+    from enginecore.arch import ArchConfig
+    from jaxengine.model import ModelParams
+    from jaxengine.moe import _xla_expert_mlp, moe_mlp, moe_reference, sorted_experts
+
+    rng = np.random.default_rng(tokens + 1)
+    H, E, k, Ie = 32, 8, 3, 16
+    moe = MoEConfig(num_experts=E, top_k=k, intermediate_size=Ie, sparse_layers=(True, True), norm_topk_prob=True)
+    lps = [_random_layer(rng, H, E, Ie, 0) for _ in range(2)]
+    h = jnp.asarray(rng.normal(0, 1, (tokens, H)).astype(np.float32))
+    act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    for l, lp in enumerate(lps):
+        want = np.asarray(moe_reference(h, lp, moe))
+        experts = functools.partial(lambda h, ids, w, g, u, d: sorted_experts(
+            h, ids, w, E, _xla_expert_mlp(g, u, d, act), chunk_rows=2))
+        got = jax.jit(functools.partial(moe_mlp, moe=moe, experts=experts))(h, lp)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    if jax_ops.available():
+        pytest.skip(f"the CPU kernels do not run here: {jax_ops.available()}")
+    arch = ArchConfig(architecture="MixtralForCausalLM", model_type="mixtral", vocab_size=64, hidden_size=H,
+                      intermediate_size=Ie, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, moe=moe)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *lps)
+    stacked.q_proj = jnp.asarray(rng.normal(0, 0.3, (2, 2, 16, H)).astype(np.float32))
+    stacked.k_proj = stacked.v_proj = jnp.asarray(rng.normal(0, 0.3, (2, 1, 16, H)).astype(np.float32))
+    stacked.o_proj = jnp.asarray(rng.normal(0, 0.3, (2, H, 2, 16)).astype(np.float32))
+    params = cpu_wing.pack_cpu_panels(ModelParams(embed=jnp.zeros((64, H)), layers=stacked,
+                                                  final_norm=jnp.ones(H), lm_head=jnp.zeros((64, H))))
+    assert params.layers.experts_gate is None and params.panels.experts_gate_up.shape[0] == 2 * E
+    kernels = cpu_wing.model_kernels(arch)
+    for l, lp in enumerate(lps):
+        got = jax.jit(lambda h, lp, l: kernels.moe(params, lp, l, h, moe))(h, jax.tree.map(lambda a: a[l], params.layers), l)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(moe_reference(h, lp, moe)), rtol=1e-5, atol=1e-5)
+
+
 # -- expert parallelism on 8 fake CPU devices --------------------------------------------------------------
 
 
