@@ -9,6 +9,11 @@ LM head's argmax for greedy rows, and by default every layer of a step in one ca
 kernels in the same order, without a call per kernel). `attention` is the attention over the paged cache in place
 (any model on one CPU device, 16-bit ones included). A model with a feature these kernels do not implement
 (`uncovered`) runs on XLA's ops instead, which the runner logs once.
+
+A Mixture-of-Experts model runs the same kernels but for its sparse layers' routing (XLA's ops): each expert is
+packed as one more panel linear (`CpuPanels.experts_gate_up` / `experts_down`), which the sorted method of
+`jaxengine.moe.sorted_experts` multiplies by that expert's routed rows only (`_moe`); no `layers` call (its
+layers are the dense MLP's).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def uncovered(arch: ArchConfig) -> list[str]:
     """What of `arch` the CPU kernels do not implement (empty: they run the whole model)."""
     gaps = [f"{f.name}={getattr(arch, f.name)!r}" for f in dataclasses.fields(arch)
             if f.name not in COVERED_FIELDS and f.name != "moe" and getattr(arch, f.name) != f.default]
-    if arch.moe is not None:  # (their `layers` call and panels are the dense MLP's)
-        gaps.append(f"Mixture-of-Experts MLPs ({arch.moe.num_experts} experts, top {arch.moe.top_k})")
+    if arch.moe is not None and arch.moe.intermediate_size % 2:  # (silu_mul splits its input in halves)
+        gaps.append(f"Mixture-of-Experts experts of odd width {arch.moe.intermediate_size}")
     if arch.head_dim % 2 or arch.head_dim > MAX_HEAD_DIM:
         gaps.append(f"head_dim {arch.head_dim} (the kernels take even ones up to {MAX_HEAD_DIM})")
     return gaps
@@ -72,6 +77,9 @@ class CpuPanels:
     head_qx: jax.Array | None = None  # [1, V / 16, H / 32, group bytes] of head_qx_kind
     qx_kinds: tuple = field(default=(-1, -1, -1, -1), metadata=dict(static=True))  # qkv's, o's, gate_up's, down's
     head_qx_kind: int = field(default=-1, metadata=dict(static=True))
+    # a MoE model's experts, each a panel linear: index sparse layer * E + expert (None: a dense model)
+    experts_gate_up: jax.Array | None = None  # [Ls * E, 2 Ie / 16, H, 16]
+    experts_down: jax.Array | None = None  # [Ls * E, H / 16, Ie, 16]
 
     def qx_for(self, group: str, rows: int) -> tuple[jax.Array | None, int]:
         """(group's qx panels, their kind) for a step of `rows` tokens, or (None, -1) where the float32 panels
@@ -114,10 +122,19 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
         w = getattr(lp, n)
         return w, jax.eval_shape(functools.partial(as_out_in, n, stacked=True), w).shape
 
-    groups = {group: [as_rows(n) for n in names] for group, names in LINEAR_GROUPS.items()}
+    # (a MoE model without dense layers has no gate_up / down)
+    groups = {group: [as_rows(n) for n in names] for group, names in LINEAR_GROUPS.items()
+              if all(getattr(lp, n) is not None for n in names)}
     for names in LINEAR_GROUPS.values():
         for n in names:
             setattr(lp, n, None)
+    if lp.experts_gate is not None:  # each expert one panel linear, [Ls * E, N, K]
+        if bdot:
+            raise ValueError("bfloat16 panels (QX_BDOT) do not take Mixture-of-Experts models")
+        Ls, E, Ie, H = lp.experts_gate.shape
+        groups["experts_gate_up"] = [(lp.experts_gate, (Ls * E, Ie, H)), (lp.experts_up, (Ls * E, Ie, H))]
+        groups["experts_down"] = [(jnp.swapaxes(lp.experts_down, 2, 3), (Ls * E, H, Ie))]  # ([in, out] as stored)
+        lp.experts_gate = lp.experts_up = lp.experts_down = None
     tied = params.lm_head is None
     head = params.embed if tied else params.lm_head
     groups["head"] = [(head, (1, *head.shape))]
@@ -130,7 +147,7 @@ def pack_cpu_panels(params: ModelParams, bdot: bool = False) -> ModelParams:
         panels = CpuPanels(**dict.fromkeys(packed), **{f"{g}_qx": a for g, a in packed.items()},
                            qx_kinds=(kind,) * len(QX_LINEARS), head_qx_kind=kind)  # (no float32 panels)
     else:
-        panels = CpuPanels(**packed)
+        panels = CpuPanels(**{**dict.fromkeys(("qkv", "o", "gate_up", "down", "head")), **packed})
     return ModelParams(embed=params.embed, layers=lp, final_norm=params.final_norm, panels=panels)
 
 
@@ -168,7 +185,9 @@ def attention(q, k, v, kv_cache, kv_lens, block_tables, cu_q_lens, distribution,
 
 def model_kernels(arch: ArchConfig, layers: bool = True) -> ModelKernels:
     """The `ModelKernels` of a model whose params went through `pack_cpu_panels` (`uncovered(arch)` empty):
-    `layers`: every layer of a step in one call (`jax_ops.layers`), else a scan making a call per kernel."""
+    `layers`: every layer of a step in one call (`jax_ops.layers`; never a MoE model's), else a scan making a
+    call per kernel."""
+    sparse = arch.moe is not None
     return ModelKernels(
         linear=functools.partial(_linear, arch),
         head=functools.partial(_head, arch),
@@ -178,8 +197,36 @@ def model_kernels(arch: ArchConfig, layers: bool = True) -> ModelKernels:
         rope_angles=_rope_angles,
         rope=jax_ops.rope,
         gated_act=_silu_mul,
-        layers=functools.partial(_layers, arch) if layers else None,
+        layers=functools.partial(_layers, arch) if layers and not sparse else None,
+        **({"moe": functools.partial(_moe, arch)} if sparse else {}),
     )
+
+
+def _stack_index(arch: ArchConfig, layer, sparse: bool):
+    """Decoder layer `layer`'s index in its MLP's stack (the sparse layers' or the dense ones')."""
+    moe = arch.moe
+    if moe is None or all(moe.sparse_layers) or not any(moe.sparse_layers):
+        return layer
+    at = moe.sparse_index if sparse else moe.dense_index
+    return jnp.asarray([at(l) for l in range(arch.num_hidden_layers)], jnp.int32)[layer]
+
+
+def _moe(arch: ArchConfig, params: ModelParams, lp: LayerParams, layer, h, moe):
+    """`ModelKernels.moe`: the sorted method (`jaxengine.moe.sorted_experts`) with each expert's linears on its
+    panels, reading only that expert's weights and multiplying only its routed rows (the kernels' `live`)."""
+    from jaxengine.moe import moe_mlp, sorted_experts
+
+    p, E, Ie, H = params.panels, moe.num_experts, moe.intermediate_size, arch.hidden_size
+    first = _stack_index(arch, layer, sparse=True) * E
+
+    def expert_mlp(e, x, live):
+        a = jax_ops.silu_mul(jax_ops.panel_linear(x, p.experts_gate_up, first + e, 2 * Ie, live))
+        return jax_ops.panel_linear(a, p.experts_down, first + e, H, live)
+
+    def experts(h, ids, w, *_):
+        return sorted_experts(h.astype(jnp.float32), ids, w, E, expert_mlp).astype(h.dtype)
+
+    return moe_mlp(h, lp, moe, experts=experts)
 
 
 def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax: bool = False, live=None):
@@ -196,6 +243,8 @@ def cpu_linear(panels: CpuPanels, h, group: str, layer, arch: ArchConfig, argmax
 
 def _linear(arch: ArchConfig, params: ModelParams, lp: LayerParams, layer, h, group: str):
     """`ModelKernels.linear`: the group in one product on its panels, split into its linears' outputs."""
+    if group in ("gate_up", "down"):  # (stacked over the dense layers)
+        layer = _stack_index(arch, layer, sparse=False)
     out = cpu_linear(params.panels, h, group, layer, arch)
     names = LINEAR_GROUPS[group]
     if len(names) == 1:

@@ -265,6 +265,11 @@ def rope_angles(cos, sin):
     return cos, sin
 
 
+def xla_moe(params: ModelParams, lp: LayerParams, layer, h, moe, experts=None):
+    """A sparse layer's MLP on XLA's ops (`jaxengine.moe.moe_mlp`, with `experts` if given)."""
+    return moe_mlp(h, lp, moe) if experts is None else moe_mlp(h, lp, moe, experts=experts)
+
+
 @dataclass(frozen=True)
 class ModelKernels:
     """How `forward`, `compute_logits` and `greedy_tokens` compute their pieces: XLA's ops by default (TPU, GPU and
@@ -288,9 +293,9 @@ class ModelKernels:
     # (params, x [T, H], cos, sin, kv_cache, md, keep, all_rows) -> (hidden, kv_cache): every layer of a step
     # at once, in place of the scan over `_layer` (the same arithmetic); None: the scan
     layers: Callable | None = None
-    # (h [T, H] after the MLP norm, lp, MoEConfig) -> [T, H]: a sparse layer's MLP (`jaxengine.moe.moe_mlp`; the
+    # (params, lp, layer, h [T, H] after the MLP norm, MoEConfig) -> [T, H]: a sparse layer's MLP (`xla_moe`; the
     # runner's is shard_map'd over the mesh, `jaxengine.sharding.shard_experts`)
-    moe: Callable = moe_mlp
+    moe: Callable = xla_moe
 
     @classmethod
     def xla(cls, weights_first_rows: int = 0) -> ModelKernels:
@@ -330,7 +335,7 @@ def _layer(params: ModelParams, lp: LayerParams, layer, x, kv_cache, md: RaggedM
     x = x + o
     h = norm(x, lp.mlp_norm, eps)
     if lp.router is not None:  # a sparse layer
-        return x + kernels.moe(h, lp, arch.moe), kv_cache
+        return x + kernels.moe(params, lp, layer, h, arch.moe), kv_cache
     (down,) = lin(kernels.gated_act(*lin(h, "gate_up")), "down")
     return x + down, kv_cache
 
@@ -457,4 +462,5 @@ __all__ = [
     "greedy_tokens",
     "layer_runs",
     "run_params",
+    "xla_moe",
 ]

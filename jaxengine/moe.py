@@ -7,7 +7,7 @@ kept (renormalised when `norm_topk_prob`), cast to the activations' dtype;
 out = sum_k w_k * down_e(silu(gate_e h) * up_e h), plus Qwen2-MoE's shared
 expert scaled by sigmoid(h . shared_expert_gate^T).
 
-The routed experts (`routed_experts`) are computed one of three ways, all
+The routed experts (`routed_experts`) are computed one of four ways, all
 with static shapes (new routing never recompiles):
 
 - "ragged": the T*k (token, expert) rows sorted by expert, one grouped matmul
@@ -18,7 +18,15 @@ with static shapes (new routing never recompiles):
   reads only the routed experts, what a decode step of few tokens wants.
 - "dense": every token through every expert, the outputs combined with the
   routing weights (zero off the top_k): reads each expert once, the most
-  work, the fastest on a CPU once most experts are routed to anyway.
+  work, the fastest on XLA:CPU once most experts are routed to anyway.
+- "sorted": the rows sorted by expert, then a loop over the experts and, in
+  each, over chunks of C of its rows (a dynamic trip count: only the routed
+  rows are multiplied, each expert's weights read once per chunk;
+  `sorted_experts`). On XLA's dots 1.4-6x slower than the picked method on
+  XLA:CPU (benchmarks/bench_jax_moe.py: an expert's weights reach its dot
+  through a dynamic slice), so `pick_method` leaves it out there; on one CPU
+  device in float32 the C kernels run it, each expert a panel linear
+  (`jaxengine.cpu_wing`): the fastest there at every token count.
 
 `pick_method` chooses by the static row count (a bucket's T). An expert-parallel
 device holds experts [first_expert, first_expert + E_local) and computes those
@@ -35,10 +43,11 @@ import jax.numpy as jnp
 
 from enginecore.arch import MoEConfig
 
-METHODS = ("ragged", "gather", "dense")
+METHODS = ("ragged", "gather", "dense", "sorted")
 # XLA:CPU: the gather method up to this many (token, expert) rows, every expert dense above it
 # (benchmarks/bench_moe.py: equal at ~2 rows per expert)
 CPU_GATHER_ROWS_PER_EXPERT = 1
+SORTED_CHUNK_ROWS = 256  # the sorted method's rows per product (an expert's weights are read once per chunk)
 
 
 def route(h, router, moe: MoEConfig):
@@ -110,6 +119,51 @@ def _ragged(h, ids, weights, mine, gate, up, down, act):
     return jnp.zeros_like(h).at[order // k].add(o)
 
 
+def sorted_experts(h, ids, weights, num_experts: int, expert_mlp, *, first_expert=0,
+                   chunk_rows: int = SORTED_CHUNK_ROWS):
+    """The sorted method: sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over experts [first_expert,
+    first_expert + num_experts) -> [T, H], computing only the routed rows.
+
+    expert_mlp(e, x [C, H], live) -> [C, H]: local expert e (an int32 scalar) over x's first `live` rows (the
+    other rows' outputs are ignored). The T * k rows sorted by expert; per expert a loop over chunks of C rows of
+    its own (as many as it has rows: none for an expert no token chose). Each chunk's outputs are written at its
+    rows' place, its rows past `live` zeroed: they are the next experts' rows, which those write later (the
+    experts run in order), or the padding / other devices' rows, which stay zero."""
+    T, k = ids.shape
+    H = h.shape[1]
+    E = num_experts
+    local, weights, mine = _local(ids, weights, first_expert, E)
+    flat = jnp.where(mine, local, E).reshape(-1)  # other devices' rows sort last
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.sum(flat[:, None] == jnp.arange(E, dtype=flat.dtype), axis=0, dtype=jnp.int32)  # [E]
+    starts = jnp.cumsum(counts) - counts
+    C = min(T, chunk_rows)  # (an expert has at most T rows: a token's top_k are distinct)
+    rows = jnp.concatenate([h[order // k], jnp.zeros((C, H), h.dtype)])  # [T * k + C, H]: a chunk never clamps
+
+    def expert(e, out):
+        def chunk(i, out):
+            s = starts[e] + i * C
+            live = jnp.minimum(C, counts[e] - i * C)
+            o = expert_mlp(e, jax.lax.dynamic_slice_in_dim(rows, s, C), live)
+            o = jnp.where((jnp.arange(C) < live)[:, None], o.astype(h.dtype), 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, o, s, 0)
+
+        return jax.lax.fori_loop(0, (counts[e] + C - 1) // C, chunk, out)
+
+    out = jax.lax.fori_loop(0, E, expert, jnp.zeros_like(rows))
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))  # row j's sorted place
+    return jnp.sum((out[back] * weights.reshape(-1, 1)).reshape(T, k, H), axis=1)
+
+
+def _xla_expert_mlp(gate, up, down, act):
+    def mlp(e, x, live):
+        mm = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())))
+        a = act(mm(x, gate[e]), mm(x, up[e]))  # (gate[e]: a dynamic slice of the layer's experts)
+        return jax.lax.dot_general(a, down[e], (((1,), (0,)), ((), ())))
+
+    return mlp
+
+
 def routed_experts(h, ids, weights, gate, up, down, *, first_expert=0, method: str | None = None,
                    platform: str = "cpu", act=None):
     """sum_k weights[t, k] * expert_{ids[t, k]}(h[t]) over this device's experts -> [T, H].
@@ -123,6 +177,8 @@ def routed_experts(h, ids, weights, gate, up, down, *, first_expert=0, method: s
     method = method or pick_method(ids.size, E, platform)
     if method not in METHODS:
         raise ValueError(f"MoE method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method == "sorted":
+        return sorted_experts(h, ids, weights, E, _xla_expert_mlp(gate, up, down, act), first_expert=first_expert)
     local, weights, mine = _local(ids, weights, first_expert, E)
     if method == "ragged":
         return _ragged(h, local, weights, mine, gate, up, down, act)
@@ -166,4 +222,5 @@ def moe_reference(h, lp, moe: MoEConfig):
     return out if shared is None else out + shared
 
 
-__all__ = ["METHODS", "moe_mlp", "moe_reference", "pick_method", "route", "routed_experts", "shared_expert"]
+__all__ = ["METHODS", "moe_mlp", "moe_reference", "pick_method", "route", "routed_experts", "shared_expert",
+           "sorted_experts"]

@@ -59,8 +59,8 @@ from jaxengine.compilation import (
 )
 from jaxengine.hbm import check_fit, device_hbm_bytes, step_temporaries_bytes
 from jaxengine.loader import attach_cpu_qx
-from jaxengine.model import ModelKernels, abstract_params, is_spec, jnp_dtype, kv_cache_shape
-from jaxengine.moe import moe_mlp, routed_experts
+from jaxengine.model import ModelKernels, abstract_params, is_spec, jnp_dtype, kv_cache_shape, xla_moe
+from jaxengine.moe import routed_experts
 from jaxengine.tpu_moe import tpu_experts
 from jaxengine.programs import (
     ModelLayout,
@@ -135,8 +135,9 @@ class JaxModelRunner:
         # --dtype bfloat16 on a CPU with AVX512-BF16: the float32 model (self.dtype: the weights' and activations'
         # dtype in the programs) with its linears and LM head in bfloat16 products (QX_BDOT,
         # cpu_wing.pack_cpu_panels(bdot=True)), as the torch backend runs it; the KV cache as asked
-        self.bdot = bool(opts.get("cpu_linears", True)) and not uncovered and qx.bdot_runs(
-            _kernels_lib, model.config, self.platform, self.dtype, pc.tensor_parallel_size)
+        # (not a MoE model's: its experts' panels are float32 ones)
+        self.bdot = (bool(opts.get("cpu_linears", True)) and not uncovered and self.arch.moe is None
+                     and qx.bdot_runs(_kernels_lib, model.config, self.platform, self.dtype, pc.tensor_parallel_size))
         if self.bdot:
             self.dtype = "float32"
         elif self.platform == "cpu" and (note := cpu_dtype_note(self.dtype)):
@@ -179,7 +180,8 @@ class JaxModelRunner:
                 self.cpu_linears, self.cpu_decode_attention = linears, decode
         # ... and with both: every layer of a step in one custom call (jax_ops.layers; {"cpu_layers": False}:
         # one call per kernel, in a scan over layers)
-        self.cpu_layers = self.cpu_linears and self.cpu_decode_attention and bool(opts.get("cpu_layers", True))
+        self.cpu_layers = (self.cpu_linears and self.cpu_decode_attention and self.arch.moe is None
+                           and bool(opts.get("cpu_layers", True)))  # (its layers are the dense MLP's)
         if self.cpu_linears or self.cpu_decode_attention:
             logger.info("jax CPU kernels: linears %s, decode attention %s, every layer in one call %s",
                         *("on" if on else "off" for on in (self.cpu_linears, self.cpu_decode_attention,
@@ -187,7 +189,7 @@ class JaxModelRunner:
         # what forward runs: XLA's ops (weights first for few rows: model.dense), or the CPU kernels on the panels
         self.kernels = (cpu_wing.model_kernels(self.arch, layers=self.cpu_layers) if self.cpu_linears
                         else ModelKernels.xla(self.weights_first_rows))
-        if self.arch.moe is not None:
+        if self.arch.moe is not None and not self.cpu_linears:  # (on the panels: cpu_wing's sorted experts)
             # the routed experts' method by each bucket's token count (jaxengine.moe.pick_method) unless
             # compilation_config={"moe_method": ...} fixes one; split over the mesh under shard_map
             method = opts.get("moe_method")
@@ -198,7 +200,7 @@ class JaxModelRunner:
             else:
                 experts = functools.partial(routed_experts, method=method, platform=self.platform)
             self.kernels = dataclasses.replace(self.kernels, moe=functools.partial(
-                moe_mlp, experts=shard_experts(experts, self.mesh, self.rules, self.arch)))
+                xla_moe, experts=shard_experts(experts, self.mesh, self.rules, self.arch)))
         self.warmup_level = dc.warmup_level
         self.cache_dir = resolve_cache_dir(dc.compilation_cache_dir)
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
@@ -266,7 +268,7 @@ class JaxModelRunner:
             if self.bdot:
                 logger.info("jax: every linear and the LM head in bfloat16 (AVX512-BF16: QX_BDOT), multiplied by their "
                             "inputs rounded to bfloat16; the rest of the model in float32")
-            elif qx.enabled():
+            elif qx.enabled() and self.arch.moe is None:  # (no qx panels of experts)
                 self.params, n = attach_cpu_qx(self.params, self.source, self.arch)
                 if n:
                     logger.info("jax: %d weight groups also as stored (a GGUF file's blocks, 16-bit values), "

@@ -41,13 +41,14 @@ def test_moe_greedy_matches_transformers(arch, tiny_moe_dir):
     d = tiny_moe_dir(arch)
     llm = jax_llm(d, max_num_batched_tokens=32, enable_prefix_caching=False)
     runner = llm.llm_engine.core.runner
-    lp = runner.params.layers
-    sparse = 2 if arch == "qwen3_moe" else 3
-    assert lp.experts_gate.shape[0] == sparse and lp.experts_down.shape[0] == sparse
-    assert (lp.gate_proj is None) == (arch != "qwen3_moe")  # only Qwen3-MoE's layer 1 is dense
+    lp, panels = runner.params.layers, runner.params.panels
+    sparse, E = (2, 16) if arch == "qwen3_moe" else (3, 8)
+    # the C kernels but for the routing: each expert a panel linear, the dense layer's MLP on its own panels
+    assert runner.cpu_linears and not runner.cpu_layers and cpu_wing.uncovered(runner.arch) == []
+    assert panels.experts_gate_up.shape[0] == panels.experts_down.shape[0] == sparse * E
+    assert lp.experts_gate is None and lp.router.shape[0] == sparse
+    assert (panels.gate_up is None) == (arch != "qwen3_moe")  # only Qwen3-MoE's layer 1 is dense
     assert (lp.shared_gate_proj is not None) == (lp.shared_expert_gate is not None) == (arch == "qwen2_moe")
-    assert not runner.cpu_linears and runner.params.panels is None  # XLA's ops: the C kernels lack the MoE MLP
-    assert any("Mixture-of-Experts" in gap for gap in cpu_wing.uncovered(runner.arch))
     got = generate(llm)
     assert got == hf_greedy(d, PROMPTS, 32)
     assert all(len(set(t)) > 4 for t in got), "degenerate tokens would hide a wrong MLP"
@@ -95,6 +96,45 @@ def test_every_method_matches_the_reference(tokens, norm, shared):
         np.testing.assert_allclose(np.asarray(halves), np.asarray(whole), rtol=1e-5, atol=1e-5, err_msg=method)
     assert pick_method(tokens * k, E) == ("gather" if tokens * k <= E else "dense")
     assert pick_method(tokens * k, E, "tpu") == "ragged"
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_sorted_in_chunks_and_on_the_cpu_panels_match_the_reference(tokens):
+    """The sorted method with several chunks per expert (XLA's dots), and as the CPU kernels run it (each expert a
+    panel linear of `cpu_wing.pack_cpu_panels`, `cpu_wing._moe`), against `moe_reference`."""
+    from cpu_kernels import jax_ops
+    from enginecore.arch import ArchConfig
+    from jaxengine.model import ModelParams
+    from jaxengine.moe import _xla_expert_mlp, moe_mlp, moe_reference, sorted_experts
+
+    rng = np.random.default_rng(tokens + 1)
+    H, E, k, Ie = 32, 8, 3, 16
+    moe = MoEConfig(num_experts=E, top_k=k, intermediate_size=Ie, sparse_layers=(True, True), norm_topk_prob=True)
+    lps = [_random_layer(rng, H, E, Ie, 0) for _ in range(2)]
+    h = jnp.asarray(rng.normal(0, 1, (tokens, H)).astype(np.float32))
+    act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    for l, lp in enumerate(lps):
+        want = np.asarray(moe_reference(h, lp, moe))
+        experts = functools.partial(lambda h, ids, w, g, u, d: sorted_experts(
+            h, ids, w, E, _xla_expert_mlp(g, u, d, act), chunk_rows=2))
+        got = jax.jit(functools.partial(moe_mlp, moe=moe, experts=experts))(h, lp)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    if jax_ops.available():
+        pytest.skip(f"the CPU kernels do not run here: {jax_ops.available()}")
+    arch = ArchConfig(architecture="MixtralForCausalLM", model_type="mixtral", vocab_size=64, hidden_size=H,
+                      intermediate_size=Ie, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, moe=moe)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *lps)
+    stacked.q_proj = jnp.asarray(rng.normal(0, 0.3, (2, 2, 16, H)).astype(np.float32))
+    stacked.k_proj = stacked.v_proj = jnp.asarray(rng.normal(0, 0.3, (2, 1, 16, H)).astype(np.float32))
+    stacked.o_proj = jnp.asarray(rng.normal(0, 0.3, (2, H, 2, 16)).astype(np.float32))
+    params = cpu_wing.pack_cpu_panels(ModelParams(embed=jnp.zeros((64, H)), layers=stacked,
+                                                  final_norm=jnp.ones(H), lm_head=jnp.zeros((64, H))))
+    assert params.layers.experts_gate is None and params.panels.experts_gate_up.shape[0] == 2 * E
+    kernels = cpu_wing.model_kernels(arch)
+    for l, lp in enumerate(lps):
+        got = jax.jit(lambda h, lp, l: kernels.moe(params, lp, l, h, moe))(h, jax.tree.map(lambda a: a[l], params.layers), l)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(moe_reference(h, lp, moe)), rtol=1e-5, atol=1e-5)
 
 
 # -- expert parallelism on 8 fake CPU devices --------------------------------------------------------------
