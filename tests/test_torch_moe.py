@@ -83,13 +83,13 @@ def test_moe_preempted_run_equals_plain(moe_dir):
 def test_cpu_kernels_swap_the_dense_parts_of_a_moe_model(moe_dir):
     from cpu_kernels import torch_ops
     from torchengine.cpu_layers import DecodeLayers
-    from torchengine.cpu_transform import CpuLinear, CpuRMSNorm, CpuSiluAndMul, apply_cpu_kernels
+    from torchengine.cpu_transform import CpuExperts, CpuLinear, CpuRMSNorm, CpuSiluAndMul, apply_cpu_kernels
     from torchengine.model import SparseMoeBlock
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     model, _ = _load(moe_dir("qwen2_moe"))
-    w13 = model.layers[0].mlp.w13.clone()
+    w13, w2 = model.layers[0].mlp.w13.clone(), model.layers[0].mlp.w2.clone()
     assert apply_cpu_kernels(model).packed > 0
     for ly in model.layers:
         block = ly.mlp
@@ -97,7 +97,10 @@ def test_cpu_kernels_swap_the_dense_parts_of_a_moe_model(moe_dir):
         assert type(ly.attn.qkv_proj) is CpuLinear and type(block.router) is CpuLinear
         assert type(block.shared_expert.gate_up_proj) is CpuLinear and type(block.shared_expert_gate) is CpuLinear
         assert isinstance(block.shared_expert.act_fn, CpuSiluAndMul)
-    assert torch.equal(model.layers[0].mlp.w13, w13)  # the experts stay torch's
+    experts = model.layers[0].mlp.experts  # each expert's pair in panels, the stacks freed
+    assert isinstance(experts, CpuExperts) and len(experts) == len(w13) and model.layers[0].mlp.w13 is None
+    for e in range(len(w13)):
+        assert all(torch.equal(a, b) for a, b in zip(experts.matrices(e), (w13[e], w2[e])))
     assert DecodeLayers.bind(model, None, []) is None
 
 
@@ -291,7 +294,7 @@ def test_tp2_engine_with_expert_parallel_matches_tp1(moe_dir):
     tp2 = torch_llm(d, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
     try:
         block = tp2.llm_engine.core.runner.model.layers[0].mlp
-        assert block.w13.shape[0] == 4 and block.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+        assert len(block.experts) == 4 and block.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
         got = _tokens(tp2, PROMPTS[:3])
     finally:
         tp2.llm_engine.core.shutdown()
