@@ -77,6 +77,43 @@ def test_moe_preempted_run_equals_plain(moe_dir):
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_sampled_rows_alone_give_every_rows_bits(arch, moe_dir, monkeypatch):
+    """With the experts in panels (`CpuExperts`: a row's bits whatever rows share its experts) a prefill runs the
+    last layer's o linear and MoE on its sampled rows alone; asking for prompt logprobs computes every row: the
+    same tokens and logprob bits either way, through chunked prefill and mixed steps."""
+    import dataclasses
+
+    from cpu_kernels import torch_ops
+    from torchengine.model import Transformer
+
+    if torch_ops.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    kept = []
+    forward = Transformer.forward
+
+    def spy(self, input_ids, positions, attn, keep=None):
+        out = forward(self, input_ids, positions, attn, keep)
+        kept.append(None if keep is None else (len(keep), len(input_ids)))
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    llm = torch_llm(moe_dir(arch), max_num_batched_tokens=32, block_size=8)
+    assert llm.llm_engine.core.runner.sampled_rows_alone
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    pruned = llm.generate(prompts, sp, use_tqdm=False)
+    assert any(k is not None and k[0] < k[1] for k in kept), kept
+    kept.clear()
+    every = llm.generate(prompts, dataclasses.replace(sp, prompt_logprobs=0), use_tqdm=False)
+    assert kept and all(k is None for k in kept), kept
+    for x, y in zip(pruned, every):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for a, b in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            np.testing.assert_array_equal([v.logprob for v in a.values()], [v.logprob for v in b.values()])
+
+
 # ---------------------------------------------------------------- loading
 
 
