@@ -5,7 +5,8 @@
 - `fused_moe(x, w13, w2, topk_weights, topk_ids, ...)`: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]), where an
   expert is down(act(gate_up(x))) of its stacked weights w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I].
   On CUDA the Triton grouped GEMM (`triton_kernels.fused_moe`: no host syncs, so CUDA graphs capture it); on a
-  CPU `fused_moe_sorted` (below).
+  CPU `fused_moe_sorted` (below). A float32 model on the CPU kernels runs its experts as panels instead
+  (`torchengine.cpu_transform.CpuExperts`, the same `expert_groups` and sum order).
 
 Expert parallelism: a rank holds E_local experts and `expert_map` [E] maps a global expert id to its local index,
 -1 for another rank's; those contributions are left out here and summed by the layer's all-reduce.
