@@ -77,19 +77,56 @@ def test_moe_preempted_run_equals_plain(moe_dir):
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_sampled_rows_alone_give_every_rows_bits(arch, moe_dir, monkeypatch):
+    """With the experts in panels (`CpuExperts`: a row's bits whatever rows share its experts) a prefill runs the
+    last layer's o linear and MoE on its sampled rows alone; asking for prompt logprobs computes every row: the
+    same tokens and logprob bits either way, through chunked prefill and mixed steps."""
+    import dataclasses
+
+    from cpu_kernels import torch_ops
+    from torchengine.model import Transformer
+
+    if torch_ops.lib() is None:
+        pytest.skip("the AVX2 kernels do not run here")
+    kept = []
+    forward = Transformer.forward
+
+    def spy(self, input_ids, positions, attn, keep=None):
+        out = forward(self, input_ids, positions, attn, keep)
+        kept.append(None if keep is None else (len(keep), len(input_ids)))
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    llm = torch_llm(moe_dir(arch), max_num_batched_tokens=32, block_size=8)
+    assert llm.llm_engine.core.runner.sampled_rows_alone
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    pruned = llm.generate(prompts, sp, use_tqdm=False)
+    assert any(k is not None and k[0] < k[1] for k in kept), kept
+    kept.clear()
+    every = llm.generate(prompts, dataclasses.replace(sp, prompt_logprobs=0), use_tqdm=False)
+    assert kept and all(k is None for k in kept), kept
+    for x, y in zip(pruned, every):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for a, b in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            np.testing.assert_array_equal([v.logprob for v in a.values()], [v.logprob for v in b.values()])
+
+
 # ---------------------------------------------------------------- loading
 
 
 def test_cpu_kernels_swap_the_dense_parts_of_a_moe_model(moe_dir):
     from cpu_kernels import torch_ops
     from torchengine.cpu_layers import DecodeLayers
-    from torchengine.cpu_transform import CpuLinear, CpuRMSNorm, CpuSiluAndMul, apply_cpu_kernels
+    from torchengine.cpu_transform import CpuExperts, CpuLinear, CpuRMSNorm, CpuSiluAndMul, apply_cpu_kernels
     from torchengine.model import SparseMoeBlock
 
     if torch_ops.lib() is None:
         pytest.skip("the AVX2 kernels do not run here")
     model, _ = _load(moe_dir("qwen2_moe"))
-    w13 = model.layers[0].mlp.w13.clone()
+    w13, w2 = model.layers[0].mlp.w13.clone(), model.layers[0].mlp.w2.clone()
     assert apply_cpu_kernels(model).packed > 0
     for ly in model.layers:
         block = ly.mlp
@@ -97,7 +134,10 @@ def test_cpu_kernels_swap_the_dense_parts_of_a_moe_model(moe_dir):
         assert type(ly.attn.qkv_proj) is CpuLinear and type(block.router) is CpuLinear
         assert type(block.shared_expert.gate_up_proj) is CpuLinear and type(block.shared_expert_gate) is CpuLinear
         assert isinstance(block.shared_expert.act_fn, CpuSiluAndMul)
-    assert torch.equal(model.layers[0].mlp.w13, w13)  # the experts stay torch's
+    experts = model.layers[0].mlp.experts  # each expert's pair in panels, the stacks freed
+    assert isinstance(experts, CpuExperts) and len(experts) == len(w13) and model.layers[0].mlp.w13 is None
+    for e in range(len(w13)):
+        assert all(torch.equal(a, b) for a, b in zip(experts.matrices(e), (w13[e], w2[e])))
     assert DecodeLayers.bind(model, None, []) is None
 
 
@@ -291,7 +331,7 @@ def test_tp2_engine_with_expert_parallel_matches_tp1(moe_dir):
     tp2 = torch_llm(d, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
     try:
         block = tp2.llm_engine.core.runner.model.layers[0].mlp
-        assert block.w13.shape[0] == 4 and block.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+        assert len(block.experts) == 4 and block.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
         got = _tokens(tp2, PROMPTS[:3])
     finally:
         tp2.llm_engine.core.shutdown()

@@ -13,8 +13,9 @@
 - each attention's `rope_fn` and each MLP's `act_fn` -> the kernels' RoPE (in place) and SiLU-and-mul.
 
 A Mixture-of-Experts layer (`torchengine.model.SparseMoeBlock`): its router, shared expert and shared-expert gate
-are `Linear`s and become `CpuLinear`s like the others; the stacked experts stay torch's (`torchengine.moe`'s
-sorted per-expert matmuls), and the one-call layers refuse the model.
+are `Linear`s and become `CpuLinear`s like the others; each expert's w13 and w2 are packed as panels too
+(`CpuExperts`, the stacks freed), a step multiplying only its routed experts' panels by their rows. The one-call
+layers refuse the model (the routing is Python's).
 
 `bdot` (`--dtype bfloat16` where `cpu_kernels.layout.bdot_runs`): every linear and the LM head in QX_BDOT's
 bfloat16 panels instead, multiplied by their inputs rounded to bfloat16 at every step; the rest float32.
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 
 from cpu_kernels import torch_ops
-from torchengine.model import MLP, Linear, RMSNorm, Transformer, apply_rope, silu_and_mul
+from torchengine.model import MLP, Linear, RMSNorm, SparseMoeBlock, Transformer, apply_rope, silu_and_mul
+from torchengine.moe import ACTIVATIONS, accumulate, expert_groups
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -187,11 +189,50 @@ class CpuSiluAndMul:
         return silu_and_mul(gate_up)
 
 
+class CpuExperts:
+    """A `SparseMoeBlock`'s experts as `panel_gemm` panels, one pair per local expert: w13[e] [2I, H] and
+    w2[e] [H, I]. Called as the block's `experts`: (x [T, H], topk_weights, topk_ids [T, K], expert_map) ->
+    [T, H], `torchengine.moe.fused_moe_sorted`'s sum (ascending expert order) with the panels' products, which
+    give a row the same bits whatever rows share its expert (MKL's small-row GEMMs do not, and read a weight
+    at about half the speed at a decode step's few rows)."""
+
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], two_i: int, hidden: int,
+                 lib: ctypes.CDLL, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                 w2_bias: torch.Tensor | None = None):
+        self.w13, self.w2, self.two_i, self.hidden, self.lib = w13, w2, two_i, hidden, lib
+        self.activation, self.w13_bias, self.w2_bias = activation, w13_bias, w2_bias
+
+    def __len__(self) -> int:
+        return len(self.w13)
+
+    def matrices(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) unpacked (copies, for checks)."""
+        def unpack(p, rows):
+            return p.transpose(1, 2).reshape(-1, p.shape[1])[:rows]
+
+        return unpack(self.w13[e], self.two_i), unpack(self.w2[e], self.hidden)
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.zeros_like(x)
+        for e, rows, weights in expert_groups(topk_weights, topk_ids, len(self.w13), expert_map):
+            h = torch_ops.panel_gemm(self.lib, x if rows is None else x.index_select(0, rows), self.w13[e], self.two_i)
+            if self.w13_bias is not None:
+                h.add_(self.w13_bias[e])
+            h = torch_ops.silu_mul(self.lib, h) if self.activation == "silu" else ACTIVATIONS[self.activation](h)
+            y = torch_ops.panel_gemm(self.lib, h, self.w2[e], self.hidden)
+            if self.w2_bias is not None:
+                y.add_(self.w2_bias[e])
+            accumulate(out, rows, y, weights)
+        return out
+
+
 @dataclass(frozen=True)
 class CpuWeights:
     """What `apply_cpu_kernels` packed."""
 
-    packed: int  # weights put in panels: the linears and the LM head
+    packed: int  # weights put in panels: the linears, the LM head and each expert's two
     arena: torch.Tensor | None  # the one buffer of all their panels (QX_BDOT's: their bytes); None if none
 
 
@@ -231,12 +272,29 @@ def _pack_weights(model: Transformer, lib: ctypes.CDLL, bdot: bool) -> CpuWeight
     if model.lm_head is None or isinstance(model.lm_head, nn.Linear):  # not already a CpuLMHead
         w = model.embed.weight if model.lm_head is None else model.lm_head.weight
         head = w if torch_ops.lib_for(w) is not None else None
+    blocks = [m for m in modules.values() if isinstance(m, SparseMoeBlock) and m.experts is None
+              and torch_ops.lib_for(m.w13, m.w2) is not None]
     sizes = [torch_ops.panels_size(m.weight) for _, m in linears] + ([torch_ops.panels_size(head)] if head is not None
                                                                      else [])
-    if not sizes:
+    expert_sizes = [torch_ops.panels_size(b.w13[0]) + torch_ops.panels_size(b.w2[0]) for b in blocks]
+    if not sizes and not blocks:
         return CpuWeights(0, None)
-    # one buffer for all of them, on huge pages where the OS gives them; QX_BDOT's panels take 2 bytes a float
-    arena, offsets = torch_ops.huge_page_buffer(sum(sizes) // (2 if bdot else 1)), np.cumsum([0] + sizes)
+    # one buffer for all of them, on huge pages where the OS gives them; QX_BDOT's panels take 2 bytes a float,
+    # the experts' float32 panels come after them
+    dense = sum(sizes) // (2 if bdot else 1)
+    arena = torch_ops.huge_page_buffer(dense + sum(n * len(b.w13) for n, b in zip(expert_sizes, blocks)))
+    offsets = np.cumsum([0] + sizes)
+    start = dense
+    for block in blocks:
+        w13, w2 = [], []
+        for e in range(block.w13.shape[0]):
+            for w, dst in ((block.w13[e], w13), (block.w2[e], w2)):
+                n = torch_ops.panels_size(w)
+                dst.append(torch_ops.pack_panels(w.detach(), arena[start : start + n]))
+                start += n
+        two_i, hidden = block.w13.shape[1], block.w2.shape[1]
+        block.experts = CpuExperts(w13, w2, two_i, hidden, lib, block.activation)
+        block.w13 = block.w2 = None  # freed (the experts are the panels now)
     raw = arena.view(torch.uint8)
     for (name, m), a, b in zip(linears, offsets, offsets[1:]):
         if bdot:  # each through float32 panels of its own, dropped once rounded
@@ -257,4 +315,4 @@ def _pack_weights(model: Transformer, lib: ctypes.CDLL, bdot: bool) -> CpuWeight
             if model.lm_head is None:  # tied: the embedding matrix is freed, looked up in the panels
                 model.embed = PanelEmbedding(cpu_head.panels)
         model.lm_head = cpu_head
-    return CpuWeights(len(sizes), arena)
+    return CpuWeights(len(sizes) + sum(2 * len(b.experts) for b in blocks), arena)

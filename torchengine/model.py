@@ -178,6 +178,9 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * I, H), requires_grad=False)  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(m.num_experts, H, I), requires_grad=False)  # [E, H, I]
         self.activation = "silu"  # torchengine.moe.ACTIVATIONS
+        # (x, topk_weights, topk_ids, expert_map) -> [T, H] in place of fused_moe on w13 / w2, which are then None:
+        # the CPU kernels' packed experts (torchengine.cpu_transform.CpuExperts)
+        self.experts: Callable[..., torch.Tensor] | None = None
         # expert parallelism (the TP transform): this rank holds experts first_expert .. first_expert + len(w13);
         # expert_map [E] int64 (init_expert_map, on the weights' device) maps global ids to those, -1 elsewhere
         self.first_expert = 0
@@ -198,7 +201,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (on one rank of several: its share of the sum, all-reduced by the TP transform)."""
         weights, ids = select_experts(self.router(x), self.top_k, self.renormalize, x.dtype)  # [T, K] each
-        out = fused_moe(x, self.w13, self.w2, weights, ids, expert_map=self.expert_map, activation=self.activation)
+        if self.experts is not None:
+            out = self.experts(x, weights, ids, self.expert_map)
+        else:
+            out = fused_moe(x, self.w13, self.w2, weights, ids, expert_map=self.expert_map,
+                            activation=self.activation)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -5,7 +5,8 @@
 - `fused_moe(x, w13, w2, topk_weights, topk_ids, ...)`: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]), where an
   expert is down(act(gate_up(x))) of its stacked weights w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I].
   On CUDA the Triton grouped GEMM (`triton_kernels.fused_moe`: no host syncs, so CUDA graphs capture it); on a
-  CPU `fused_moe_sorted` (below).
+  CPU `fused_moe_sorted` (below). A float32 model on the CPU kernels runs its experts as panels instead
+  (`torchengine.cpu_transform.CpuExperts`, the same `expert_groups` and sum order).
 
 Expert parallelism: a rank holds E_local experts and `expert_map` [E] maps a global expert id to its local index,
 -1 for another rank's; those contributions are left out here and summed by the layer's all-reduce.
@@ -95,31 +96,66 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return F.linear(x, w, b)
 
 
-def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_bias=None, w2_bias=None,
-                     activation: str = "silu") -> torch.Tensor:
-    """The CPU path: the T*K (token, expert) pairs sorted by expert (stably: each expert's tokens in token order),
-    then one matmul pair per expert that has tokens, so a step reads only its routed experts' weights; the
-    weighted rows summed into each token in ascending expert order (transformers' order, so float32 gives its
-    sums). One host sync (the per-expert counts): fine on a CPU, not for CUDA graphs."""
+# Up to this many (token, expert) pairs a step groups them in Python (a decode step's few rows: a few list
+# operations instead of the sort's half-dozen torch ops); more, by the stable sort.
+PYTHON_GROUPING_PAIRS = 256
+
+
+def expert_groups(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_local: int,
+                  expert_map: torch.Tensor | None = None):
+    """The routed (token, expert) pairs grouped by local expert, in ascending expert order (transformers' sum
+    order), each expert's tokens in token order: yields (e, rows [n] int64 or None for a one-token step (its
+    row 0), weights [n, 1]). Another rank's experts (expert_map -1) are left out. One host sync (the ids or the
+    per-expert counts): fine on a CPU, not for CUDA graphs."""
     T, K = topk_ids.shape
-    E = w13.shape[0]
     flat = topk_ids.reshape(-1)
     if expert_map is not None:
         flat = expert_map[flat]
-    flat = torch.where(flat < 0, E, flat)  # another rank's expert: a bucket past the last, never computed
+    w_flat = topk_weights.reshape(-1, 1)
+    if T * K <= PYTHON_GROUPING_PAIRS:
+        ids = flat.tolist()
+        if T == 1:  # no gathers: the token's row as it is, its weights as views
+            for e, k in sorted((e, k) for k, e in enumerate(ids) if 0 <= e < num_local):
+                yield e, None, w_flat[k : k + 1]
+            return
+        groups: dict[int, list[int]] = {}
+        for p, e in enumerate(ids):
+            if 0 <= e < num_local:
+                groups.setdefault(e, []).append(p)
+        for e in sorted(groups):
+            pairs = torch.tensor(groups[e], dtype=torch.int64)
+            yield e, pairs // K, w_flat.index_select(0, pairs)
+        return
+    flat = torch.where(flat < 0, num_local, flat)  # another rank's expert: a bucket past the last, never computed
     order = torch.argsort(flat, stable=True)  # [T*K] pair indices t*K + k
-    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
+    counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
+    rows_all = order // K
+    weights_all = w_flat.index_select(0, order)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, rows_all[start : start + n], weights_all[start : start + n]
+            start += n
+
+
+def accumulate(out: torch.Tensor, rows: torch.Tensor | None, y: torch.Tensor, weights: torch.Tensor) -> None:
+    """out[rows] += y * weights (rows None: out's one row), the same float32 operations either way."""
+    y = y * weights.to(y.dtype)
+    if rows is None:
+        out.add_(y)
+    else:
+        out.index_add_(0, rows, y)
+
+
+def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_bias=None, w2_bias=None,
+                     activation: str = "silu") -> torch.Tensor:
+    """The CPU path on torch's matmuls: one matmul pair per expert that has tokens (`expert_groups`), so a step
+    reads only its routed experts' weights; the weighted rows summed into each token in ascending expert order
+    (transformers' order, so float32 gives its sums)."""
     act = ACTIVATIONS[activation]
     out = torch.zeros_like(x)
-    start = 0
-    rows_all = order // K
-    weights_all = topk_weights.reshape(-1)[order]
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tok = rows_all[start : start + n]
-        h = _linear(x[tok], w13[e], None if w13_bias is None else w13_bias[e])
+    for e, rows, weights in expert_groups(topk_weights, topk_ids, w13.shape[0], expert_map):
+        h = _linear(x if rows is None else x.index_select(0, rows), w13[e], None if w13_bias is None else w13_bias[e])
         y = _linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
-        out.index_add_(0, tok, y * weights_all[start : start + n, None].to(y.dtype))
-        start += n
+        accumulate(out, rows, y, weights)
     return out

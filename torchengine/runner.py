@@ -465,10 +465,11 @@ class TorchModelRunner:
         a row's bits do not depend on the row count, the float32 panels; not the 4-bit linears (their Q4 kernel
         takes few rows, the float32 copies many), nor GPU or bfloat16 GEMMs (which may pick another algorithm),
         nor tensor parallelism (an all-reduce of more than two ranks may sum in an order that depends on the
-        size), nor a MoE model (its experts are torch matmuls of the rows routed to them: their bits depend on
-        which other rows went to the same expert)."""
+        size), nor a MoE model whose experts are torch matmuls (their bits depend on which other rows went to
+        the same expert; the CPU kernels' packed experts, `CpuExperts`, are panels)."""
         return (self.model is not None and self.cpu_arena is not None and self.tp_size == 1
-                and self.config.model_config.quantization != "gguf" and self.arch.moe is None)
+                and self.config.model_config.quantization != "gguf"
+                and all(getattr(ly.mlp, "experts", True) is not None for ly in self.model.layers))
 
     def _forward(self, batch: StepBatch) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Any step: (the sampler's output, the hidden states: None from a CUDA graph or where the sampled rows
