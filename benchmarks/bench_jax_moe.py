@@ -21,19 +21,10 @@ import functools
 import time
 
 import numpy as np
+from benchmarks.bench_dense import best_ms
 
 # (H, E, top_k, Ie): Mixtral 8x7B's expert count and top-k, Qwen3-30B-A3B's, at widths that fit this box
 SHAPES = {"mixtral": (1024, 8, 2, 1792), "qwen3": (1024, 64, 8, 256)}
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main() -> int:

@@ -99,7 +99,8 @@ def model_params(folder: str) -> dict:
 
 def worker_engine(backend: str, folder: str, spec: dict) -> dict:
     from benchmarks._sysload import OtherCpu
-    from enginecore import LLM, SamplingParams
+    from benchmarks.bench_step import decode_step_seconds
+    from enginecore import LLM
 
     steps = spec["steps"]
     max_b = max(spec["batches"] + [spec["num_prompts"]])
@@ -110,20 +111,8 @@ def worker_engine(backend: str, folder: str, spec: dict) -> dict:
     out = {"step_ms": {}, "other_cpu": {}}
     for b in spec["batches"]:
         prompts = [[int(t) for t in rng.integers(100, spec["vocab"], 16)] for _ in range(b)]
-
-        def gen(n, prompts=prompts):
-            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
-            t0 = time.perf_counter()
-            res = llm.generate(prompts, sp, use_tqdm=False)
-            assert all(len(r.outputs[0].token_ids) == n for r in res)
-            return time.perf_counter() - t0
-
-        gen(steps)  # warm-up: every bucket this shape meets
-        gen(1)
         with OtherCpu() as noise:
-            t1 = min(gen(1) for _ in range(3))
-            tn = min(gen(steps) for _ in range(2))
-        out["step_ms"][str(b)] = 1e3 * (tn - t1) / (steps - 1)
+            out["step_ms"][str(b)] = 1e3 * decode_step_seconds(llm, prompts, steps)
         out["other_cpu"][str(b)] = noise.share
         print(f"  {backend} batch {b}: {out['step_ms'][str(b)]:.2f} ms/step", file=sys.stderr, flush=True)
     if spec["throughput"]:

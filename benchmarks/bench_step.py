@@ -129,20 +129,9 @@ def worker(backend: str, batches: list[int], steps: int, profile: bool) -> dict:
     for b in batches:
         prompts = [[int(t) for t in rng.integers(100, 40000, 16)] for _ in range(b)]
 
-        def gen(n, prompts=prompts):
-            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
-            t0 = time.perf_counter()
-            res = llm.generate(prompts, sp, use_tqdm=False)
-            assert all(len(r.outputs[0].token_ids) == n for r in res)
-            return time.perf_counter() - t0
-
-        gen(steps)  # warm-up: every bucket this shape meets
-        gen(1)
         with OtherCpu() as noise:
-            t1 = min(gen(1) for _ in range(3))
-            tn = min(gen(steps) for _ in range(2))
+            step = decode_step_seconds(llm, prompts, steps)
             dev = _device_time(llm, b)
-        step = (tn - t1) / (steps - 1)
         row = {"step_ms": 1e3 * step, "device_ms": 1e3 * dev, "prefill_ms": 1e3 * t1, "tok_s": b / step,
                "other_cpu": noise.share}
         if profile:
@@ -163,6 +152,25 @@ def worker(backend: str, batches: list[int], steps: int, profile: bool) -> dict:
 
 
 # ---- the driver ------------------------------------------------------------------------------------
+
+
+def decode_step_seconds(llm, prompts, steps: int) -> float:
+    """Seconds a greedy decode step of `prompts` takes: (best time for `steps` tokens - best for 1) / (steps - 1),
+    after a warm-up that compiles every bucket the shape meets."""
+    from enginecore import SamplingParams
+
+    def gen(n):
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        assert all(len(r.outputs[0].token_ids) == n for r in res)
+        return time.perf_counter() - t0
+
+    gen(steps)
+    gen(1)
+    t1 = min(gen(1) for _ in range(3))
+    tn = min(gen(steps) for _ in range(2))
+    return (tn - t1) / (steps - 1)
 
 
 def main(argv: list[str] | None = None) -> int:
