@@ -93,16 +93,15 @@ def load_params(
     stacked shape compiled at load (~2 s of the embedded model's 3.4 s here).
 
     A sparse layer's experts come one tensor per expert (Hugging Face's) or all of them stacked (GGUF's,
-    transformers 5's fused ones). On devices, one-expert tensors gather on the host into their layer's
-    [E, ...] slice, placed once every expert is in (so the slice lands sharded, experts or columns, as its
-    param is); the host holds a layer's experts of a param, not more, as files list them layer by layer.
+    transformers 5's fused ones). One-expert tensors gather on the host into their layer's [E, ...] slice, which
+    then goes the way a stacked tensor goes (so on devices it lands sharded, experts or columns, as its param
+    is); the host holds a layer's experts of a param, not more, as files list them layer by layer.
     """
     t0 = time.perf_counter()
     abstract = abstract_params(arch, dtype)
     out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
     gathering: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # (field, index) -> ([E, ...] on the host, experts)
-    experts_seen: dict[tuple, set[int]] = {}  # (field, index) -> experts filled one by one (the host path)
     for name, arr in source.iter_weights():
         path = param_path(name)
         if path is None:
@@ -130,28 +129,20 @@ def load_params(
         one = spec.shape[2:] if expert is not None else spec.shape[1:]
         _check_size(name, arr, one, spec)
         arr = _as_stored(name, path[2], arr, one)
+        if expert is not None:  # gathered into the layer's [E, ...] slice, which goes on once complete
+            host, got = gathering.setdefault((path[2], index), (np.empty(spec.shape[1:], spec.dtype), set()))
+            host[expert] = np.asarray(arr).reshape(one)
+            got.add(expert)
+            if len(got) < spec.shape[1]:
+                continue
+            arr = gathering.pop((path[2], index))[0]
         stacked = _get(out, path)
         if isinstance(stacked, ParamSpec):  # on one CPU device a host array, placed once complete (below)
             stacked = (_host_array(spec.shape, spec.dtype) if _host_memory(sharding) else
                        jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)())
         if isinstance(stacked, np.ndarray):
-            at = (index,) if expert is None else (index, expert)
-            stacked[at] = np.asarray(arr).reshape(one)  # cast to the param's dtype by numpy
-            if expert is not None:
-                got = experts_seen.setdefault((path[2], index), set())
-                got.add(expert)
-                if len(got) < spec.shape[1]:
-                    _set(out, path, stacked)
-                    continue
+            stacked[index] = np.asarray(arr).reshape(spec.shape[1:])  # cast to the param's dtype by numpy
         else:
-            if expert is not None:
-                host, got = gathering.setdefault((path[2], index), (np.empty(spec.shape[1:], spec.dtype), set()))
-                host[expert] = np.asarray(arr).reshape(one)
-                got.add(expert)
-                _set(out, path, stacked)
-                if len(got) < spec.shape[1]:
-                    continue
-                arr = gathering.pop((path[2], index))[0]
             x = _put(arr, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
             stacked = _set_layer(stacked, x, jnp.int32(index))
         _set(out, path, stacked)
@@ -161,9 +152,7 @@ def load_params(
         for p, leaf in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_spec)[0]
         if isinstance(leaf, ParamSpec)
     ]
-    partial = {k: got for k, got in experts_seen.items() if k[1] not in filled.get(("layers", k[0]), ())}
-    partial.update({k: got for k, (_, got) in gathering.items()})
-    for (field, index), got in sorted(partial.items()):
+    for (field, index), (_, got) in sorted(gathering.items()):  # a layer's experts of a param, not all there
         layer = _stack_layers(arch, field)[index]
         gap = min(set(range(arch.moe.num_experts)) - got)
         missing.insert(0, f"{expert_tensor_name(arch, layer, gap, field)} (expert {gap} of layer {layer})")

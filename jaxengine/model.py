@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from enginecore.arch import DENSE_MLP_PARAMS, MOE_PARAMS, ArchConfig
-from jaxengine.moe import moe_mlp
+from jaxengine.moe import moe_mlp, routed_experts
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -265,9 +265,9 @@ def rope_angles(cos, sin):
     return cos, sin
 
 
-def xla_moe(params: ModelParams, lp: LayerParams, layer, h, moe, experts=None):
-    """A sparse layer's MLP on XLA's ops (`jaxengine.moe.moe_mlp`, with `experts` if given)."""
-    return moe_mlp(h, lp, moe) if experts is None else moe_mlp(h, lp, moe, experts=experts)
+def xla_moe(params: ModelParams, lp: LayerParams, layer, h, moe, experts=routed_experts):
+    """A sparse layer's MLP on XLA's ops (`jaxengine.moe.moe_mlp`; `experts`: the routed experts' function)."""
+    return moe_mlp(h, lp, moe, experts=experts)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def pick_method(rows: int, num_experts: int, platform: str = "cpu") -> str:
     return "gather" if rows <= CPU_GATHER_ROWS_PER_EXPERT * num_experts else "dense"
 
 
-def _local(ids, weights, first_expert, num_local: int):
+def local_experts(ids, weights, first_expert, num_local: int):
     """ids [T, k] as indices into this device's experts (clipped), and the weights with other devices' rows 0."""
     local = ids - first_expert
     mine = (local >= 0) & (local < num_local)
@@ -101,13 +101,19 @@ def _dense(h, ids, weights, gate, up, down, act):
     return jax.lax.dot_general(a.reshape(T, E * Ie), down.reshape(E * Ie, H), (((1,), (0,)), ((), ())))
 
 
-def _ragged(h, ids, weights, mine, gate, up, down, act):
-    T, k = ids.shape
-    E = gate.shape[0]
-    flat = jnp.where(mine, ids, E).reshape(-1)  # other devices' rows sort last, in no group
+def sort_by_expert(local, mine, num_experts: int):
+    """The T * k (token, expert) rows sorted by local expert, other devices' rows last (in no group): (order [T * k],
+    row j's sorted place is where order == j; counts [E] int32, the rows of each expert)."""
+    flat = jnp.where(mine, local, num_experts).reshape(-1)
     order = jnp.argsort(flat, stable=True)
+    counts = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype), axis=0, dtype=jnp.int32)
+    return order, counts
+
+
+def _ragged(h, ids, weights, mine, gate, up, down, act):
+    k = ids.shape[1]
+    order, sizes = sort_by_expert(ids, mine, gate.shape[0])
     rows = h[order // k]  # [T * k, H] grouped by expert
-    sizes = jnp.sum(flat[:, None] == jnp.arange(E, dtype=flat.dtype), axis=0, dtype=jnp.int32)  # [E]
     dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
                                              lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
     grouped = functools.partial(jax.lax.ragged_dot_general, group_sizes=sizes, ragged_dot_dimension_numbers=dims)
@@ -132,10 +138,8 @@ def sorted_experts(h, ids, weights, num_experts: int, expert_mlp, *, first_exper
     T, k = ids.shape
     H = h.shape[1]
     E = num_experts
-    local, weights, mine = _local(ids, weights, first_expert, E)
-    flat = jnp.where(mine, local, E).reshape(-1)  # other devices' rows sort last
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.sum(flat[:, None] == jnp.arange(E, dtype=flat.dtype), axis=0, dtype=jnp.int32)  # [E]
+    local, weights, mine = local_experts(ids, weights, first_expert, E)
+    order, counts = sort_by_expert(local, mine, E)
     starts = jnp.cumsum(counts) - counts
     C = min(T, chunk_rows)  # (an expert has at most T rows: a token's top_k are distinct)
     rows = jnp.concatenate([h[order // k], jnp.zeros((C, H), h.dtype)])  # [T * k + C, H]: a chunk never clamps
@@ -179,7 +183,7 @@ def routed_experts(h, ids, weights, gate, up, down, *, first_expert=0, method: s
         raise ValueError(f"MoE method must be one of {', '.join(METHODS)}; got {method!r}")
     if method == "sorted":
         return sorted_experts(h, ids, weights, E, _xla_expert_mlp(gate, up, down, act), first_expert=first_expert)
-    local, weights, mine = _local(ids, weights, first_expert, E)
+    local, weights, mine = local_experts(ids, weights, first_expert, E)
     if method == "ragged":
         return _ragged(h, local, weights, mine, gate, up, down, act)
     return (_gather if method == "gather" else _dense)(h, local, weights, gate, up, down, act)
@@ -223,4 +227,4 @@ def moe_reference(h, lp, moe: MoEConfig):
 
 
 __all__ = ["METHODS", "moe_mlp", "moe_reference", "pick_method", "route", "routed_experts", "shared_expert",
-           "sorted_experts"]
+           "sort_by_expert", "sorted_experts", "local_experts"]

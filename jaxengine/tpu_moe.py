@@ -37,6 +37,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from jaxengine.moe import local_experts, sort_by_expert
+
 # megablox's package re-exports `gmm` (the custom_vjp function) over its module's name
 _megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
@@ -79,17 +81,15 @@ def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, layer=None, 
         stacks = gate.shape[0]
         gate, up, down = (w.reshape(-1, *w.shape[2:]) for w in (gate, up, down))
     E, Ie, H = gate.shape[0] // stacks, gate.shape[1], gate.shape[2]
-    local = ids - first_expert
-    mine = (local >= 0) & (local < E)
-    flat = jnp.where(mine, local, E).reshape(-1)  # other devices' rows sort last, into group E
-    order = jnp.argsort(flat, stable=True)
-    # E + 1 groups over E experts: megablox computes the first E and zeroes the rows of the last
-    sizes = jnp.sum(flat[:, None] == jnp.arange(E + 1, dtype=flat.dtype), axis=0, dtype=jnp.int32)
+    local, weights, mine = local_experts(ids, weights, first_expert, E)
+    order, counts = sort_by_expert(local, mine, E)  # other devices' rows last
     m = _round_up(T * k, ROW_ALIGN)
     m = _round_up(m, min(128, m))
     src = order // k
-    rows = h[jnp.pad(src, (0, m - T * k))]  # [m, H]; the padded rows fall in group E (sizes sum to T k)
-    sizes = sizes.at[E].add(m - T * k)
+    rows = h[jnp.pad(src, (0, m - T * k))]  # [m, H]; the padded rows fall in group E
+    # E + 1 groups over E experts: megablox computes the first E and zeroes the rows of the last (other devices'
+    # rows and the padding)
+    sizes = jnp.concatenate([counts, (m - jnp.sum(counts))[None]])
     if stacks > 1:
         full = jnp.zeros((stacks * E + 1,), jnp.int32).at[stacks * E].set(sizes[E])
         sizes = jax.lax.dynamic_update_slice(full, sizes[:E], (layer * E,))
@@ -102,7 +102,7 @@ def gmm_experts(h, ids, weights, gate, up, down, *, first_expert=0, layer=None, 
 
     a = act(mm(rows, gate, True), mm(rows, up, True))  # [m, Ie]
     o = mm(a, down, False)[: T * k]  # [T k, H]
-    w = jnp.where(mine, weights, jnp.zeros_like(weights)).reshape(-1)[order]
+    w = weights.reshape(-1)[order]  # (0 for other devices' rows: local_experts)
     o = jnp.where((w != 0)[:, None], o * w[:, None], 0)
     return jnp.zeros_like(h).at[src].add(o)
 

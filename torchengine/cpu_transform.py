@@ -38,7 +38,7 @@ from torch import nn
 
 from cpu_kernels import torch_ops
 from torchengine.model import MLP, Linear, RMSNorm, SparseMoeBlock, Transformer, apply_rope, silu_and_mul
-from torchengine.moe import ACTIVATIONS, accumulate, expert_groups
+from torchengine.moe import ACTIVATIONS, sum_routed_experts
 
 logger = logging.getLogger("xlaserve.torchengine")
 
@@ -192,7 +192,7 @@ class CpuSiluAndMul:
 class CpuExperts:
     """A `SparseMoeBlock`'s experts as `panel_gemm` panels, one pair per local expert: w13[e] [2I, H] and
     w2[e] [H, I]. Called as the block's `experts`: (x [T, H], topk_weights, topk_ids [T, K], expert_map) ->
-    [T, H], `torchengine.moe.fused_moe_sorted`'s sum (ascending expert order) with the panels' products, which
+    [T, H], `torchengine.moe.sum_routed_experts`' sum (ascending expert order) with the panels' products, which
     give a row the same bits whatever rows share its expert (MKL's small-row GEMMs do not, and read a weight
     at about half the speed at a decode step's few rows)."""
 
@@ -214,18 +214,15 @@ class CpuExperts:
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.contiguous()
-        out = torch.zeros_like(x)
-        for e, rows, weights in expert_groups(topk_weights, topk_ids, len(self.w13), expert_map):
-            h = torch_ops.panel_gemm(self.lib, x if rows is None else x.index_select(0, rows), self.w13[e], self.two_i)
+        def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = torch_ops.panel_gemm(self.lib, rows, self.w13[e], self.two_i)
             if self.w13_bias is not None:
                 h.add_(self.w13_bias[e])
             h = torch_ops.silu_mul(self.lib, h) if self.activation == "silu" else ACTIVATIONS[self.activation](h)
             y = torch_ops.panel_gemm(self.lib, h, self.w2[e], self.hidden)
-            if self.w2_bias is not None:
-                y.add_(self.w2_bias[e])
-            accumulate(out, rows, y, weights)
-        return out
+            return y if self.w2_bias is None else y.add_(self.w2_bias[e])
+
+        return sum_routed_experts(x.contiguous(), topk_weights, topk_ids, len(self.w13), expert_map, expert_mlp)
 
 
 @dataclass(frozen=True)

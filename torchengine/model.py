@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.arch import ArchConfig, ModelLoadError, fused_slices, rope_cos_sin, weight_spec
+from enginecore.model_checks import expert_tensor_name
 from torchengine.moe import fused_moe, select_experts
 
 # attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
@@ -362,7 +363,7 @@ _LAYER_PARAMS = {
 def _tp_share(arr: np.ndarray, dim: int, rank: int, tp_size: int) -> np.ndarray:
     """Rank's contiguous 1/tp_size of `arr` along `dim` (a view: a memory-mapped checkpoint reads only it)."""
     n = arr.shape[dim] // tp_size
-    return arr[rank * n : (rank + 1) * n] if dim == 0 else arr[:, rank * n : (rank + 1) * n]
+    return arr[(slice(None),) * dim + (slice(rank * n, (rank + 1) * n),)]
 
 
 @torch.no_grad()
@@ -410,24 +411,15 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, np.ndarray]]) 
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
 
 
-# an expert's HF tensor names: (Qwen's, Mixtral's)
-_EXPERT_NAMES = {"experts_gate": ("gate_proj", "w1"), "experts_up": ("up_proj", "w3"),
-                 "experts_down": ("down_proj", "w2")}
-
-
 def _missing_experts(model: Transformer, filled: set[tuple[int, str, int]]) -> list[str]:
     """HF's names of the expert tensors this rank needs that no checkpoint tensor filled."""
-    mixtral = model.arch.model_type == "mixtral"
     out = []
     for i, layer in enumerate(model.layers):
         block = layer.mlp
-        if not isinstance(block, SparseMoeBlock):
-            continue
-        for e in range(block.first_expert, block.first_expert + block.w13.shape[0]):
-            for param, (qwen, mix) in _EXPERT_NAMES.items():
-                if (i, param, e) not in filled:
-                    prefix = "block_sparse_moe" if mixtral else "mlp"
-                    out.append(f"model.layers.{i}.{prefix}.experts.{e}.{mix if mixtral else qwen}.weight")
+        if isinstance(block, SparseMoeBlock):
+            out += [expert_tensor_name(model.arch, i, e, param)
+                    for e in range(block.first_expert, block.first_expert + block.w13.shape[0])
+                    for param in ("experts_gate", "experts_up", "experts_down") if (i, param, e) not in filled]
     return out
 
 
@@ -448,9 +440,7 @@ def _expert_share(model: Transformer, param: torch.Tensor, arr: np.ndarray, spec
         dst = param
         arr = arr[first : first + n_local]
         if split:  # the expert's [out, in] is dims 1, 2 of the stack
-            n = arr.shape[spec.tp_dim + 1] // model.tp_size
-            r = model.tp_rank
-            arr = arr[:, r * n : (r + 1) * n] if spec.tp_dim == 0 else arr[:, :, r * n : (r + 1) * n]
+            arr = _tp_share(arr, spec.tp_dim + 1, model.tp_rank, model.tp_size)
     if spec.fused is not None:
         rows = fused_slices(model.arch, spec.fused, model.tp_size if split else 1)[spec.param]
         dst = dst[rows] if dst.dim() == 2 else dst[:, rows]

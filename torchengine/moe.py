@@ -147,15 +147,26 @@ def accumulate(out: torch.Tensor, rows: torch.Tensor | None, y: torch.Tensor, we
         out.index_add_(0, rows, y)
 
 
+def sum_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_local: int,
+                       expert_map: torch.Tensor | None,
+                       expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_k w[t, k] * expert_mlp(id[t, k], x[t]) over this rank's experts: expert_mlp(e, rows [n, H]) -> [n, H]
+    runs once per expert that has tokens (`expert_groups`), so a step reads only its routed experts' weights; the
+    weighted rows are summed into each token in ascending expert order (transformers' order, so float32 gives
+    its sums)."""
+    out = torch.zeros_like(x)
+    for e, rows, weights in expert_groups(topk_weights, topk_ids, num_local, expert_map):
+        accumulate(out, rows, expert_mlp(e, x if rows is None else x.index_select(0, rows)), weights)
+    return out
+
+
 def fused_moe_sorted(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_bias=None, w2_bias=None,
                      activation: str = "silu") -> torch.Tensor:
-    """The CPU path on torch's matmuls: one matmul pair per expert that has tokens (`expert_groups`), so a step
-    reads only its routed experts' weights; the weighted rows summed into each token in ascending expert order
-    (transformers' order, so float32 gives its sums)."""
+    """The CPU path on torch's matmuls: `sum_routed_experts` with one matmul pair per routed expert."""
     act = ACTIVATIONS[activation]
-    out = torch.zeros_like(x)
-    for e, rows, weights in expert_groups(topk_weights, topk_ids, w13.shape[0], expert_map):
-        h = _linear(x if rows is None else x.index_select(0, rows), w13[e], None if w13_bias is None else w13_bias[e])
-        y = _linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
-        accumulate(out, rows, y, weights)
-    return out
+
+    def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = _linear(rows, w13[e], None if w13_bias is None else w13_bias[e])
+        return _linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
+
+    return sum_routed_experts(x, topk_weights, topk_ids, w13.shape[0], expert_map, expert_mlp)
