@@ -3,7 +3,6 @@ sparse ones) against transformers in float32; loading, the CPU path's pieces, te
 
 from __future__ import annotations
 
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -283,7 +282,7 @@ TP_STEPS = 8
 
 
 def _tp_rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[str], out_path: str) -> None:
-    from tests.test_torch_tp import greedy_logits
+    from tests.test_torch_tp import greedy_logits, run_ranks
     from torchengine.tensor_parallel import apply_tensor_parallel
 
     torch.set_num_threads(1)
@@ -300,19 +299,11 @@ def _tp_rank_main(rank: int, world_size: int, init_method: str, model_dirs: list
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_tp2_with_and_without_expert_parallel_matches_tp1(moe_dir, tmp_path):
-    from tests.test_torch_tp import greedy_logits
+    from tests.test_torch_tp import greedy_logits, run_ranks
 
     dirs = [moe_dir(a) for a in TP_ARCHS]
     want = {d: greedy_logits(_load(d)[0], PROMPTS[2], TP_STEPS) for d in dirs}
-    ctx = multiprocessing.get_context("spawn")
-    out_path, init = str(tmp_path / "tp2.pt"), f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_tp_rank_main, args=(r, 2, init, dirs, out_path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0]
-    got = torch.load(out_path)
+    got = run_ranks(_tp_rank_main, 2, dirs, tmp_path, timeout=300)
     for d, arch in zip(dirs, TP_ARCHS):
         lw, tw = want[d]
         for ep in (False, True):

@@ -76,18 +76,24 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dirs: list[st
     dist.destroy_process_group()
 
 
-def test_tp2_model_transform_matches_tp1(tiny_model_dir, tmp_path):
-    dirs = [tiny_model_dir(a) for a in ARCHS]
-    want = {d: greedy_logits(load(d), PROMPT, STEPS) for d in dirs}
+def run_ranks(target, world_size: int, dirs: list[str], tmp_path, timeout: float):
+    """target(rank, world_size, init_method, dirs, out_path) in `world_size` spawned processes (a file rendezvous
+    under tmp_path); every one must exit 0; returns what they saved at out_path."""
     ctx = multiprocessing.get_context("spawn")
-    out_path, init = str(tmp_path / "tp2.pt"), f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, init, dirs, out_path)) for r in range(2)]
+    out_path, init = str(tmp_path / "tp.pt"), f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=target, args=(r, world_size, init, dirs, out_path)) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=240)
-    assert [p.exitcode for p in procs] == [0, 0]
-    got = torch.load(out_path)
+        p.join(timeout=timeout)
+    assert [p.exitcode for p in procs] == [0] * world_size
+    return torch.load(out_path)
+
+
+def test_tp2_model_transform_matches_tp1(tiny_model_dir, tmp_path):
+    dirs = [tiny_model_dir(a) for a in ARCHS]
+    want = {d: greedy_logits(load(d), PROMPT, STEPS) for d in dirs}
+    got = run_ranks(_rank_main, 2, dirs, tmp_path, timeout=240)
     for d, arch in zip(dirs, ARCHS):
         (lw, tw), (lg, tg) = want[d], got[d]
         assert tg == tw, f"{arch}: TP=2 tokens {tg} != TP=1 tokens {tw}"

@@ -430,9 +430,14 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     The interpreter runs the kernels as numpy code, so the real compiler's
     rules (types, layouts, tl.dot shapes) are only checked here or on a GPU.
     """
+    compile_for_hopper(_COMPILE_FOR_HOPPER, tmp_path)
+
+
+def compile_for_hopper(script: str, cache_dir) -> None:
+    """Run `script` (which compiles kernels for sm_90 and prints "compiled") compiled, not interpreted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_FOR_HOPPER)], cwd=ROOT, env=env,
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
         pytest.skip("triton's bundled ptxas is missing")

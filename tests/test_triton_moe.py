@@ -16,7 +16,7 @@ if not _CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_kernels imports triton
 
 import triton_kernels as tk  # noqa: E402
-from tests.test_triton_kernels import DEVICES, ROOT, needs_gpu_kernels  # noqa: E402
+from tests.test_triton_kernels import DEVICES, ROOT, compile_for_hopper, needs_gpu_kernels  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -163,14 +163,7 @@ _COMPILE_FOR_HOPPER = """
 def test_fused_moe_compiles_for_hopper_without_a_gpu(tmp_path):
     """The interpreter runs the kernel as numpy code; the real compiler's rules (types, tl.dot shapes) are
     checked here."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_FOR_HOPPER)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
-        pytest.skip("triton's bundled ptxas is missing")
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled" in res.stdout
+    compile_for_hopper(_COMPILE_FOR_HOPPER, tmp_path)
 
 
 # ---------------------------------------------------------------- inside the model
