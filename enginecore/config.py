@@ -144,8 +144,55 @@ class ParallelConfig:
     # a MoE model's experts split over the tensor-parallel devices (EP size = TP x DP, as vLLM), each device
     # holding whole experts, in place of every expert's columns split over them
     enable_expert_parallel: bool = False
+    # Beyond one process (vLLM's flags). One engine over several hosts: `--nnodes N --node-rank R --master-addr A
+    # --master-port P` on every host (jax: jax.distributed's multi-controller runtime, the coordinator at A:P;
+    # torch: torch.distributed's rendezvous at A:P); node 0 serves HTTP, the others run `--headless`.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    # how the ranks of one engine are started: mp (local processes), ray (actors in a placement group on a Ray
+    # cluster), uni (one process); None: uni for one rank, else mp
+    distributed_executor_backend: str | None = None
+    # Data parallelism: --data-parallel-size engine cores (each its own --tensor-parallel-size group) behind one
+    # API server, or behind an external load balancer (one server per rank, --data-parallel-external-lb), or one
+    # API server per node for its local cores (--data-parallel-hybrid-lb)
+    data_parallel_size_local: int | None = None  # cores on this node (None: all, on one node)
+    data_parallel_rank: int | None = None  # external LB: the rank this server runs
+    data_parallel_start_rank: int = 0  # the first rank of this node's cores
+    data_parallel_address: str | None = None  # the head node's address, which the other nodes' cores connect to
+    data_parallel_rpc_port: int = 29550  # the head node's port for them
+    data_parallel_backend: str = "mp"  # mp: local processes; ray: actors on a Ray cluster
+    data_parallel_hybrid_lb: bool = False
+    data_parallel_external_lb: bool = False
 
     def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes}).")
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port} is not a TCP port.")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ConfigError(f"--distributed-executor-backend must be mp, ray or uni; got "
+                              f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and (self.tensor_parallel_size > 1 or self.nnodes > 1):
+            raise ConfigError("--distributed-executor-backend uni runs one process: it cannot run "
+                              f"--tensor-parallel-size {self.tensor_parallel_size} / --nnodes {self.nnodes}.")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ConfigError(f"--data-parallel-backend must be mp or ray; got {self.data_parallel_backend!r}.")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise ConfigError(f"--data-parallel-size-local {local} must be in [0, --data-parallel-size "
+                              f"{self.data_parallel_size}].")
+        if self.data_parallel_rank is not None and not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError(f"--data-parallel-rank {self.data_parallel_rank} must be in [0, --data-parallel-size "
+                              f"{self.data_parallel_size}).")
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise ConfigError(f"--data-parallel-start-rank {self.data_parallel_start_rank} must be in [0, "
+                              f"--data-parallel-size {self.data_parallel_size}).")
+        if self.data_parallel_hybrid_lb and self.data_parallel_external_lb:
+            raise ConfigError("--data-parallel-hybrid-lb and --data-parallel-external-lb exclude each other.")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ConfigError(f"--data-parallel-rpc-port {self.data_parallel_rpc_port} is not a TCP port.")
         if self.pipeline_parallel_size != 1:
             raise ConfigError(
                 f"--pipeline-parallel-size {self.pipeline_parallel_size} is not supported yet; use "
@@ -351,6 +398,19 @@ class EngineArgs:
     data_parallel_size: int = ParallelConfig.data_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
+    nnodes: int = ParallelConfig.nnodes
+    node_rank: int = ParallelConfig.node_rank
+    master_addr: str = ParallelConfig.master_addr
+    master_port: int = ParallelConfig.master_port
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
+    data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
+    data_parallel_rank: int | None = ParallelConfig.data_parallel_rank
+    data_parallel_start_rank: int = ParallelConfig.data_parallel_start_rank
+    data_parallel_address: str | None = ParallelConfig.data_parallel_address
+    data_parallel_rpc_port: int = ParallelConfig.data_parallel_rpc_port
+    data_parallel_backend: str = ParallelConfig.data_parallel_backend
+    data_parallel_hybrid_lb: bool = ParallelConfig.data_parallel_hybrid_lb
+    data_parallel_external_lb: bool = ParallelConfig.data_parallel_external_lb
     platform: str = "auto"  # DeviceConfig holds the resolved one
     backend: str = "auto"  # DeviceConfig holds the resolved one
     enforce_eager: bool = DeviceConfig.enforce_eager

@@ -91,6 +91,30 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "enable_expert_parallel": ("ParallelConfig", "A Mixture-of-Experts model's experts split over the "
                                "tensor-parallel devices (whole experts per device, EP size = TP x DP) instead of "
                                "every expert's columns.", None),
+    "nnodes": ("ParallelConfig", "Hosts one engine spans (jax: jax.distributed's processes, one per host; torch: "
+               "torch.distributed's nodes). Run the same command on every host with its --node-rank.", None),
+    "node_rank": ("ParallelConfig", "This host's rank among --nnodes (0 serves HTTP; the others run --headless).",
+                  None),
+    "master_addr": ("ParallelConfig", "Address of node 0 (jax.distributed's coordinator / torch.distributed's "
+                    "rendezvous).", None),
+    "master_port": ("ParallelConfig", "Port of node 0's coordinator / rendezvous.", None),
+    "distributed_executor_backend": ("ParallelConfig", "How an engine's ranks are started: mp (local processes), "
+                                     "ray (actors on a Ray cluster), uni (one process). Default: uni for one rank, "
+                                     "else mp.", ("mp", "ray", "uni")),
+    "data_parallel_size_local": ("ParallelConfig", "Data-parallel engine cores on this node (default: all of "
+                                 "--data-parallel-size).", None),
+    "data_parallel_rank": ("ParallelConfig", "With --data-parallel-external-lb: the one rank this server runs.",
+                           None),
+    "data_parallel_start_rank": ("ParallelConfig", "The rank of this node's first engine core.", None),
+    "data_parallel_address": ("ParallelConfig", "Address of the head node's API server, which other nodes' engine "
+                              "cores connect to.", None),
+    "data_parallel_rpc_port": ("ParallelConfig", "Port on --data-parallel-address for the engine cores.", None),
+    "data_parallel_backend": ("ParallelConfig", "How data-parallel engine cores are started: mp (local "
+                              "processes) or ray (actors on a Ray cluster).", ("mp", "ray")),
+    "data_parallel_hybrid_lb": ("ParallelConfig", "One API server per node, for that node's engine cores (an "
+                                "external load balancer in front of the nodes).", None),
+    "data_parallel_external_lb": ("ParallelConfig", "One API server per data-parallel rank (--data-parallel-rank); "
+                                  "an external load balancer routes between them.", None),
     "platform": ("DeviceConfig", "Hardware (auto: TPU, else CUDA, else CPU).", ("auto", "tpu", "cuda", "cpu")),
     "backend": ("DeviceConfig", "Engine backend (auto: jax on TPU, torch on CUDA; on CPU torch where its AVX2 kernels run with float32 and one process, else jax, also for orbax weights or a compilation cache).",
                 ("auto", "jax", "torch")),
@@ -269,6 +293,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
       help="Logprob tokens as 'token_id:N' instead of text.")
     a("--shutdown-timeout", type=float, default=5.0,
       help="On SIGTERM/SIGINT: seconds in-flight requests may finish before they are aborted (default: %(default)s).")
+    a("--headless", action="store_true",
+      help="Serve no HTTP: this host runs its share of the engine (--node-rank > 0 of --nnodes, or the engine cores "
+           "of --data-parallel-size-local that connect to --data-parallel-address) until node 0 stops.")
+    a("--api-server-count", type=int, default=1,
+      help="API server processes in front of the engine cores (default: %(default)s).")
     a("--h11-max-incomplete-event-size", type=int, default=None, help="uvicorn h11 limit on header bytes.")
     return g
 

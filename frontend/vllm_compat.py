@@ -46,8 +46,7 @@ VLLM_COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     _F("disable-cascade-attn", NOOP, "there is no cascade attention", takes_value=False),
     _F("cuda-graph-sizes", NOOP, "graph / program sizes are the token buckets (powers of two)"),
     _F("calculate-kv-scales", NOOP, "the KV cache is not quantized", takes_value=False),
-    _F("distributed-executor-backend", NOOP, "there is no executor layer (one process per engine)"),
-    _F("ray-workers-use-nsight", NOOP, "Ray is not used", takes_value=False),
+    _F("ray-workers-use-nsight", NOOP, "Ray workers are not profiled with Nsight", takes_value=False),
     _F("otlp-traces-endpoint", NOOP, "OpenTelemetry tracing is not implemented; use /metrics"),
     _F("collect-detailed-traces", NOOP, "OpenTelemetry tracing is not implemented; use /metrics"),
     _F("disable-mm-preprocessor-cache", NOOP, "models are text-only", takes_value=False),
@@ -58,7 +57,6 @@ VLLM_COMPAT_FLAGS: tuple[CompatFlag, ...] = (
        noop_values=("auto", "hf")),
     _F("model-impl", REJECT, "xlaserve has one implementation per architecture", noop_values=("auto",)),
     _F("preemption-mode", REJECT, "preemption is by recompute only", noop_values=("recompute",)),
-    _F("api-server-count", REJECT, "one API server process per engine", noop_values=("1",)),
     _F("device", REJECT, "use --platform {auto,tpu,cuda,cpu}", noop_values=("auto",)),
     # rejected: would change results or behaviour
     _F("speculative-config", REJECT, "speculative decoding is not supported"),
@@ -96,10 +94,6 @@ VLLM_COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     _F("scheduler-cls", REJECT, "the scheduler is not pluggable"),
     _F("middleware", REJECT, "custom ASGI middleware is not supported"),
     _F("log-config-file", REJECT, "use --uvicorn-log-level; custom logging configs are not supported"),
-    _F("headless", REJECT, "multi-node data parallelism is not supported", takes_value=False),
-    _F("data-parallel-address", REJECT, "multi-node data parallelism is not supported"),
-    _F("data-parallel-rpc-port", REJECT, "multi-node data parallelism is not supported"),
-    _F("data-parallel-size-local", REJECT, "multi-node data parallelism is not supported"),
     _F("tool-server", REJECT, "built-in tools are not supported"),
 )
 

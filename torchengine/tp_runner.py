@@ -4,7 +4,7 @@ Rank 0 is a `TensorParallelRunner` inside the engine. When it loads the model it
 (`torchengine.distributed.RankWorkers`: `python -m torchengine.tp_runner`); each resolves the model, builds a
 `TorchModelRunner` of its rank and `serve_rank`s. All N join one `torch.distributed` group (NCCL on CUDA,
 gloo on the CPU). Each call on rank 0 (`determine_num_blocks`, `init_kv_cache`, `warmup`, `execute`) is first
-broadcast over the gloo group as one of the typed commands below, so every rank runs the same steps on its own
+broadcast over the gloo group as one of `enginecore.rank_commands`', so every rank runs the same steps on its own
 `InputBatch` replica and meets rank 0 in the same collectives (the all-reduces of the row-parallel layers).
 Only rank 0 samples. `shutdown()` broadcasts `Shutdown` and joins the ranks.
 
@@ -14,50 +14,18 @@ imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from enginecore.config import EngineConfig
 from enginecore.model_loader import ModelSource, resolve_model
-from enginecore.outputs import SchedulerOutput
+from enginecore.rank_commands import LeaderRunner, RankCommand, Shutdown, serve_rank
 from torchengine.distributed import RankWorkers, die_with_parent, free_init_method, read_worker_args
 from torchengine.runner import TorchModelRunner
 
 _WORKER_MODULE = "torchengine.tp_runner"  # what `python -m` runs in ranks 1..N-1: this module
 
 
-# -- the commands rank 0 broadcasts before it runs each call itself ----------------------------------
-
-
-@dataclass(frozen=True)
-class DetermineNumBlocks:
-    """`determine_num_blocks()`; the ranks agree on the minimum (`TPGroup.min_over_ranks`)."""
-
-
-@dataclass(frozen=True)
-class InitKVCache:
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class Warmup:
-    pass
-
-
-@dataclass(frozen=True)
-class Execute:
-    scheduler_output: SchedulerOutput
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """Sent after rank 0 has released its model and cache; every rank then leaves the group."""
-
-
-RankCommand = DetermineNumBlocks | InitKVCache | Warmup | Execute | Shutdown
-
-
-class TensorParallelRunner:
-    """Rank 0 of `--tensor-parallel-size N`: each call is broadcast to the other ranks, then run here.
+class TensorParallelRunner(LeaderRunner):
+    """Rank 0 of `--tensor-parallel-size N`: each call is broadcast to the other ranks over the gloo group
+    (`enginecore.rank_commands`), then run here.
 
     The other ranks (`serve_rank`) run the same calls on their own `TorchModelRunner`, meeting rank 0 in the
     collectives; only rank 0's results are returned.
@@ -65,7 +33,7 @@ class TensorParallelRunner:
 
     def __init__(self, config: EngineConfig, model: ModelSource):
         self._init_method = free_init_method()
-        self.local = TorchModelRunner(config, model, rank=0, init_method=self._init_method)
+        super().__init__(TorchModelRunner(config, model, rank=0, init_method=self._init_method), self._broadcast)
         self._workers: RankWorkers | None = None
 
     def _broadcast(self, command: RankCommand) -> bool:
@@ -80,22 +48,6 @@ class TensorParallelRunner:
         self._workers = RankWorkers(_WORKER_MODULE, self.local.config, self._init_method)
         self.local.load_model()
 
-    def determine_num_blocks(self) -> int:
-        self._broadcast(DetermineNumBlocks())
-        return self.local.determine_num_blocks()
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._broadcast(InitKVCache(num_blocks))
-        self.local.init_kv_cache(num_blocks)
-
-    def warmup(self) -> dict:
-        self._broadcast(Warmup())
-        return self.local.warmup()
-
-    def execute(self, so: SchedulerOutput):
-        self._broadcast(Execute(so))
-        return self.local.execute(so)
-
     def shutdown(self) -> None:
         self.local.release()
         told = self._broadcast(Shutdown())
@@ -104,30 +56,6 @@ class TensorParallelRunner:
             self._workers.join(60.0 if told else 0.0)
             self._workers = None
 
-    def __getattr__(self, name):  # model, input_batch, kv_caches ... for tests and tools
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
-
-def serve_rank(runner: TorchModelRunner) -> None:
-    """Ranks > 0: run rank 0's commands until it shuts down (each step to its end: these ranks return nothing)."""
-    while True:
-        match runner.tp.broadcast(None):
-            case DetermineNumBlocks():
-                runner.determine_num_blocks()
-            case InitKVCache(num_blocks):
-                runner.init_kv_cache(num_blocks)
-            case Warmup():
-                runner.warmup()
-            case Execute(scheduler_output):
-                runner.execute(scheduler_output).result()
-            case Shutdown():
-                runner.shutdown()
-                return
-            case other:
-                raise TypeError(f"rank {runner.rank}: {other!r} is not a command of rank 0")
-
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, parent_pid: int) -> None:
     """Rank `rank` > 0, in the process `RankWorkers` started."""
@@ -135,7 +63,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, parent_pid: i
         return
     runner = TorchModelRunner(config, resolve_model(config.model_config.model), rank=rank, init_method=init_method)
     runner.load_model()
-    serve_rank(runner)
+    serve_rank(runner, lambda: runner.tp.broadcast(None), name=f"rank {rank}")
 
 
 def create_runner(config: EngineConfig, model: ModelSource):
@@ -146,8 +74,7 @@ def create_runner(config: EngineConfig, model: ModelSource):
 
 
 if __name__ == "__main__":
-    # run the imported module's worker_main, not this __main__ copy's: the commands rank 0 pickles are
-    # torchengine.tp_runner's classes, and only that module's `match` knows them
+    # run the imported module's worker_main, not this __main__ copy's (whose classes would be a second copy)
     from torchengine.tp_runner import worker_main as _worker_main
 
     _worker_main(*read_worker_args())
