@@ -10,6 +10,7 @@ Environment set here, before any test module imports jax or triton:
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -329,3 +330,48 @@ def one_call_vs_python_layers(monkeypatch):
         return any(used)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A real local Ray cluster (`ray start --head`), as a user runs one; its address, also in RAY_ADDRESS for
+    the servers the tests start. Stopped (`ray stop`) when the session ends."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    tmp = str(tmp_path_factory.mktemp("ray"))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                    "--num-cpus", "8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
+                   check=True, env=env, stdout=subprocess.DEVNULL, timeout=120)
+    address = f"127.0.0.1:{port}"
+    old = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        if old is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old
+        _stop_ray_cluster(tmp)
+
+
+def _stop_ray_cluster(temp_dir: str) -> None:
+    """Kill this cluster's processes only (`ray stop` would stop every cluster on the machine): those whose
+    command line names its --temp-dir, and their children."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in a for a in (p.info["cmdline"] or [])):
+            procs += [p, *p.children(recursive=True)]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
