@@ -72,3 +72,15 @@ def create_runner(config: EngineConfig, model: ModelSource) -> ModelRunner:
     except ModuleNotFoundError as e:
         raise ConfigError(f"the {backend} backend is not available: {e}") from None
     return getattr(mod, factory)(config, model)
+
+
+# the loop of a host other than node 0 of `--nnodes N` (`xlaserve serve --headless --node-rank R`): its share of
+# the engine, driven by node 0's scheduler, until node 0 stops; by backend (module, function)
+_NODE_LOOPS = {"jax": ("jaxengine.multihost", "run_node"), "torch": ("torchengine.tp_runner", "run_node")}
+
+
+def run_node(config: EngineConfig, model: ModelSource) -> int:
+    """Run this host's ranks of a multi-host engine (`--node-rank` > 0) until node 0 shuts them down; the exit
+    status."""
+    mod_name, fn = _NODE_LOOPS[config.device_config.backend]
+    return getattr(importlib.import_module(mod_name), fn)(config, model)

@@ -224,6 +224,8 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)
+    if ns.headless or config.parallel_config.node_rank > 0:
+        return await asyncio.to_thread(run_headless, ns, config, model)
     names = served_model_names(config, model)
     options = frontend_options(ns, config, model)
     http_opts = _http_options(ns)
@@ -296,6 +298,24 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(ns.uds)
         logger.info("server stopped")
+
+
+def run_headless(ns: argparse.Namespace, config, model) -> int:
+    """`--headless`: no HTTP; this host runs its share of the engine until the head stops it."""
+    from enginecore.config import ConfigError
+    from enginecore.runner import run_node
+
+    pc = config.parallel_config
+    if pc.nnodes > 1:
+        if pc.node_rank == 0:
+            raise ConfigError("--node-rank 0 serves the API: run it without --headless (the other nodes are headless)")
+        if not ns.headless:
+            raise ConfigError(f"--node-rank {pc.node_rank} serves no HTTP (node 0 does): add --headless")
+        logger.info("headless node %d of %d (%s backend): the engine's ranks of this host, driven by node 0 at %s:%d",
+                    pc.node_rank, pc.nnodes, config.device_config.backend, pc.master_addr, pc.master_port)
+        return run_node(config, model)
+    raise ConfigError("--headless runs a host's share of an engine: give --nnodes N --node-rank R (R > 0) "
+                      "--master-addr A --master-port P as on node 0")
 
 
 def _version() -> str:
