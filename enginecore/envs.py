@@ -91,6 +91,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _V("XLASERVE_FAULT_INJECTION", "unset", _const(""), _strip,
        "Tests only: `site:regex[,...]` makes matching requests fail at a site (`enginecore.faults`); never on "
        "a server that takes requests from people."),
+    _V("XLASERVE_DISTRIBUTED_TIMEOUT", "300", _const(300), int,
+       "Seconds a process of a multi-host jax engine (--nnodes) waits to join the group before it exits with an "
+       "error naming the coordinator it waited for."),
+    _V("XLASERVE_DISTRIBUTED_HEARTBEAT", "30", _const(30), int,
+       "Seconds without a heartbeat after which a multi-host jax engine's processes count a peer dead and all "
+       "exit (node 0's server answers 503 and exits non-zero)."),
     _V("VLLM_XLA_CACHE_PATH", "~/.cache/xlaserve/xla", _const(DEFAULT_XLA_CACHE_DIR), _text,
        "JAX's persistent compilation cache without --compilation-cache-dir (vLLM's name); `''`, `none` or "
        "`off`: no cache."),
@@ -118,6 +124,8 @@ if TYPE_CHECKING:
     XLASERVE_KV_POPULATE: bool
     XLASERVE_CHECK_RECOMPILATION: bool
     XLASERVE_FAULT_INJECTION: str
+    XLASERVE_DISTRIBUTED_TIMEOUT: int
+    XLASERVE_DISTRIBUTED_HEARTBEAT: int
     VLLM_XLA_CACHE_PATH: str
     VLLM_API_KEY: str | None
     VLLM_LOG_STATS_INTERVAL: float

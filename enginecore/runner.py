@@ -14,7 +14,7 @@ from enginecore.model_loader import ModelSource
 from enginecore.outputs import ModelRunnerOutput, SchedulerOutput
 
 _RUNNERS = {
-    "jax": ("jaxengine.runner", "JaxModelRunner"),
+    "jax": ("jaxengine.multihost", "create_runner"),
     "torch": ("torchengine.tp_runner", "create_runner"),
 }
 

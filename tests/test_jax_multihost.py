@@ -1,0 +1,116 @@
+"""One jax engine over two processes (jax.distributed, gloo on the CPU), through real servers: node 0 `xlaserve
+serve --nnodes 2 --node-rank 0` and node 1 `--headless`, 4 fake CPU devices each, TP 8 over both; against one
+process with 8 devices. Then the failures: a killed follower, a coordinator that never comes."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from benchmarks._server import LoggedProcess, free_port
+from tests.test_api_server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ["--backend", "jax", "--platform", "cpu", "--max-model-len", "256", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "64", "--tensor-parallel-size", "8", "--warmup", "none", "--seed", "0"]
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+JOIN_TIMEOUT_S = 60  # a process's wait for the group (the test's processes start within seconds of each other)
+
+
+def _env(devices: int, **extra) -> dict:
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            "VLLM_XLA_CACHE_PATH": "off", "XLASERVE_DISTRIBUTED_TIMEOUT": str(JOIN_TIMEOUT_S), **extra}
+
+
+def _headless(model: str, port: int, log: str, **env) -> LoggedProcess:
+    import sys
+
+    return LoggedProcess([sys.executable, "-m", "frontend.cli", "serve", model, *FLAGS, "--nnodes", "2",
+                          "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                          "--headless"], log, _env(4, **env))
+
+
+def _pair(model: str, tmp_path, **env) -> tuple[ServerProcess, LoggedProcess]:
+    port = free_port()
+    head = ServerProcess([model, *FLAGS, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                          "--master-port", str(port)], str(tmp_path / "node0.log"), _env(4, **env))
+    follower = _headless(model, port, str(tmp_path / "node1.log"), **env)
+    try:
+        head.wait_ready(300)
+    except BaseException:
+        follower.stop(10)
+        raise
+    return head, follower
+
+
+def _completions(url: str) -> list[str]:
+    out = []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for prompt in PROMPTS:
+            for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, **kw})
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_two_processes_tp8_match_one_process(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    one = ServerProcess([model, *FLAGS], str(tmp_path / "one.log"), _env(8))
+    try:
+        one.wait_ready(300)
+        expected = _completions(one.url)
+    finally:
+        one.stop()
+    head, follower = _pair(model, tmp_path)
+    try:
+        assert _completions(head.url) == expected
+        assert "process 1 of 2" in open(follower.log_path).read()
+    finally:
+        assert head.stop() == 0
+        # SIGTERM on node 0 stops the group: node 1 gets Shutdown and exits 0
+        follower.proc.wait(60)
+        follower.stop()
+    assert follower.proc.returncode == 0, follower.log_tail()
+
+
+@pytest.mark.timeout(600)
+def test_killed_follower_fails_node0_fast(tiny_model_dir, tmp_path):
+    head, follower = _pair(tiny_model_dir("llama"), tmp_path, XLASERVE_DISTRIBUTED_HEARTBEAT="5")
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            # a long request in flight when node 1 dies: node 0's step cannot finish without it
+            long = pool.submit(httpx.post, head.url + "/v1/completions", timeout=120,
+                               json={"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True})
+            time.sleep(1.0)
+            follower.proc.send_signal(signal.SIGKILL)
+            assert long.result().status_code == 503, long.result().text
+        head.proc.wait(90)  # no hang: the server exits on its own
+        assert head.proc.returncode not in (0, None), head.log_tail()
+    finally:
+        head.stop(10)
+        follower.stop(10)
+
+
+@pytest.mark.timeout(120)
+def test_follower_without_coordinator_names_it(tiny_model_dir, tmp_path):
+    port = free_port()  # nobody listens there
+    follower = _headless(tiny_model_dir("llama"), port, str(tmp_path / "node1.log"),
+                         XLASERVE_DISTRIBUTED_TIMEOUT="5")
+    try:
+        follower.proc.wait(90)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        follower.stop(10)
+    log = open(follower.log_path).read()
+    assert follower.proc.returncode != 0, log[-3000:]
+    assert f"127.0.0.1:{port}" in log and "XLASERVE_DISTRIBUTED_TIMEOUT" in log, log[-3000:]
