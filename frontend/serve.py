@@ -224,7 +224,7 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)
-    if ns.headless or config.parallel_config.node_rank > 0:
+    if ns.headless or config.parallel_config.node_rank > 0 or _tpu_slice_follower(config):
         return await asyncio.to_thread(run_headless, ns, config, model)
     names = served_model_names(config, model)
     options = frontend_options(ns, config, model)
@@ -300,12 +300,24 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
         logger.info("server stopped")
 
 
+def _tpu_slice_follower(config) -> bool:
+    """A Cloud TPU VM slice's worker > 0 (the same `xlaserve serve` runs on every worker; jax backend): headless."""
+    if config.device_config.backend != "jax" or config.device_config.platform != "tpu":
+        return False
+    from jaxengine.multihost import tpu_slice_workers, tpu_worker_id
+
+    return config.parallel_config.nnodes == 1 and tpu_slice_workers() > 1 and tpu_worker_id() > 0
+
+
 def run_headless(ns: argparse.Namespace, config, model) -> int:
     """`--headless`: no HTTP; this host runs its share of the engine until the head stops it."""
     from enginecore.config import ConfigError
     from enginecore.runner import run_node
 
     pc = config.parallel_config
+    if _tpu_slice_follower(config):
+        logger.info("TPU slice worker %s: headless, driven by worker 0", os.environ.get("TPU_WORKER_ID"))
+        return run_node(config, model)
     if pc.nnodes > 1:
         if pc.node_rank == 0:
             raise ConfigError("--node-rank 0 serves the API: run it without --headless (the other nodes are headless)")

@@ -23,7 +23,8 @@ follower, deleted by the last reader; each follower replays it on its own `JaxMo
 (sglang-jax): the scheduler, the tokenizer and the frontend stay on node 0 alone, followers cannot diverge
 from it, and a command is a few KiB; chosen over `multihost_utils.broadcast_one_to_all`: that is a device
 collective per step (a compiled program, padded shapes) where the store is one RPC off the device stream.
-Measured on this CPU (2 processes, 8 KiB payload): set + read back by the follower ~0.75 ms per step.
+Measured on this 2-core CPU (`python -m benchmarks.bench_jax_multihost`, 2 processes, 1-8 KiB commands: a
+step's SchedulerOutput): rank 0's `send` ~0.4-0.5 ms per step, send + the follower's reply 0.75-1.3 ms.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def initialize(config: EngineConfig) -> bool:
         kw.update(coordinator_address=coordinator, num_processes=pc.nnodes, process_id=pc.node_rank)
     else:
         coordinator = "the TPU slice's worker 0 (TPU environment)"
-    logger.info("jax multi-controller: joining the group of coordinator %s (node %d of %d, up to %ds)",
-                coordinator, pc.node_rank, pc.nnodes, timeout)
+    logger.info("jax multi-controller: joining the group of coordinator %s as %s (up to %ds)", coordinator,
+                f"node {pc.node_rank} of {pc.nnodes}" if pc.nnodes > 1 else f"TPU worker {tpu_worker_id()}", timeout)
     if pc.nnodes > 1 and pc.node_rank > 0:
         # jax's own join ends the process with a fatal log line once its deadline passes: wait for the
         # coordinator's port here first, to exit with an error that names it

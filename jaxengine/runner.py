@@ -206,8 +206,9 @@ class JaxModelRunner:
         # On CPU the cache is a store of serialized executables (loading one skips tracing and lowering, most
         # of a warm start); elsewhere JAX's persistent cache, which `xlaserve warmup --topology` fills for TPU
         # hosts. Not both: XLA:CPU cannot re-serialize an executable that JAX's cache loaded (tested).
+        # (one process only: an executable of a multi-process mesh is only valid with the same group)
         self._store_enabled = (bool(self.cache_dir) and devices is None and self.platform == "cpu"
-                               and opts.get("store_executables", True))
+                               and opts.get("store_executables", True) and jax.process_count() == 1)
         self._store: ExecutableStore | None = None
         # JAX's cache where there is no store (process-wide: set either way, an earlier runner may have left it on)
         use_persistent_cache(self.cache_dir if self.cache_dir and not self._store_enabled else None)
@@ -293,8 +294,13 @@ class JaxModelRunner:
                               head_dim=self.cache_head_dim)
 
     def determine_num_blocks(self) -> int:
-        return kv_blocks_for(self.config, self.kv_bytes_per_block(), self.block_size,
-                             None if self.platform == "cpu" else self._device_kv_budget)
+        n = kv_blocks_for(self.config, self.kv_bytes_per_block(), self.block_size,
+                          None if self.platform == "cpu" else self._device_kv_budget)
+        if jax.process_count() > 1:  # one cache over every host's devices: what the tightest host fits
+            from jaxengine.multihost import min_over_processes
+
+            n = min_over_processes(n)
+        return n
 
     def _device_kv_budget(self) -> tuple[int, str]:
         util = self.config.cache_config.gpu_memory_utilization

@@ -82,17 +82,31 @@ def test_two_processes_tp8_match_one_process(tiny_model_dir, tmp_path):
     assert follower.proc.returncode == 0, follower.log_tail()
 
 
+def _stream_until_killed(url: str, victim: LoggedProcess) -> list[str]:
+    """A long streamed completion; `victim` is killed once its first tokens came (steps are running). Its
+    lines."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                victim.proc.send_signal(signal.SIGKILL)
+    return lines
+
+
 @pytest.mark.timeout(600)
 def test_killed_follower_fails_node0_fast(tiny_model_dir, tmp_path):
     head, follower = _pair(tiny_model_dir("llama"), tmp_path, XLASERVE_DISTRIBUTED_HEARTBEAT="5")
     try:
-        with cf.ThreadPoolExecutor(1) as pool:
-            # a long request in flight when node 1 dies: node 0's step cannot finish without it
-            long = pool.submit(httpx.post, head.url + "/v1/completions", timeout=120,
-                               json={"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True})
-            time.sleep(1.0)
-            follower.proc.send_signal(signal.SIGKILL)
-            assert long.result().status_code == 503, long.result().text
+        with cf.ThreadPoolExecutor(2) as pool:
+            # two requests in flight when node 1 dies mid-decode: node 0's steps cannot finish without it
+            stream = pool.submit(_stream_until_killed, head.url, follower)
+            plain = pool.submit(httpx.post, head.url + "/v1/completions", timeout=120,
+                                json={"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True})
+            lines = stream.result()
+            assert plain.result().status_code == 503, plain.result().text
+        assert any('"error"' in line for line in lines), lines[-3:]
         head.proc.wait(90)  # no hang: the server exits on its own
         assert head.proc.returncode not in (0, None), head.log_tail()
     finally:
