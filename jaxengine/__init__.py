@@ -14,6 +14,8 @@
 - runner.py: JaxModelRunner (enginecore.runner.ModelRunner); compilation.py: the
   compilation caches (JAX's persistent cache; serialized executables on CPU), compile counting and
   the recompilation guard; warmup.py: `xlaserve warmup`.
+- multihost.py: one engine over several hosts (`--nnodes`, a TPU slice): jax.distributed, rank 0's runner
+  calls to the other processes over its key-value store, their loop (`--headless`).
 - aot.py: `xlaserve warmup --topology`: every program compiled for a TPU slice on a host
   without one (tpu_target.py: chips, topology names, libtpu's compile-only devices; hbm.py:
   the fit check against a chip's HBM; step_cost.py: FLOPs / bytes / roofline per program).

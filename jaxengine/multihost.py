@@ -120,6 +120,17 @@ def _wait_for_coordinator(host: str, port: int, timeout: float) -> int:
             time.sleep(0.5)
 
 
+def check_group_size(config: EngineConfig) -> None:
+    """The mesh must cover every process's devices: each runs its part of every program."""
+    import jax
+
+    tp, n = config.parallel_config.tensor_parallel_size, jax.device_count()
+    if tp != n:
+        raise ConfigError(f"--tensor-parallel-size {tp}: a multi-host jax engine shards over all {n} devices of its "
+                          f"{jax.process_count()} processes ({len(jax.local_devices())} here); pass "
+                          f"--tensor-parallel-size {n}")
+
+
 def _client():
     from jax._src import distributed
 
@@ -160,15 +171,6 @@ class KVChannel:
         return pickle.loads(data)
 
 
-def min_over_processes(value: int) -> int:
-    """The minimum of `value` over the group's processes (e.g. KV blocks: every host must agree)."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
-
-
 class MultiHostLeader(LeaderRunner):
     """Rank 0 of a multi-process engine: each call goes to the followers (`KVChannel`), then runs here."""
 
@@ -194,6 +196,7 @@ def create_runner(config: EngineConfig, model: ModelSource):
 
     if jax.process_index() != 0:
         raise ConfigError(f"process {jax.process_index()} of the jax group serves no HTTP: run it with --headless")
+    check_group_size(config)
     return MultiHostLeader(JaxModelRunner(config, model), KVChannel())
 
 
@@ -211,6 +214,7 @@ def run_node(config: EngineConfig, model: ModelSource) -> int:
         return 1
     if not joined:
         raise ConfigError("--headless runs a host's share of an engine: give --nnodes N --node-rank R (R > 0)")
+    check_group_size(config)
     rank = jax.process_index()
     runner = JaxModelRunner(config, model)
     runner.load_model()

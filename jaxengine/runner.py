@@ -296,10 +296,10 @@ class JaxModelRunner:
     def determine_num_blocks(self) -> int:
         n = kv_blocks_for(self.config, self.kv_bytes_per_block(), self.block_size,
                           None if self.platform == "cpu" else self._device_kv_budget)
-        if jax.process_count() > 1:  # one cache over every host's devices: what the tightest host fits
-            from jaxengine.multihost import min_over_processes
+        if jax.process_count() > 1:  # one cache over every host's devices (jaxengine.multihost): what the tightest fits
+            from jax.experimental import multihost_utils
 
-            n = min_over_processes(n)
+            n = int(np.min(multihost_utils.process_allgather(np.array([n], np.int64))))
         return n
 
     def _device_kv_budget(self) -> tuple[int, str]:

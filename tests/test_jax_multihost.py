@@ -5,10 +5,9 @@ process with 8 devices. Then the failures: a killed follower, a coordinator that
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import signal
 import subprocess
-import time
+import sys
 
 import httpx
 import pytest
@@ -30,8 +29,6 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _headless(model: str, port: int, log: str, **env) -> LoggedProcess:
-    import sys
-
     return LoggedProcess([sys.executable, "-m", "frontend.cli", "serve", model, *FLAGS, "--nnodes", "2",
                           "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                           "--headless"], log, _env(4, **env))
@@ -68,6 +65,7 @@ def test_two_processes_tp8_match_one_process(tiny_model_dir, tmp_path):
     try:
         one.wait_ready(300)
         expected = _completions(one.url)
+        assert all(expected), expected
     finally:
         one.stop()
     head, follower = _pair(model, tmp_path)
