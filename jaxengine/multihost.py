@@ -23,8 +23,9 @@ follower, deleted by the last reader; each follower replays it on its own `JaxMo
 (sglang-jax): the scheduler, the tokenizer and the frontend stay on node 0 alone, followers cannot diverge
 from it, and a command is a few KiB; chosen over `multihost_utils.broadcast_one_to_all`: that is a device
 collective per step (a compiled program, padded shapes) where the store is one RPC off the device stream.
-Measured on this 2-core CPU (`python -m benchmarks.bench_jax_multihost`, 2 processes, 1-8 KiB commands: a
-step's SchedulerOutput): rank 0's `send` ~0.4-0.5 ms per step, send + the follower's reply 0.75-1.3 ms.
+Measured on this 2-core CPU (`python -m benchmarks.bench_jax_multihost`, 2 processes; a decode step of 16
+requests pickles to ~0.65 KiB, their prefill to ~5 KiB): rank 0's `send` ~0.4-0.5 ms per step for 1-8 KiB, send
++ the follower's reply 0.75-1.3 ms.
 """
 
 from __future__ import annotations

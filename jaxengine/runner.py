@@ -546,7 +546,7 @@ class JaxModelRunner:
 
     def _finish(self, step: PendingStep) -> ModelRunnerOutput:
         batch = step.batch
-        out = np.asarray(step.device["out"])
+        out = _host(step.device["out"])
         sampled, ids, lps, tok_lp, rank = unpack_sample_output(out, self.max_logprobs)
         logprobs = SampledLogprobs(ids, lps, tok_lp, rank) if batch.sampling.num_logprobs >= 0 else None
         plp = self._prompt_logprobs(step.device["hidden"], batch) if batch.prompt_logprobs else None
@@ -555,7 +555,7 @@ class JaxModelRunner:
         return finish_step(self.input_batch, batch, sampled, logprobs, plp)
 
     def _prompt_logprobs(self, hidden, batch: StepBatch) -> dict[str, PromptLogprobs]:
-        h = np.asarray(hidden)
+        h = _host(hidden)
         out = {}
         for s in batch.prompt_logprobs:
             parts = []
@@ -568,13 +568,19 @@ class JaxModelRunner:
                 targets[:n] = s.target_ids[start : start + n]
                 with self.guard.dispatch():
                     res = self._program(ProgramKey("prompt_logprobs", size))(self.params, rows, targets)
-                parts.append([np.asarray(a)[:n] for a in res])
+                parts.append([_host(a)[:n] for a in res])
             tgt, rank, ids, vals = (np.concatenate(x) for x in zip(*parts))
             out[s.req_id] = PromptLogprobs(tgt, rank, ids, vals)
         return out
 
 
 __all__ = ["JaxModelRunner"]
+
+
+def _host(a) -> np.ndarray:
+    """A replicated output on the host: this process's copy (over several processes (jaxengine.multihost) the
+    array also lives on devices this process cannot read)."""
+    return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
 
 
 def _kernels_lib():
