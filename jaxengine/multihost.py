@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 
 from enginecore import envs
@@ -76,8 +77,8 @@ def initialize(config: EngineConfig) -> bool:
     if dc.platform == "cpu":
         # cross-process collectives of XLA:CPU (none by default)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if dc.platform == "cpu" and not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
     timeout = int(envs.XLASERVE_DISTRIBUTED_TIMEOUT)
     heartbeat = int(envs.XLASERVE_DISTRIBUTED_HEARTBEAT)
     kw = dict(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat,
@@ -93,11 +94,20 @@ def initialize(config: EngineConfig) -> bool:
         # jax's own join ends the process with a fatal log line once its deadline passes: wait for the
         # coordinator's port here first, to exit with an error that names it
         kw["initialization_timeout"] = _wait_for_coordinator(pc.master_addr, pc.master_port, timeout)
+    others = "node 1" if pc.nnodes == 2 else f"nodes 1..{pc.nnodes - 1}"
+    waited_for = (f"{others} (--node-rank, --headless) to join coordinator {coordinator}"
+                  if pc.nnodes > 1 and pc.node_rank == 0 else f"the jax group of coordinator {coordinator}")
+    # past its deadline jax ends the process with a fatal log line that names no one: say first whom we waited for
+    overdue = threading.Timer(timeout, lambda: logger.error(
+        "waited %ds (XLASERVE_DISTRIBUTED_TIMEOUT) for %s; giving up", timeout, waited_for))
+    overdue.daemon = True
+    overdue.start()
     try:
         jax.distributed.initialize(**kw)
     except Exception as e:  # jax raises its runtime's error types (deadline exceeded, unavailable ...)
-        raise RuntimeError(f"node {pc.node_rank} could not join the jax group of coordinator {coordinator} "
-                           f"within {timeout}s (XLASERVE_DISTRIBUTED_TIMEOUT): {e}") from None
+        raise RuntimeError(f"waited {timeout}s (XLASERVE_DISTRIBUTED_TIMEOUT) for {waited_for}: {e}") from None
+    finally:
+        overdue.cancel()
     devs = jax.devices()
     logger.info("jax multi-controller: process %d of %d (coordinator %s%s): %d local %s device(s) of %d",
                 jax.process_index(), jax.process_count(), coordinator,

@@ -112,17 +112,23 @@ def test_killed_follower_fails_node0_fast(tiny_model_dir, tmp_path):
         follower.stop(10)
 
 
-@pytest.mark.timeout(120)
-def test_follower_without_coordinator_names_it(tiny_model_dir, tmp_path):
-    port = free_port()  # nobody listens there
-    follower = _headless(tiny_model_dir("llama"), port, str(tmp_path / "node1.log"),
-                         XLASERVE_DISTRIBUTED_TIMEOUT="5")
-    try:
-        follower.proc.wait(90)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        follower.stop(10)
-    log = open(follower.log_path).read()
-    assert follower.proc.returncode != 0, log[-3000:]
-    assert f"127.0.0.1:{port}" in log and "XLASERVE_DISTRIBUTED_TIMEOUT" in log, log[-3000:]
+@pytest.mark.timeout(180)
+def test_a_process_alone_names_whom_it_waited_for(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    env = {"XLASERVE_DISTRIBUTED_TIMEOUT": "5"}
+    port, lonely_port = free_port(), free_port()  # nobody listens on `port`; node 0 alone hosts `lonely_port`
+    follower = _headless(model, port, str(tmp_path / "node1.log"), **env)
+    head = ServerProcess([model, *FLAGS, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                          "--master-port", str(lonely_port)], str(tmp_path / "node0.log"), _env(4, **env))
+    for proc in (follower, head):
+        try:
+            proc.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            proc.stop(10)
+    for proc, needle in ((follower, f"coordinator 127.0.0.1:{port}"),
+                         (head, f"node 1 (--node-rank, --headless) to join coordinator 127.0.0.1:{lonely_port}")):
+        log = open(proc.log_path).read()
+        assert proc.proc.returncode != 0, log[-3000:]
+        assert needle in log and "XLASERVE_DISTRIBUTED_TIMEOUT" in log, log[-3000:]
