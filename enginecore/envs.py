@@ -91,6 +91,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _V("XLASERVE_FAULT_INJECTION", "unset", _const(""), _strip,
        "Tests only: `site:regex[,...]` makes matching requests fail at a site (`enginecore.faults`); never on "
        "a server that takes requests from people."),
+    _V("XLASERVE_RANK_JOIN_TIMEOUT", "300", _const(300.0), float,
+       "Seconds a torch tensor-parallel rank waits at the rendezvous (--master-addr:--master-port) for the "
+       "others before it fails naming those missing."),
     _V("VLLM_XLA_CACHE_PATH", "~/.cache/xlaserve/xla", _const(DEFAULT_XLA_CACHE_DIR), _text,
        "JAX's persistent compilation cache without --compilation-cache-dir (vLLM's name); `''`, `none` or "
        "`off`: no cache."),
@@ -118,6 +121,7 @@ if TYPE_CHECKING:
     XLASERVE_KV_POPULATE: bool
     XLASERVE_CHECK_RECOMPILATION: bool
     XLASERVE_FAULT_INJECTION: str
+    XLASERVE_RANK_JOIN_TIMEOUT: float
     VLLM_XLA_CACHE_PATH: str
     VLLM_API_KEY: str | None
     VLLM_LOG_STATS_INTERVAL: float
