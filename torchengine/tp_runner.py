@@ -52,8 +52,10 @@ class TensorParallelRunner(LeaderRunner):
             from enginecore.ray_utils import init_ray
 
             ray = init_ray()
-            # the actors may be on other hosts: the rendezvous is on this host's cluster address
-            self._placement = RankPlacement(0, 0, 1, free_init_method(ray.util.get_node_ip_address()))
+            # the actors may be on other hosts: the rendezvous is on the address the cluster knows this host by
+            node_id = ray.get_runtime_context().get_node_id()
+            host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+            self._placement = RankPlacement(0, 0, 1, free_init_method(host))
         else:
             init_method = f"tcp://{pc.master_addr}:{pc.master_port}" if pc.nnodes > 1 else free_init_method()
             self._placement = node_placements(pc, init_method)[0]
@@ -88,6 +90,8 @@ class TensorParallelRunner(LeaderRunner):
         told = False
         try:
             told = self._broadcast(Shutdown())
+        except RuntimeError as e:  # a rank died (the engine's death, already reported): stop the others
+            logger.warning("tensor-parallel ranks not told to shut down (%s): stopping them", e)
         finally:
             if told:
                 self.local.leave_group()
@@ -132,6 +136,8 @@ def run_node(config: EngineConfig, model: ModelSource) -> int:
         ok = True
     except RankJoinError as e:
         logger.error("%s", e)
+    except ConfigError:
+        raise
     except Exception:
         logger.exception("node %d: rank %d failed", pc.node_rank, placements[0].rank)
     finally:
