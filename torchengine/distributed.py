@@ -27,6 +27,7 @@ import atexit
 import ctypes
 import datetime
 import functools
+import logging
 import os
 import pickle
 import signal
@@ -41,6 +42,7 @@ import torch.distributed as dist
 
 from enginecore import envs
 from enginecore.config import ConfigError, EngineConfig, ParallelConfig
+from enginecore.logging_setup import configure_logging
 
 _TIMEOUT = datetime.timedelta(minutes=10)  # one collective of a step
 # ranks > 0 wait for rank 0's next command on the command group: a server may sit idle for days
@@ -94,15 +96,20 @@ def start_worker(module: str, config: EngineConfig, placement: RankPlacement) ->
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
     # no preexec_fn: running Python between fork and exec is unsafe in a multithreaded parent
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
-    proc.stdin.write(pickle.dumps((config, placement)))
+    proc.stdin.write(pickle.dumps((config, placement, _log_level())))
     proc.stdin.close()
     return proc
 
 
 def read_worker_args() -> tuple[EngineConfig, RankPlacement, int]:
-    """In a worker `start_worker` started: (config, placement, parent_pid)."""
-    config, placement = pickle.load(sys.stdin.buffer)
+    """In a worker `start_worker` started: (config, placement, parent_pid); its log set up as its parent's."""
+    config, placement, log_level = pickle.load(sys.stdin.buffer)
+    configure_logging(log_level, prefix=f"rank {placement.rank}")
     return config, placement, int(sys.argv[1])
+
+
+def _log_level() -> int:
+    return logging.getLogger("xlaserve").getEffectiveLevel()
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -141,7 +148,8 @@ class RankWorkers:
 class _RankActor:
     """A Ray actor that runs one rank: `run` returns when rank 0 shuts the group down."""
 
-    def run(self, target: Callable, config: EngineConfig, placement: RankPlacement) -> None:
+    def run(self, target: Callable, config: EngineConfig, placement: RankPlacement, log_level: int) -> None:
+        configure_logging(log_level, prefix=f"rank {placement.rank}")
         target(config, placement)
 
 
@@ -165,7 +173,7 @@ class RayRankActors:
         # each actor sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES): device 0, its CPU share alone
         self._actors = [actor_cls.options(runtime_env={"env_vars": env}, **bundle_options(self._pg, r)).remote()
                         for r in self._ranks]
-        self._runs = [a.run.remote(target, config, RankPlacement(r, 0, 1, init_method))
+        self._runs = [a.run.remote(target, config, RankPlacement(r, 0, 1, init_method), _log_level())
                       for r, a in zip(self._ranks, self._actors)]
         self._atexit = self.kill
         atexit.register(self._atexit)

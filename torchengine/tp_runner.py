@@ -103,6 +103,9 @@ class TensorParallelRunner(LeaderRunner):
 def serve_as_rank(config: EngineConfig, placement: RankPlacement, model: ModelSource | None = None) -> None:
     """Rank `placement.rank` > 0 (a process, a Ray actor, a headless node's first rank): join the group and run
     rank 0's commands until it shuts the group down."""
+    pc = config.parallel_config
+    logger.info("tensor-parallel rank %d of %d (local rank %d of %d), rendezvous %s", placement.rank,
+                pc.tensor_parallel_size, placement.local_rank, placement.local_size, placement.init_method)
     model = model or resolve_model(config.model_config.model)
     runner = TorchModelRunner(config, model, placement)
     runner.load_model()
