@@ -15,9 +15,8 @@ import psutil
 import pytest
 
 from benchmarks._server import free_port
+from enginecore.config import ConfigError, ParallelConfig
 from tests.test_api_server import ServerProcess, wait_for
-
-pytestmark = pytest.mark.slow
 
 FLAGS = ["--backend", "torch", "--platform", "cpu", "--max-model-len", "256", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "64", "--kv-cache-memory-bytes", str(1 << 20), "--warmup", "none",
@@ -60,6 +59,16 @@ def start_two_nodes(model: str, tmp_path, tag: str) -> tuple[ServerProcess, subp
     return node0, node1, node1_log
 
 
+def test_nodes_must_divide_the_ranks():
+    from torchengine.distributed import node_placements
+
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3 must be a multiple of --nnodes 2"):
+        node_placements(ParallelConfig(tensor_parallel_size=3, nnodes=2), "tcp://127.0.0.1:1")
+    # node 1 of 2 runs global ranks 2 and 3, on its devices 0 and 1
+    pc = ParallelConfig(tensor_parallel_size=4, nnodes=2, node_rank=1)
+    assert [(p.rank, p.local_rank, p.local_size) for p in node_placements(pc, "tcp://a:1")] == [(2, 0, 2), (3, 1, 2)]
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
@@ -75,6 +84,7 @@ def tp1_tokens(model, tmp_path_factory) -> list[list[int]]:
         srv.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_match_tp1_and_sigterm_stops_both(model, tp1_tokens, tmp_path):
     node0, node1, _ = start_two_nodes(model, tmp_path, "ok")
@@ -88,6 +98,7 @@ def test_two_nodes_match_tp1_and_sigterm_stops_both(model, tp1_tokens, tmp_path)
         node1.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_node_is_503_and_rank0_exits(model, tmp_path):
     node0, node1, _ = start_two_nodes(model, tmp_path, "kill")
@@ -102,6 +113,7 @@ def test_killed_node_is_503_and_rank0_exits(model, tmp_path):
         node0.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_headless_node_without_master_names_the_rendezvous(model):
     port = free_port()
@@ -117,6 +129,7 @@ def _rank_actor_pids() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if any("_RankActor" in a for a in p.info["cmdline"] or [])]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_executor_matches_tp1_and_sigterm_kills_actors(model, tp1_tokens, ray_cluster, tmp_path):
     srv = ServerProcess([model, *FLAGS, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],

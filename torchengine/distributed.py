@@ -93,7 +93,8 @@ def _host_port(init_method: str) -> tuple[str, int]:
 
 
 def start_worker(module: str, config: EngineConfig, placement: RankPlacement) -> subprocess.Popen:
-    """`python -m module parent_pid`, the pickled (config, placement) on its stdin (`read_worker_args`)."""
+    """`python -m module parent_pid`, the pickled (config, placement, log level) on its stdin
+    (`read_worker_args`)."""
     cmd = [sys.executable, "-m", module, str(os.getpid())]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
     # no preexec_fn: running Python between fork and exec is unsafe in a multithreaded parent
