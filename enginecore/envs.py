@@ -92,8 +92,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
        "Tests only: `site:regex[,...]` makes matching requests fail at a site (`enginecore.faults`); never on "
        "a server that takes requests from people."),
     _V("XLASERVE_DISTRIBUTED_TIMEOUT", "300", _const(300), int,
-       "Seconds a process of a multi-host jax engine (--nnodes) waits to join the group before it exits with an "
-       "error naming the coordinator it waited for."),
+       "Seconds a process of a multi-process engine waits to join its group (jax: jax.distributed's coordinator "
+       "of --nnodes; torch: the tensor-parallel rendezvous at --master-addr:--master-port) before it exits with an "
+       "error naming whom it waited for."),
     _V("XLASERVE_DISTRIBUTED_HEARTBEAT", "30", _const(30), int,
        "Seconds without a heartbeat after which a multi-host jax engine's processes count a peer dead and all "
        "exit (node 0's server answers 503 and exits non-zero)."),

@@ -98,8 +98,10 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "master_addr": ("ParallelConfig", "Address of node 0 (jax.distributed's coordinator / torch.distributed's "
                     "rendezvous).", None),
     "master_port": ("ParallelConfig", "Port of node 0's coordinator / rendezvous.", None),
-    "distributed_executor_backend": ("ParallelConfig", "How an engine's ranks are started: mp (local processes), "
-                                     "ray (actors on a Ray cluster), uni (one process). Default: uni for one rank, "
+    "distributed_executor_backend": ("ParallelConfig", "How an engine's ranks are started: mp (local processes; "
+                                     "with --nnodes, each other node runs `serve --headless --node-rank R`), ray "
+                                     "(actors placed on the Ray cluster of RAY_ADDRESS, over its nodes: no "
+                                     "--headless nodes to start), uni (one process). Default: uni for one rank, "
                                      "else mp.", ("mp", "ray", "uni")),
     "data_parallel_size_local": ("ParallelConfig", "Data-parallel engine cores on this node (default: all of "
                                  "--data-parallel-size).", None),

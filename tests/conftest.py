@@ -345,20 +345,23 @@ def ray_cluster(tmp_path_factory):
         port = s.getsockname()[1]
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     tmp = str(tmp_path_factory.mktemp("ray"))
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # Ray turns token auth on for a `ray start` where ~/.ray/auth_token exists (any local `ray.init()` writes one)
+    # but not for the clients that connect to it: off, explicitly, for the cluster and the servers the tests start
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                     "--num-cpus", "8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
                    check=True, env=env, stdout=subprocess.DEVNULL, timeout=120)
     address = f"127.0.0.1:{port}"
-    old = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address
+    old = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    os.environ.update(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
     try:
         yield address
     finally:
-        if old is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         _stop_ray_cluster(tmp)
 
 

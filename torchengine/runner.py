@@ -19,7 +19,7 @@ Devices: `--platform cpu` runs float32 with the plain-torch attention;
 `--platform cuda` runs bfloat16 with the Triton kernels and CUDA graphs
 (`--enforce-eager` turns them off). `--tensor-parallel-size N` runs one
 process per rank, each a `TorchModelRunner` in one `torchengine.distributed`
-group (`init_method`: its rendezvous); `torchengine.tp_runner` starts them and
+group (`placement`: its rank, its device, the rendezvous); `torchengine.tp_runner` starts them and
 is rank 0's view of them; every rank runs the same steps (sampling included,
 so each keeps its own copy of the tokens) and rank 0 returns the outputs.
 """
@@ -53,7 +53,7 @@ from enginecore.step_batch import StepBatch, begin_step, prepare_step
 from cpu_kernels import torch_ops
 from torchengine.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillGroup, make_attention_backend
 from torchengine.cpu_layers import DecodeLayers
-from torchengine.distributed import TPGroup
+from torchengine.distributed import RankPlacement, TPGroup
 from torchengine.model import build_model, load_weights
 from torchengine.sampler import SamplerOutput, SamplingTensors, log_softmax, sample, sample_in_chunks, top_n
 from torchengine.tensor_parallel import apply_tensor_parallel
@@ -108,29 +108,30 @@ class HostToDevice:
 class TorchModelRunner:
     """One rank: the torch model, the paged KV cache (one [NB, BS, Hkv, D] pair per layer), the input batch."""
 
-    def __init__(self, config: EngineConfig, model: ModelSource, rank: int = 0, init_method: str | None = None):
+    def __init__(self, config: EngineConfig, model: ModelSource, placement: RankPlacement | None = None):
         self.config = config
         self.model_source = model
         mc, cc, sc, pc, dc = (config.model_config, config.cache_config, config.scheduler_config,
                               config.parallel_config, config.device_config)
-        self.rank, self.tp_size = rank, pc.tensor_parallel_size
+        self.rank, self.tp_size = (placement.rank if placement else 0), pc.tensor_parallel_size
+        local_rank, local_size = (placement.local_rank, placement.local_size) if placement else (0, 1)
         if pc.data_parallel_size != 1:
             raise ConfigError(f"--data-parallel-size {pc.data_parallel_size} is not supported by the torch backend; "
                               "run one server per replica")
-        self._init_method = init_method
+        self.placement = placement  # where this rank runs in the group; None: one rank
         capability = None
         if dc.platform == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("--platform cuda: torch sees no CUDA device (is this a CPU build of torch?)")
-            if self.tp_size > torch.cuda.device_count():
-                raise ConfigError(f"--tensor-parallel-size {self.tp_size} needs {self.tp_size} GPUs; "
-                                  f"torch sees {torch.cuda.device_count()}")
-            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            if local_size > torch.cuda.device_count():
+                raise ConfigError(f"--tensor-parallel-size {self.tp_size} / --nnodes {pc.nnodes} needs {local_size} "
+                                  f"GPUs on each node; torch sees {torch.cuda.device_count()}")
+            self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
             capability = torch.cuda.get_device_capability(self.device)
         elif dc.platform == "cpu":
             self.device = torch.device("cpu")
-            torch.set_num_threads(cpu_threads(self.tp_size))
+            torch.set_num_threads(cpu_threads(local_size))
         else:
             raise ConfigError(f"--backend torch does not run on --platform {dc.platform}")
         dtype = resolve_dtype(mc.dtype, dc.platform, capability)
@@ -182,7 +183,7 @@ class TorchModelRunner:
 
     def load_model(self) -> None:
         if self.tp_size > 1:
-            self.tp = TPGroup.create(self.config, self.rank, self.device, self._init_method)
+            self.tp = TPGroup.create(self.config, self.placement, self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             # with TP the model is sharded while still on the meta device: each rank allocates and reads its share only
