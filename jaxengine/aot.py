@@ -102,6 +102,10 @@ def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *
     tp = config.parallel_config.tensor_parallel_size
     if tp > len(devices):
         raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} chips; --topology {topo.name} has {len(devices)}")
+    hosts, nnodes = num_hosts(devices), config.parallel_config.nnodes
+    if nnodes not in (1, hosts):  # (1: a Cloud TPU VM slice's workers come from its environment)
+        raise ConfigError(f"--nnodes {nnodes}: --topology {topo.name} is {hosts} host(s) of "
+                          f"{len(devices) // hosts} chips; pass --nnodes {hosts} or leave it out")
     jax.clear_caches()  # programs already in memory would never reach the persistent cache
     runner = JaxModelRunner(config, source, devices=devices)
     try:

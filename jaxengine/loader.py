@@ -81,29 +81,31 @@ def load_params(
     log=None,
     kv_repeats: int = 1,
 ) -> ModelParams:
-    """Read every tensor once and place it; raises ModelLoadError naming a missing or misshaped tensor.
+    """Read every tensor's slices and place them; raises ModelLoadError naming a missing or misshaped tensor.
 
     `arch` is the architecture the devices run: with `kv_repeats` > 1 it has that many copies of each of the
     checkpoint's kv heads (`jaxengine.sharding.kv_head_repeats`), and K/V projections are repeated to match.
 
     Stacked per-layer params are allocated sharded on the device and filled one
-    layer at a time (a donated dynamic-update-slice): the host holds one tensor at
-    a time and no device ever holds more than its own shards. On one CPU device,
+    layer at a time (a donated dynamic-update-slice): the host holds one tensor's
+    slices at a time and no device ever holds more than its own shards; with a mesh
+    over several processes each reads only its own devices' slices (`_put`). On one CPU device,
     where the device's memory is the host's, a stacked param is filled in a numpy
     array instead and placed once complete, without a copy (`_host_array`): the
     same values, without the two small XLA programs (zeros, update-slice) each
     stacked shape compiled at load (~2 s of the embedded model's 3.4 s here).
 
     A sparse layer's experts come one tensor per expert (Hugging Face's) or all of them stacked (GGUF's,
-    transformers 5's fused ones). One-expert tensors gather on the host into their layer's [E, ...] slice, which
-    then goes the way a stacked tensor goes (so on devices it lands sharded, experts or columns, as its param
-    is); the host holds a layer's experts of a param, not more, as files list them layer by layer.
+    transformers 5's fused ones). One-expert tensors gather into their layer's [E, ...] slice (`_experts_reader`:
+    a device's slice reads its experts' part of each), which then goes the way a stacked tensor goes (so on
+    devices it lands sharded, experts or columns, as its param is); the host holds a layer's experts of a
+    param, not more, as files list them layer by layer.
     """
     t0 = time.perf_counter()
     abstract = abstract_params(arch, dtype)
     out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
-    gathering: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # (field, index) -> ([E, ...] on the host, experts)
+    gathering: dict[tuple, dict] = {}  # (field, index) -> {expert: its slice reader}
     for name, w in source.iter_lazy_weights():
         path = param_path(name)
         if path is None:
