@@ -103,9 +103,16 @@ def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *
     if tp > len(devices):
         raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} chips; --topology {topo.name} has {len(devices)}")
     hosts, nnodes = num_hosts(devices), config.parallel_config.nnodes
+    slice_ = f"--topology {topo.name} is {hosts} host(s) of {len(devices) // hosts} chips"
     if nnodes not in (1, hosts):  # (1: a Cloud TPU VM slice's workers come from its environment)
-        raise ConfigError(f"--nnodes {nnodes}: --topology {topo.name} is {hosts} host(s) of "
-                          f"{len(devices) // hosts} chips; pass --nnodes {hosts} or leave it out")
+        raise ConfigError(f"--nnodes {nnodes}: {slice_}; pass --nnodes {hosts} or leave it out")
+    # One engine spans the whole multi-host slice (every host's process runs it); a mesh on some hosts' chips
+    # would leave the others nothing to run, and libtpu aborts compiling for such a subset of ids.
+    if hosts > 1 and tp != len(devices):
+        one_host = f"{topo.chip.name}:{'2x2x1' if len(topo.dims) == 3 else '2x2'}"
+        raise ConfigError(f"--tensor-parallel-size {tp}: {slice_}, and one engine runs over all of a multi-host "
+                          f"slice's chips: pass --tensor-parallel-size {len(devices)}, or a one-host slice's "
+                          f"--topology (e.g. {one_host}) for {tp} chips")
     jax.clear_caches()  # programs already in memory would never reach the persistent cache
     runner = JaxModelRunner(config, source, devices=devices)
     try:
@@ -315,10 +322,6 @@ def _notes(target: dict, rows: list[dict], config, cache_dir: str | None, saved:
             f"host driving its own chips (jax process i, worker i of a Cloud TPU VM slice; {per_host}). Start `xlaserve serve` with the "
             "same flags on every worker (gcloud ... ssh --worker=all) and give each worker this compilation cache "
             "(copy it, or a --compilation-cache-dir they share)" + (" and the executables" if saved else "") + ".")
-    if target["mesh_hosts"] < target["hosts"]:
-        notes.append(f"WARNING: the mesh ({target['mesh_chips']} chips) spans {target['mesh_hosts']} of the slice's "
-                     f"{target['hosts']} hosts; the others would hold no part of the model: one engine over the "
-                     f"whole slice is --tensor-parallel-size {target['chips']}.")
     if saved:
         notes.append(f"serialized executables in {saved}: a TPU host loads them with jaxengine.aot.load_executables "
                      "(no cache-key matching, but the same jax/jaxlib/libtpu versions).")

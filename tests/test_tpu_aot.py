@@ -448,6 +448,9 @@ def test_tiny_model_compiles_for_a_four_host_v5e_slice(tmp_path):
     assert manifest["hosts"] == 4 and manifest["mesh_device_ids"] == [i for ids in t["host_chips"] for i in ids]
     with pytest.raises(ConfigError, match=r"--nnodes 2: --topology v5e:4x4 is 4 host\(s\) of 4 chips"):
         run_aot_warmup(EngineArgs(model=folder, tensor_parallel_size=16, nnodes=2, **SMALL_SERVER), "v5e:4x4")
+    # a mesh on some of the hosts: refused before libtpu sees it (it aborts the process on such a subset)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: .* pass --tensor-parallel-size 16"):
+        run_aot_warmup(EngineArgs(model=folder, tensor_parallel_size=4, **SMALL_SERVER), "v5e:4x4")
 
 
 @needs_libtpu
