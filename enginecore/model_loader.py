@@ -123,7 +123,8 @@ class ModelSource:
 class LazyWeight:
     """One tensor of a model file, read a slice at a time: a safetensors tensor is a view of the memory-mapped
     file, so `read(index)` touches only that slice's pages (a host holding some shards reads their bytes, not
-    the whole tensor's). Each slice read is checked for NaN / inf; together the hosts' slices cover it."""
+    the whole tensor's; a slice of columns reads whole pages of each row's run). Each slice read is checked for
+    NaN / inf; together the hosts' slices cover the tensor."""
 
     def __init__(self, name: str, view: np.ndarray, path: str, count) -> None:
         self.name, self.path = name, path

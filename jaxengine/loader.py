@@ -98,8 +98,8 @@ def load_params(
     A sparse layer's experts come one tensor per expert (Hugging Face's) or all of them stacked (GGUF's,
     transformers 5's fused ones). One-expert tensors gather into their layer's [E, ...] slice (`_experts_reader`:
     a device's slice reads its experts' part of each), which then goes the way a stacked tensor goes (so on
-    devices it lands sharded, experts or columns, as its param is); the host holds a layer's experts of a
-    param, not more, as files list them layer by layer.
+    devices it lands sharded, experts or columns, as its param is); the host holds one device's slice of a
+    layer's experts of a param at a time.
     """
     t0 = time.perf_counter()
     abstract = abstract_params(arch, dtype)
@@ -227,7 +227,8 @@ _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_a
 
 
 def repeat_heads(arr: np.ndarray, repeats: int, head_dim: int) -> np.ndarray:
-    """A Hugging Face K/V projection [Hkv * D, ...] (or its bias) with each head repeated: [Hkv * r * D, ...]."""
+    """A Hugging Face K/V projection [Hkv * D, ...] (or its bias) with each head repeated: [Hkv * r * D, ...]
+    (whole: the reference `_reader`'s slices of repeated heads match)."""
     heads = arr.shape[0] // head_dim
     return np.repeat(arr.reshape(heads, head_dim, *arr.shape[1:]), repeats, axis=0).reshape(
         heads * repeats * head_dim, *arr.shape[1:])

@@ -31,7 +31,7 @@ def _worker(process_id: int, port: int, cases: list[dict], orbax_dir: str, out_p
 
     from enginecore.model_loader import resolve_model
     from jaxengine.checkpoint import load_orbax_params
-    from jaxengine.loader import load_params
+    from jaxengine.loader import load_params, repeat_heads
     from jaxengine.model import abstract_params
     from jaxengine.sharding import ShardingRules, kv_head_repeats, make_mesh, param_shardings, repeat_kv_heads
 
@@ -62,10 +62,15 @@ def _worker(process_id: int, port: int, cases: list[dict], orbax_dir: str, out_p
         arch = repeat_kv_heads(src.config, repeats)
         want = load_params(src, arch, "float32", shardings(arch, one), kv_repeats=repeats)
         whole = src.bytes_read
+        if repeats > 1:  # the lazy reader's repeated heads against the whole-tensor reference
+            k = np.asarray(src.load_weights()["model.layers.1.self_attn.k_proj.weight"])
+            np.testing.assert_array_equal(np.asarray(want.layers.k_proj[1]).reshape(-1, k.shape[1]),
+                                          repeat_heads(k, repeats, arch.head_dim))
         picked = [devices[i] for i in case["devices"]]
         mesh = make_mesh(case["tp"], 1, picked)
+        before = src.bytes_read
         params = load_params(src, arch, "float32", shardings(arch, mesh, case["ep"]), kv_repeats=repeats)
-        read = src.bytes_read - whole
+        read = src.bytes_read - before
         held = check_shards(params, want)
         report.append({"name": case["name"], "repeats": repeats, "whole": whole, "read": read, "held": held})
         if case["name"] == "llama" and orbax_dir:
