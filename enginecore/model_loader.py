@@ -51,15 +51,30 @@ class ModelSource:
     config: ArchConfig
     # the parsed GGUF header (enginecore.model_checks.GGUFFile: shared by config, tokenizer, weights)
     gguf_reader: object = field(default=None, repr=False, compare=False)
+    # bytes of weights read so far (`LazyWeight.read`): a host that loads only its shards reads only their share
+    bytes_read: int = field(default=0, repr=False, compare=False)
 
     def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """(hf_name, array) pairs; float arrays keep their stored dtype (bf16 via ml_dtypes). A tensor holding
         NaN or inf raises ModelLoadError."""
-        weights = (_iter_gguf_weights(self.path, self.config, self.gguf_reader) if self.kind == "gguf"
-                   else _iter_safetensors_weights(self.path))
-        for name, arr in weights:
-            check_finite(name, arr, self.path)
-            yield from _split_fused_experts(name, arr)
+        for name, w in self.iter_lazy_weights():
+            yield name, w.read()
+
+    def iter_lazy_weights(self) -> Iterator[tuple[str, "LazyWeight"]]:
+        """(hf_name, LazyWeight) pairs in `iter_weights`' order: shapes from the headers, each slice read (and
+        checked for NaN / inf) only when asked for. A GGUF tensor is dequantized whole as it comes."""
+        if self.kind == "gguf":
+            for name, arr in _iter_gguf_weights(self.path, self.config, self.gguf_reader):
+                self._count(arr.nbytes)  # (read whole: quantized blocks do not split on shard bounds)
+                for n, a in _split_fused_experts(name, arr):
+                    yield n, LazyWeight(n, a, self.path, None)
+            return
+        for name, view in _iter_safetensors_weights(self.path):
+            for n, v in _split_fused_experts(name, view):
+                yield n, LazyWeight(n, v, self.path, self._count)
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
 
     def declared_weights(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(hf_name, shape) of every tensor, from the file headers only (nothing is read or dequantized)."""
@@ -103,6 +118,35 @@ class ModelSource:
     @property
     def folder(self) -> str:
         return self.path if self.kind == "hf" else os.path.dirname(self.path)
+
+
+class LazyWeight:
+    """One tensor of a model file, read a slice at a time: a safetensors tensor is a view of the memory-mapped
+    file, so `read(index)` touches only that slice's pages (a host holding some shards reads their bytes, not
+    the whole tensor's; a slice of columns reads whole pages of each row's run). Each slice read is checked for
+    NaN / inf; together the hosts' slices cover the tensor."""
+
+    def __init__(self, name: str, view: np.ndarray, path: str, count) -> None:
+        self.name, self.path = name, path
+        self._view = view  # in the file's dtype and shape; not read yet (memory-mapped) unless GGUF's
+        self._count = count  # called with the bytes each read takes from the file (None: read already)
+
+    shape = property(lambda self: self._view.shape)
+    dtype = property(lambda self: self._view.dtype)
+    ndim = property(lambda self: self._view.ndim)
+    size = property(lambda self: self._view.size)
+
+    def view(self, shape: tuple) -> np.ndarray:
+        """The tensor reshaped, still unread where the file's layout allows (a contiguous tensor always does)."""
+        return self._view.reshape(shape)
+
+    def read(self, index=Ellipsis, shape: tuple | None = None) -> np.ndarray:
+        """The slice `index` (of the tensor reshaped to `shape`, if given), read and checked."""
+        out = (self._view if shape is None else self.view(shape))[index]
+        check_finite(self.name, out, self.path)
+        if self._count is not None:
+            self._count(out.nbytes)
+        return out
 
 
 # ---------------------------------------------------------------------------------

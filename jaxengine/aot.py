@@ -102,6 +102,17 @@ def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *
     tp = config.parallel_config.tensor_parallel_size
     if tp > len(devices):
         raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} chips; --topology {topo.name} has {len(devices)}")
+    hosts, nnodes = num_hosts(devices), config.parallel_config.nnodes
+    slice_ = f"--topology {topo.name} is {hosts} host(s) of {len(devices) // hosts} chips"
+    if nnodes not in (1, hosts):  # (1: a Cloud TPU VM slice's workers come from its environment)
+        raise ConfigError(f"--nnodes {nnodes}: {slice_}; pass --nnodes {hosts} or leave it out")
+    # One engine spans the whole multi-host slice (every host's process runs it); a mesh on some hosts' chips
+    # would leave the others nothing to run, and libtpu aborts compiling for such a subset of ids.
+    if hosts > 1 and tp != len(devices):
+        one_host = f"{topo.chip.name}:{'2x2x1' if len(topo.dims) == 3 else '2x2'}"
+        raise ConfigError(f"--tensor-parallel-size {tp}: {slice_}, and one engine runs over all of a multi-host "
+                          f"slice's chips: pass --tensor-parallel-size {len(devices)}, or a one-host slice's "
+                          f"--topology (e.g. {one_host}) for {tp} chips")
     jax.clear_caches()  # programs already in memory would never reach the persistent cache
     runner = JaxModelRunner(config, source, devices=devices)
     try:
@@ -117,8 +128,10 @@ def run_aot_warmup(engine_args: EngineArgs, topology: str, level: str = "all", *
     finally:
         runner.shutdown()
     mesh_devices = list(runner.mesh.devices.flat)
+    hosts = num_hosts(devices)
     target = {"topology": topo.name, "device_kind": topo.chip.device_kind, "chips": topo.num_chips,
-              "hosts": num_hosts(devices), "mesh_chips": len(mesh_devices), "mesh_hosts": num_hosts(mesh_devices),
+              "hosts": hosts, "chips_per_host": len(devices) // hosts, "host_chips": host_chips(mesh_devices),
+              "mesh_chips": len(mesh_devices), "mesh_hosts": num_hosts(mesh_devices),
               "tensor_parallel_size": tp, "heads_sharded": runner.rules.shard_heads,
               "hbm_gib_per_chip": topo.chip.hbm_bytes / GiB, "peak_bf16_tflops": topo.chip.peak_bf16_flops / 1e12,
               "hbm_gbps": topo.chip.hbm_bandwidth / 1e9, "num_programs": len(rows),
@@ -162,6 +175,15 @@ def _rows(runner, stats: dict, topo: Topology, context: int) -> list[dict]:
             "kv_layout": kv_cache_layout(prog.as_text(), kv_local) if key.kind == "model" else None,
         })
     return rows
+
+
+def host_chips(mesh_devices) -> list[list[int]]:
+    """The mesh's chips (device ids, in mesh order) of each host, by jax process index: on the slice, host i
+    (TPU_WORKER_ID i) is the process that drives them."""
+    by_host: dict[int, list[int]] = {}
+    for d in mesh_devices:
+        by_host.setdefault(d.process_index, []).append(d.id)
+    return [by_host[h] for h in sorted(by_host)]
 
 
 def _experts_line(runner) -> str | None:
@@ -237,7 +259,10 @@ def _save_executables(runner, out_dir: str, topo: Topology, plan: MemoryPlan) ->
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = None
+    mesh = list(runner.mesh.devices.flat)
+    # the chips each program runs on, in mesh order: every host of a slice loads the same executables onto them
     manifest = {"topology": topo.name, "device_kind": topo.chip.device_kind, "num_blocks": plan.num_blocks,
+                "hosts": num_hosts(mesh), "mesh_device_ids": [d.id for d in mesh],
                 "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": libtpu,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""), "programs": files}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -246,13 +271,23 @@ def _save_executables(runner, out_dir: str, topo: Topology, plan: MemoryPlan) ->
 
 
 def load_executables(path: str, devices=None) -> dict:
-    """On the TPU host: {ProgramKey: loaded executable} from `executables_dir` (same jax, jaxlib and libtpu),
-    onto `devices` in mesh order (None: all of the default backend's)."""
+    """On the TPU host (every host of a multi-host slice): {ProgramKey: loaded executable} from `executables_dir`
+    (same jax, jaxlib and libtpu), onto `devices` in mesh order (None: the slice's chips the manifest names, in
+    its mesh order, from all of the default backend's devices)."""
+    import jax
+
     from jaxengine.compilation import load_program
     from jaxengine.programs import ProgramKey
 
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
+    if devices is None and "mesh_device_ids" in manifest:
+        by_id = {d.id: d for d in jax.devices()}
+        gone = [i for i in manifest["mesh_device_ids"] if i not in by_id]
+        if gone:
+            raise ConfigError(f"{path}: compiled for {manifest['topology']} chips {manifest['mesh_device_ids']}; "
+                              f"jax sees no device with id {gone[:4]} here ({len(by_id)} devices)")
+        devices = [by_id[i] for i in manifest["mesh_device_ids"]]
     out = {}
     for name, key in manifest["programs"].items():
         with open(os.path.join(path, name), "rb") as f:
@@ -279,9 +314,14 @@ def _notes(target: dict, rows: list[dict], config, cache_dir: str | None, saved:
         notes.append(f"WARNING: {', '.join(copying)} keep the KV cache in a layout the Pallas kernel does not "
                      "take, so XLA copies the whole cache every step: a bug to fix (see "
                      "jaxengine.platform.pallas_cache_heads).")
-    if target["mesh_hosts"] > 1:
-        notes.append(f"the mesh spans {target['mesh_hosts']} hosts: running it needs one process per host "
-                     "(jax.distributed); this process only compiled it.")
+    if target["hosts"] > 1:
+        per_host = "; ".join(f"host {h}: chips {ids}" for h, ids in enumerate(target["host_chips"]))
+        notes.append(
+            f"a {target['hosts']}-host slice ({target['chips_per_host']} chips a host): every host runs the same "
+            f"{target['num_programs']} SPMD programs, each compiled once here for the whole mesh, one jax process a "
+            f"host driving its own chips (jax process i, worker i of a Cloud TPU VM slice; {per_host}). Start `xlaserve serve` with the "
+            "same flags on every worker (gcloud ... ssh --worker=all) and give each worker this compilation cache "
+            "(copy it, or a --compilation-cache-dir they share)" + (" and the executables" if saved else "") + ".")
     if saved:
         notes.append(f"serialized executables in {saved}: a TPU host loads them with jaxengine.aot.load_executables "
                      "(no cache-key matching, but the same jax/jaxlib/libtpu versions).")
@@ -294,7 +334,8 @@ def format_report(report: AotReport) -> str:
     """The target, one row per program, the HBM fit and the notes, as plain text."""
     t, g = report.target, (lambda b: f"{b / GiB:.2f}")
     lines = [
-        f"target: {t['device_kind']} x {t['chips']} ({t['topology']}, {t['hosts']} host(s)); mesh: "
+        f"target: {t['device_kind']} x {t['chips']} ({t['topology']}, {t['hosts']} host(s) of "
+        f"{t['chips_per_host']} chips); mesh: "
         f"tensor-parallel {t['tensor_parallel_size']} on {t['mesh_chips']} chip(s), heads "
         f"{'sharded' if t['heads_sharded'] else 'replicated'}; attention {t['attention']}; "
         f"{t['dtype']} weights, {t['kv_dtype']} KV cache",

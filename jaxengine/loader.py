@@ -1,9 +1,11 @@
-"""Fill the abstract params from a ModelSource's numpy iterator, tensor by tensor, into their shards.
+"""Fill the abstract params from a ModelSource's lazy tensors, tensor by tensor, into their shards.
 
-Each Hugging Face tensor is reshaped to the param's head layout, cast to the
-serving dtype on the host and handed to ``jax.device_put`` with its
-NamedSharding: each device receives only its slice, and no full replicated copy
-of a sharded tensor is ever made on a device.
+Each Hugging Face tensor is viewed in the param's head layout and each device's
+slice of it is read, cast to the serving dtype on the host and placed
+(``jax.make_array_from_callback`` with the param's NamedSharding): no full copy
+of a sharded tensor is made on a device, and with a mesh over several processes
+(hosts) each process reads only the slices its own devices hold (safetensors:
+memory-mapped, so only those bytes; GGUF tensors are dequantized whole first).
 """
 
 from __future__ import annotations
@@ -79,37 +81,38 @@ def load_params(
     log=None,
     kv_repeats: int = 1,
 ) -> ModelParams:
-    """Read every tensor once and place it; raises ModelLoadError naming a missing or misshaped tensor.
+    """Read every tensor's slices and place them; raises ModelLoadError naming a missing or misshaped tensor.
 
     `arch` is the architecture the devices run: with `kv_repeats` > 1 it has that many copies of each of the
     checkpoint's kv heads (`jaxengine.sharding.kv_head_repeats`), and K/V projections are repeated to match.
 
     Stacked per-layer params are allocated sharded on the device and filled one
-    layer at a time (a donated dynamic-update-slice): the host holds one tensor at
-    a time and no device ever holds more than its own shards. On one CPU device,
+    layer at a time (a donated dynamic-update-slice): the host holds one tensor's
+    slices at a time and no device ever holds more than its own shards; with a mesh
+    over several processes each reads only its own devices' slices (`_put`). On one CPU device,
     where the device's memory is the host's, a stacked param is filled in a numpy
     array instead and placed once complete, without a copy (`_host_array`): the
     same values, without the two small XLA programs (zeros, update-slice) each
     stacked shape compiled at load (~2 s of the embedded model's 3.4 s here).
 
     A sparse layer's experts come one tensor per expert (Hugging Face's) or all of them stacked (GGUF's,
-    transformers 5's fused ones). One-expert tensors gather on the host into their layer's [E, ...] slice, which
-    then goes the way a stacked tensor goes (so on devices it lands sharded, experts or columns, as its param
-    is); the host holds a layer's experts of a param, not more, as files list them layer by layer.
+    transformers 5's fused ones). One-expert tensors gather into their layer's [E, ...] slice (`_experts_reader`:
+    a device's slice reads its experts' part of each), which then goes the way a stacked tensor goes (so on
+    devices it lands sharded, experts or columns, as its param is); the host holds one device's slice of a
+    layer's experts of a param at a time.
     """
     t0 = time.perf_counter()
     abstract = abstract_params(arch, dtype)
     out = abstract_params(arch, dtype)  # same structure; leaves replaced as they arrive
     filled: dict[tuple, set[int]] = {}
-    gathering: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # (field, index) -> ([E, ...] on the host, experts)
-    for name, arr in source.iter_weights():
+    gathering: dict[tuple, dict] = {}  # (field, index) -> {expert: its slice reader}
+    for name, w in source.iter_lazy_weights():
         path = param_path(name)
         if path is None:
             continue
         found = weight_spec(name)
         expert = found[1].expert if found is not None else None
-        if kv_repeats > 1 and name.endswith(_KV_PROJECTIONS):
-            arr = repeat_heads(arr, kv_repeats, arch.head_dim)
+        repeats = kv_repeats if kv_repeats > 1 and name.endswith(_KV_PROJECTIONS) else 1
         if path == ("lm_head",) and arch.tie_word_embeddings:
             continue
         spec = _get(abstract, path)
@@ -118,8 +121,8 @@ def load_params(
                                  "the MoE settings)")
         sharding = _get(shardings, path)
         if path[0] != "layers":
-            _check_size(name, arr, spec.shape, spec)
-            _set(out, path, _put(arr, spec.shape, spec.dtype, sharding))
+            _check_size(name, _repeated_shape(w.shape, repeats), spec.shape, spec)
+            _set(out, path, _put(_reader(w, path[0], spec.shape, repeats), spec.shape, spec.dtype, sharding))
             filled[path] = {0}
             continue
         index = stack_index(arch, name, path[1], path[2])
@@ -127,23 +130,22 @@ def load_params(
         if expert is not None and not 0 <= expert < spec.shape[1]:
             raise ModelLoadError(f"{name}: expert {expert} but the config has {spec.shape[1]} experts")
         one = spec.shape[2:] if expert is not None else spec.shape[1:]
-        _check_size(name, arr, one, spec)
-        arr = _as_stored(name, path[2], arr, one)
+        _check_size(name, _repeated_shape(w.shape, repeats), one, spec)
+        read = _reader(w, path[2], one, repeats)
         if expert is not None:  # gathered into the layer's [E, ...] slice, which goes on once complete
-            host, got = gathering.setdefault((path[2], index), (np.empty(spec.shape[1:], spec.dtype), set()))
-            host[expert] = np.asarray(arr).reshape(one)
-            got.add(expert)
+            got = gathering.setdefault((path[2], index), {})
+            got[expert] = read
             if len(got) < spec.shape[1]:
                 continue
-            arr = gathering.pop((path[2], index))[0]
+            read = _experts_reader(gathering.pop((path[2], index)))
         stacked = _get(out, path)
         if isinstance(stacked, ParamSpec):  # on one CPU device a host array, placed once complete (below)
             stacked = (_host_array(spec.shape, spec.dtype) if _host_memory(sharding) else
                        jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)())
         if isinstance(stacked, np.ndarray):
-            stacked[index] = np.asarray(arr).reshape(spec.shape[1:])  # cast to the param's dtype by numpy
+            stacked[index] = read(tuple(slice(None) for _ in spec.shape[1:]))  # cast to the param's dtype by numpy
         else:
-            x = _put(arr, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
+            x = _put(read, spec.shape[1:], spec.dtype, _layer_sharding(sharding))
             stacked = _set_layer(stacked, x, jnp.int32(index))
         _set(out, path, stacked)
         filled.setdefault(key, set()).add(index)
@@ -152,9 +154,9 @@ def load_params(
         for p, leaf in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_spec)[0]
         if isinstance(leaf, ParamSpec)
     ]
-    for (field, index), (_, got) in sorted(gathering.items()):  # a layer's experts of a param, not all there
+    for (field, index), got in sorted(gathering.items()):  # a layer's experts of a param, not all there
         layer = _stack_layers(arch, field)[index]
-        gap = min(set(range(arch.moe.num_experts)) - got)
+        gap = min(set(range(arch.moe.num_experts)) - got.keys())
         missing.insert(0, f"{expert_tensor_name(arch, layer, gap, field)} (expert {gap} of layer {layer})")
     for key, layers in filled.items():
         n = _get(abstract, ("layers", 0, key[1])).shape[0] if key[0] == "layers" else 1
@@ -174,15 +176,40 @@ def load_params(
     return out
 
 
-def _as_stored(name: str, param: str, arr, shape: tuple):
-    """A tensor in its param's layout: the experts' down projection, [..., H, Ie] in the file, is stored
-    [..., Ie, H] (`model.LayerParams`); the rest as they are."""
-    if param != "experts_down":
-        return arr
-    if tuple(arr.shape[-2:]) != tuple(shape[-2:])[::-1]:
-        raise ModelLoadError(f"{name}: shape {tuple(arr.shape)} does not fit the expected "
-                             f"{(*shape[:-2], *shape[-2:][::-1])} ([..., hidden_size, moe_intermediate_size])")
-    return np.swapaxes(np.asarray(arr), -1, -2)
+def _reader(w, param: str, shape: tuple, repeats: int = 1):
+    """index -> that slice of tensor `w` in its param's layout `shape` (the file's reshaped to the param's head
+    layout), reading only what the slice needs. K/V projections with `repeats` > 1 (`repeat_heads`) read the
+    heads the slice's repeats come from; the experts' down projection, [..., H, Ie] in the file, is stored
+    [..., Ie, H] (`model.LayerParams`), so its slice reads the transposed one."""
+    if param == "experts_down":
+        if tuple(w.shape[-2:]) != tuple(shape[-2:])[::-1]:
+            raise ModelLoadError(f"{w.name}: shape {tuple(w.shape)} does not fit the expected "
+                                 f"{(*shape[:-2], *shape[-2:][::-1])} ([..., hidden_size, moe_intermediate_size])")
+        stored = (*shape[:-2], shape[-1], shape[-2])
+        return lambda index: np.swapaxes(w.read((*index[:-2], index[-1], index[-2]), stored), -1, -2)
+    if repeats == 1:
+        return lambda index: w.read(index, shape)
+
+    def read(index):  # shape [Hkv * r, D, ...]: repeated head h is the file's head h // r
+        lo, hi, _ = index[0].indices(shape[0])
+        first = lo // repeats
+        src = w.read((slice(first, -(-hi // repeats)), *index[1:]), (shape[0] // repeats, *shape[1:]))
+        return np.repeat(src, repeats, axis=0)[lo - first * repeats : hi - first * repeats]
+
+    return read
+
+
+def _experts_reader(reads: dict):
+    """A layer's [E, ...] slice of an experts' param from each expert's reader: a slice reads its experts' part."""
+    def read(index):
+        return np.stack([reads[e](index[1:]) for e in range(len(reads))[index[0]]])
+
+    return read
+
+
+def _repeated_shape(shape: tuple, repeats: int) -> tuple:
+    """A K/V projection's shape with its heads repeated (`repeat_heads`): [Hkv * D * r, ...]."""
+    return (shape[0] * repeats, *shape[1:]) if repeats > 1 else tuple(shape)
 
 
 def _stack_layers(arch: ArchConfig, param: str) -> list[int]:
@@ -200,7 +227,8 @@ _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_a
 
 
 def repeat_heads(arr: np.ndarray, repeats: int, head_dim: int) -> np.ndarray:
-    """A Hugging Face K/V projection [Hkv * D, ...] (or its bias) with each head repeated: [Hkv * r * D, ...]."""
+    """A Hugging Face K/V projection [Hkv * D, ...] (or its bias) with each head repeated: [Hkv * r * D, ...]
+    (whole: the reference `_reader`'s slices of repeated heads match)."""
     heads = arr.shape[0] // head_dim
     return np.repeat(arr.reshape(heads, head_dim, *arr.shape[1:]), repeats, axis=0).reshape(
         heads * repeats * head_dim, *arr.shape[1:])
@@ -212,20 +240,23 @@ def _host_memory(sharding) -> bool:
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
-def _check_size(name: str, arr: np.ndarray, shape: tuple, spec: ParamSpec) -> None:
-    if arr.size != int(np.prod(shape)):
+def _check_size(name: str, got: tuple, shape: tuple, spec: ParamSpec) -> None:
+    if int(np.prod(got)) != int(np.prod(shape)):
         raise ModelLoadError(
-            f"{name}: shape {tuple(arr.shape)} does not fit the expected {shape} (logical {spec.logical_axes})"
+            f"{name}: shape {tuple(got)} does not fit the expected {shape} (logical {spec.logical_axes})"
         )
 
 
-def _put(arr: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
+def _put(read, shape: tuple, dtype, sharding) -> jax.Array:
+    """A param of `shape` placed with `sharding` from `read(index)` (a slice of it): on one CPU device without
+    a copy (`_host_array`); else each device's slice read by itself (`jax.make_array_from_callback`), so a
+    process reads only the slices its own devices hold (a fully replicated param once)."""
     if _host_memory(sharding):
         host = _host_array(shape, dtype)
-        host[...] = np.asarray(arr).reshape(shape)
-    else:
-        host = np.ascontiguousarray(np.asarray(arr).reshape(shape).astype(dtype, copy=False))
-    return jax.device_put(host, sharding)
+        host[...] = read(tuple(slice(None) for _ in shape))
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: np.ascontiguousarray(read(index).astype(dtype, copy=False)))
 
 
 def _host_array(shape: tuple, dtype) -> np.ndarray:

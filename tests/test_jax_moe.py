@@ -195,9 +195,8 @@ def test_a_missing_expert_tensor_fails_the_load_naming_it(tiny_moe_dir, tmp_path
     d = tiny_moe_dir("qwen3_moe")
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
     src = resolve_model(d)
-    hf = dict(src.iter_weights())
     missing = replace(src)
-    missing.iter_weights = lambda: ((k, v) for k, v in hf.items() if k != gone)
+    missing.iter_lazy_weights = lambda: ((k, w) for k, w in src.iter_lazy_weights() if k != gone)
     with pytest.raises(ModelLoadError, match=rf"{gone}.*expert 5 of layer 2"):
         _load(missing, n_devices)
     if n_devices == 1:

@@ -423,6 +423,37 @@ def test_tiny_model_compiles_for_v5e_tp4(tmp_path):
 
 
 @needs_libtpu
+def test_tiny_model_compiles_for_a_four_host_v5e_slice(tmp_path):
+    """v5e:4x4 at TP 16: 4 hosts of 4 chips (libtpu's pod hosts), one mesh over all of them (kv heads repeated
+    to shard), each program compiled once for the whole slice; the report names each host's chips and says
+    every host runs the same programs; the executables' manifest names the chips in mesh order."""
+    from jaxengine.aot import format_report, run_aot_warmup
+
+    folder = config_folder(tmp_path / "tiny", dict(TINY, num_attention_heads=16))
+    args = EngineArgs(model=folder, tensor_parallel_size=16, compilation_cache_dir="none", **SMALL_SERVER)
+    report = run_aot_warmup(args, "v5e:4x4", "decode", executables_dir=str(tmp_path / "exe"))
+    t = report.target
+    assert (t["chips"], t["hosts"], t["chips_per_host"], t["mesh_chips"], t["mesh_hosts"]) == (16, 4, 4, 16, 4)
+    assert t["heads_sharded"] and [len(ids) for ids in t["host_chips"]] == [4] * 4
+    assert sorted(i for ids in t["host_chips"] for i in ids) == list(range(16))
+    assert [k.describe() for k in (r["key"] for r in report.rows)] == [
+        "model tokens=16", "sample reqs=8 greedy", "sample reqs=8 sample"]
+    assert report.rows[0]["kv_layout"] == "3,2,1,0" and report.fit["fits_hbm"]
+    text = format_report(report)
+    assert "v5e:4x4, 4 host(s) of 4 chips" in text and "WARNING" not in text
+    assert "a 4-host slice (4 chips a host): every host runs the same 3 SPMD programs" in text
+    assert all(f"host {h}: chips {ids}" in text for h, ids in enumerate(t["host_chips"]))
+    with open(tmp_path / "exe" / "manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["hosts"] == 4 and manifest["mesh_device_ids"] == [i for ids in t["host_chips"] for i in ids]
+    with pytest.raises(ConfigError, match=r"--nnodes 2: --topology v5e:4x4 is 4 host\(s\) of 4 chips"):
+        run_aot_warmup(EngineArgs(model=folder, tensor_parallel_size=16, nnodes=2, **SMALL_SERVER), "v5e:4x4")
+    # a mesh on some of the hosts: refused before libtpu sees it (it aborts the process on such a subset)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: .* pass --tensor-parallel-size 16"):
+        run_aot_warmup(EngineArgs(model=folder, tensor_parallel_size=4, **SMALL_SERVER), "v5e:4x4")
+
+
+@needs_libtpu
 def test_model_too_large_for_the_chips_is_refused_before_compiling(tmp_path, monkeypatch):
     from jaxengine import runner as runner_mod
     from jaxengine.aot import run_aot_warmup
