@@ -226,11 +226,18 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     config, model = build_engine_config(engine_args)
     if ns.headless or config.parallel_config.node_rank > 0:
         return await asyncio.to_thread(run_headless, ns, config, model)
+    if ns.api_server_count != 1:
+        raise ConfigError(f"--api-server-count {ns.api_server_count}: xlaserve runs one API server process (its "
+                          "engine client routes to every data-parallel core); give --api-server-count 1")
+    from enginecore.engine_proc import dp_layout
+
+    engine_ranks = dp_layout(config.parallel_config).served
     names = served_model_names(config, model)
     options = frontend_options(ns, config, model)
     http_opts = _http_options(ns)
     sock = bind_socket(ns.host, ns.port, ns.uds)
-    metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size)
+    metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size,
+                            engines=engine_ranks)
     # the tokenizer loads while the engine core starts (client.start waits for both); what starting the core
     # imports is imported first, so the two threads never import the same modules at once
     import enginecore.engine_proc  # noqa: F401
@@ -260,7 +267,6 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         metrics.set_cache_info(client.num_blocks, config.cache_config.block_size)
-        metrics.on_engine_stats(client.stats)
         state = ServerState(client, metrics, names, options)
         app = build_app(state, http_opts)
         server = _make_uvicorn_server(_uvicorn_config(ns, app),
@@ -306,6 +312,10 @@ def run_headless(ns: argparse.Namespace, config, model) -> int:
     from enginecore.runner import run_node
 
     pc = config.parallel_config
+    if pc.data_parallel_size > 1 and pc.nnodes == 1:
+        from enginecore.engine_proc import run_dp_node
+
+        return run_dp_node(config)
     if pc.nnodes > 1:
         if pc.node_rank == 0:
             raise ConfigError("--node-rank 0 serves the API: run it without --headless (the other nodes are headless)")

@@ -114,9 +114,6 @@ class TorchModelRunner:
         mc, cc, sc, pc, dc = (config.model_config, config.cache_config, config.scheduler_config,
                               config.parallel_config, config.device_config)
         self.rank, self.tp_size = rank, pc.tensor_parallel_size
-        if pc.data_parallel_size != 1:
-            raise ConfigError(f"--data-parallel-size {pc.data_parallel_size} is not supported by the torch backend; "
-                              "run one server per replica")
         self._init_method = init_method
         capability = None
         if dc.platform == "cuda":
