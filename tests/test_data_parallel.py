@@ -182,3 +182,50 @@ def test_dp2_serves_on_both_cores_as_dp1(tmp_path, tiny, backend):
                 assert "engine core 1 process exited unexpectedly" in srv.log_tail(20000)
     finally:
         srv.stop()
+
+
+def _both_cores_serve(http: httpx.Client, n: int = 8) -> list[list[int]]:
+    outs = _run_all(http, _bodies()[:n])
+    done = _per_engine(http, "vllm:request_success_total")
+    assert sum(done) == n and min(done) >= 1, done
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_headless_node_runs_the_second_core(tmp_path, tiny):
+    """One machine as two nodes: the head serves HTTP with core 0 (--data-parallel-size-local 1), a --headless
+    node runs core 1 (--data-parallel-start-rank 1), which connects to the head over tcp."""
+    import sys
+
+    from benchmarks._server import LoggedProcess, free_port
+
+    port = str(free_port())
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+          "--data-parallel-rpc-port", port]
+    node = LoggedProcess([sys.executable, "-m", "frontend.cli", "serve", tiny, *FLAGS, "--backend", "jax", *dp,
+                          "--data-parallel-start-rank", "1", "--headless"], str(tmp_path / "node.log"))
+    try:
+        head = _server(tmp_path, "head", [tiny, "--backend", "jax", *dp])
+        try:
+            with httpx.Client(base_url=head.url, timeout=300) as http:
+                _both_cores_serve(http)
+        finally:
+            assert head.stop() == 0
+        assert node.proc.wait(60) == 0, node.log_tail()  # the head's shutdown stopped the node's core
+        assert "engine cores [1] of 2" in node.log_tail(20000)
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ray_actors_as_cores(tmp_path, tiny, ray_cluster):
+    srv = _server(tmp_path, "ray", [tiny, "--backend", "jax", "--data-parallel-size", "2",
+                                    "--data-parallel-backend", "ray"])
+    try:
+        with httpx.Client(base_url=srv.url, timeout=300) as http:
+            _both_cores_serve(http)
+        assert "started as Ray actors" in srv.log_tail(200000)
+    finally:
+        assert srv.stop() == 0
