@@ -378,9 +378,8 @@ def run_dp_node(config: EngineConfig) -> int:
                 config.parallel_config.data_parallel_size, layout.output_address())
     procs = {r: start_core_process(config, r, i, len(layout.local), layout.input_address(r), layout.output_address())
              for i, r in enumerate(layout.local)}
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    # (SIGTERM / SIGINT end this process as they come; its cores follow by their parent-death signal)
+    stopping: list[bool] = []
     code = 0
     while procs and not stopping:
         for sentinel in wait([p.sentinel for p in procs.values()], timeout=1.0):
