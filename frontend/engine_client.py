@@ -114,9 +114,6 @@ class AsyncEngineClient:
         self.tokenizer: Tokenizer | None = None
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
-        self._tokenizer_future = tokenizer if isinstance(tokenizer, concurrent.futures.Future) else None
-        if self._tokenizer_future is None:
-            self._set_tokenizer(tokenizer)
         self.layout: DPLayout = dp_layout(config.parallel_config)
         ranks = self.layout.served
         self.engine_ranks = ranks
@@ -130,6 +127,9 @@ class AsyncEngineClient:
         self._owner: dict[str, int] = {}  # request id (and its children's) -> index of the core it went to
         self._children: dict[str, list[str]] = {}
         self._unready: set[int] = set()
+        self._tokenizer_future = tokenizer if isinstance(tokenizer, concurrent.futures.Future) else None
+        if self._tokenizer_future is None:
+            self._set_tokenizer(tokenizer)
         self.stats = SchedulerStats()
         self.num_blocks = 0
         self.dead_reason: str | None = None
