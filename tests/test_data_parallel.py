@@ -6,6 +6,7 @@ a `--headless` node's core; Ray actors as the cores."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import os
 import signal
 import time
@@ -88,6 +89,54 @@ def test_sum_stats():
     s = sum_stats([a, b])
     assert (s.num_running_reqs, s.num_waiting_reqs, s.num_used_blocks, s.prefix_cache_hits) == (3, 1, 4, 16)
     assert s.kv_cache_usage == pytest.approx(0.2)
+
+
+def test_dp_layouts_as_vllm_deploys_them():
+    from enginecore.config import ConfigError, ParallelConfig
+    from enginecore.engine_proc import core_config, core_placement, dp_layout
+
+    def layout(headless=False, **kw):
+        lay = dp_layout(ParallelConfig(**kw), headless)
+        return lay.served, lay.local, lay.tcp
+
+    assert layout() == ([0], [0], False)
+    assert layout(data_parallel_size=4) == ([0, 1, 2, 3], [0, 1, 2, 3], False)  # one node: ipc
+    # a head with 2 of 4 cores, a headless node with the others: tcp at the head's address
+    assert layout(data_parallel_size=4, data_parallel_size_local=2) == ([0, 1, 2, 3], [0, 1], True)
+    assert layout(True, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2) == \
+        ([], [2, 3], True)
+    assert layout(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
+                  data_parallel_hybrid_lb=True) == ([2, 3], [2, 3], False)  # a server per node, its cores
+    assert layout(data_parallel_size=4, data_parallel_rank=3, data_parallel_external_lb=True) == ([3], [3], False)
+    assert layout(data_parallel_size=2, data_parallel_backend="ray") == ([0, 1], [], True)
+    lay = dp_layout(ParallelConfig(data_parallel_size=2, data_parallel_address="10.0.0.1", data_parallel_rpc_port=5000))
+    assert (lay.output_address(), lay.input_address(1), lay.input_address(1, bind=True)) == \
+        ("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5002", "tcp://*:5002")
+    for kw, flag in ((dict(data_parallel_size=2, data_parallel_external_lb=True), "--data-parallel-rank"),
+                     (dict(data_parallel_size=4, data_parallel_start_rank=2), "--headless"),
+                     (dict(data_parallel_size=4, data_parallel_size_local=3, data_parallel_start_rank=2),
+                      "--data-parallel-size-local")):
+        with pytest.raises(ConfigError, match=flag):
+            dp_layout(ParallelConfig(**kw))
+    with pytest.raises(ConfigError, match="--data-parallel-size N"):
+        dp_layout(ParallelConfig(), headless=True)
+
+    from enginecore.config import EngineArgs
+    from enginecore.engine import build_engine_config
+
+    config, _ = build_engine_config(EngineArgs(data_parallel_size=2, platform="cpu", backend="torch"))
+    assert core_config(config, 1).parallel_config.data_parallel_size == 1  # each core: a DP-size-1 engine
+    env, cpus = core_placement(config, 1, 2)
+    assert env["OMP_NUM_THREADS"] == str(max(1, int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+                                             // 2)) and len(cpus) >= 1
+    cuda = dataclasses.replace(config, device_config=dataclasses.replace(config.device_config, platform="cuda"),
+                               parallel_config=dataclasses.replace(config.parallel_config, tensor_parallel_size=2))
+    old = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        assert core_placement(cuda, 1, 2) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, None)
+    finally:
+        if old is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 # ---- real servers -------------------------------------------------------------------------------------------
