@@ -67,6 +67,10 @@ def dp_layout(pc: ParallelConfig, headless: bool = False) -> DPLayout:
     this node, the rest on `--headless` nodes from `--data-parallel-start-rank`), one per node for its own cores
     (`--data-parallel-hybrid-lb`), or one per rank (`--data-parallel-external-lb --data-parallel-rank R`)."""
     n, start = pc.data_parallel_size, pc.data_parallel_start_rank
+    if n > 1 and pc.nnodes > 1:
+        raise ConfigError(f"--data-parallel-size {n} with --nnodes {pc.nnodes}: each data-parallel core is an engine of "
+                          "one node; spread the cores over nodes with --data-parallel-size-local / "
+                          "--data-parallel-start-rank / --headless")
     local_n = n - start if pc.data_parallel_size_local is None else pc.data_parallel_size_local
     if start + local_n > n:
         raise ConfigError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local_n} exceeds "

@@ -114,6 +114,7 @@ def test_dp_layouts_as_vllm_deploys_them():
         ("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5002", "tcp://*:5002")
     for kw, flag in ((dict(data_parallel_size=2, data_parallel_external_lb=True), "--data-parallel-rank"),
                      (dict(data_parallel_size=4, data_parallel_start_rank=2), "--headless"),
+                     (dict(data_parallel_size=2, nnodes=2), "--data-parallel-size-local"),
                      (dict(data_parallel_size=4, data_parallel_size_local=3, data_parallel_start_rank=2),
                       "--data-parallel-size-local")):
         with pytest.raises(ConfigError, match=flag):
