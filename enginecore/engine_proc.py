@@ -274,6 +274,7 @@ def serve_engine_core(core_factory: Callable[[], EngineCore], ctx: zmq.Context, 
     out_sock.connect(output_addr)
     core = None
     try:
+        _send(out_sock, {"hello": os.getpid()})  # joined (the API server times out cores that never do)
         try:
             core = core_factory()
         except Exception as e:
@@ -370,11 +371,12 @@ def start_core_process(config: EngineConfig, rank: int, index: int, num_local: i
     return proc
 
 
-def run_dp_node(config: EngineConfig) -> int:
+def run_dp_node(config: EngineConfig, stop=None) -> int:
     """`serve --headless` with data parallelism: this node's cores (--data-parallel-size-local from
     --data-parallel-start-rank), connected over tcp to the head's API server at --data-parallel-address /
     --data-parallel-rpc-port, until it shuts them down. A core that dies is reported to the head as its death
-    (the head serves 503 and exits); then this node stops its other cores and exits 1."""
+    (the head serves 503 and exits); then this node stops its other cores and exits 1. `stop` (a
+    threading.Event, set on SIGTERM / SIGINT): stop the cores and tell the head they are gone."""
     from multiprocessing.connection import wait
 
     layout = dp_layout(config.parallel_config, headless=True)
@@ -382,10 +384,15 @@ def run_dp_node(config: EngineConfig) -> int:
                 config.parallel_config.data_parallel_size, layout.output_address())
     procs = {r: start_core_process(config, r, i, len(layout.local), layout.input_address(r), layout.output_address())
              for i, r in enumerate(layout.local)}
-    # (SIGTERM / SIGINT end this process as they come; its cores follow by their parent-death signal)
     stopping: list[bool] = []
     code = 0
     while procs and not stopping:
+        if stop is not None and stop.is_set():
+            logger.info("headless data-parallel node: stopping engine cores %s", sorted(procs))
+            for rank in procs:
+                _report_death(layout.output_address(), rank, f"the headless node running engine core {rank} "
+                                                             "was stopped")
+            break
         for sentinel in wait([p.sentinel for p in procs.values()], timeout=1.0):
             rank = next(r for r, p in procs.items() if p.sentinel == sentinel)
             proc = procs.pop(rank)

@@ -7,6 +7,7 @@ API -> engine messages (tuples):
     ("shutdown",)
 Engine -> API messages (dicts, every key optional but e):
     e: int                            the sending core's data-parallel rank (0 without data parallelism)
+    hello: pid                        once, as soon as the core connected (before it loads the model)
     ready: {num_blocks}               once, after the runner is warm
     startup_error: str                instead of ready
     outputs: [engine core output, ...]

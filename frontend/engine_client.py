@@ -55,6 +55,8 @@ logger = logging.getLogger("xlaserve.engine_client")
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 _EXIT_GRACE_S = 0.2
+# Seconds the API server waits for data-parallel cores of other nodes (or Ray actors) to connect.
+CORE_JOIN_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
@@ -127,6 +129,7 @@ class AsyncEngineClient:
         self._owner: dict[str, int] = {}  # request id (and its children's) -> index of the core it went to
         self._children: dict[str, list[str]] = {}
         self._unready: set[int] = set()
+        self._joined: set[int] = set()  # cores that said hello
         self._tokenizer_future = tokenizer if isinstance(tokenizer, concurrent.futures.Future) else None
         if self._tokenizer_future is None:
             self._set_tokenizer(tokenizer)
@@ -218,6 +221,8 @@ class AsyncEngineClient:
             if remote:
                 logger.info("waiting for data-parallel engine core(s) %s from other nodes (--headless, "
                             "--data-parallel-start-rank) at %s", ", ".join(map(str, remote)), connect_out)
+            if layout.tcp:
+                loop.call_later(CORE_JOIN_TIMEOUT_S, self._join_timeout, connect_out)
         else:
             self._start_thread(in_addrs[0], out_addr, core_factory)
         if self._tokenizer_future is not None:  # while the engine core loads
@@ -279,6 +284,14 @@ class AsyncEngineClient:
 
         # a failing engine sends its reason just before exiting: give that message a moment to arrive
         loop.call_later(_EXIT_GRACE_S, exited)
+
+    def _join_timeout(self, address: str) -> None:
+        missing = sorted(set(self.engine_ranks) - self._joined)
+        if missing and not self._closing:
+            self._on_engine_exit(f"data-parallel engine core(s) {', '.join(map(str, missing))} did not connect to "
+                                 f"{address} within {CORE_JOIN_TIMEOUT_S:.0f}s: start their node(s) with --headless "
+                                 "--data-parallel-start-rank, and the head's --data-parallel-address / "
+                                 "--data-parallel-rpc-port")
 
     def _core_name(self, rank: int) -> str:
         return f"{rank} " if len(self.engine_ranks) > 1 else ""
@@ -532,6 +545,8 @@ class AsyncEngineClient:
         if core is None:
             logger.error("a message from engine core %s, which this server does not drive", rank)
             return
+        if "hello" in msg:
+            self._joined.add(rank)
         if "startup_error" in msg:
             reason = f"engine core {rank}: {msg['startup_error']}" if len(self._ins) > 1 else msg["startup_error"]
             if self._ready is not None and not self._ready.done():

@@ -224,6 +224,14 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)
+    if ns.headless and config.parallel_config.data_parallel_size > 1 and config.parallel_config.nnodes == 1:
+        from enginecore.engine_proc import run_dp_node
+
+        stop = threading.Event()  # SIGTERM / SIGINT: stop this node's cores, telling the head
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        return await asyncio.to_thread(run_dp_node, config, stop)
     if ns.headless or config.parallel_config.node_rank > 0:
         return await asyncio.to_thread(run_headless, ns, config, model)
     if ns.api_server_count != 1:
@@ -312,10 +320,6 @@ def run_headless(ns: argparse.Namespace, config, model) -> int:
     from enginecore.runner import run_node
 
     pc = config.parallel_config
-    if pc.data_parallel_size > 1 and pc.nnodes == 1:
-        from enginecore.engine_proc import run_dp_node
-
-        return run_dp_node(config)
     if pc.nnodes > 1:
         if pc.node_rank == 0:
             raise ConfigError("--node-rank 0 serves the API: run it without --headless (the other nodes are headless)")
@@ -325,7 +329,8 @@ def run_headless(ns: argparse.Namespace, config, model) -> int:
                     pc.node_rank, pc.nnodes, config.device_config.backend, pc.master_addr, pc.master_port)
         return run_node(config, model)
     raise ConfigError("--headless runs a host's share of an engine: give --nnodes N --node-rank R (R > 0) "
-                      "--master-addr A --master-port P as on node 0")
+                      "--master-addr A --master-port P as on node 0, or this node's data-parallel cores: "
+                      "--data-parallel-size N --data-parallel-size-local L --data-parallel-start-rank S")
 
 
 def _version() -> str:

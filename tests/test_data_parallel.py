@@ -250,21 +250,36 @@ def test_headless_node_runs_the_second_core(tmp_path, tiny):
 
     from benchmarks._server import LoggedProcess, free_port
 
-    port = str(free_port())
-    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-          "--data-parallel-rpc-port", port]
-    node = LoggedProcess([sys.executable, "-m", "frontend.cli", "serve", tiny, *FLAGS, "--backend", "jax", *dp,
-                          "--data-parallel-start-rank", "1", "--headless"], str(tmp_path / "node.log"))
-    try:
-        head = _server(tmp_path, "head", [tiny, "--backend", "jax", *dp])
+    def start(name: str):
+        port = str(free_port())
+        dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
+              "127.0.0.1", "--data-parallel-rpc-port", port]
+        node = LoggedProcess([sys.executable, "-m", "frontend.cli", "serve", tiny, *FLAGS, "--backend", "jax", *dp,
+                              "--data-parallel-start-rank", "1", "--headless"], str(tmp_path / f"{name}-node.log"))
         try:
-            with httpx.Client(base_url=head.url, timeout=300) as http:
-                _both_cores_serve(http)
-        finally:
-            assert head.stop() == 0
+            return node, _server(tmp_path, f"{name}-head", [tiny, "--backend", "jax", *dp])
+        except BaseException:
+            node.stop()
+            raise
+
+    node, head = start("a")
+    try:
+        with httpx.Client(base_url=head.url, timeout=300) as http:
+            _both_cores_serve(http)
+        assert head.stop() == 0
         assert node.proc.wait(60) == 0, node.log_tail()  # the head's shutdown stopped the node's core
         assert "engine cores [1] of 2" in node.log_tail(20000)
     finally:
+        head.stop()
+        node.stop()
+    node, head = start("b")  # the node stopped under a running head: its core's death is the engine's
+    try:
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, node.log_tail()
+        assert head.proc.wait(60) not in (0, None)
+        assert "the headless node running engine core 1 was stopped" in head.log_tail(20000)
+    finally:
+        head.stop()
         node.stop()
 
 
