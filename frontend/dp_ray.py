@@ -105,7 +105,10 @@ class RayEngineCores:
         import ray
 
         def stop() -> None:
-            ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
+            if not ray.is_initialized():  # (the start failed before any actor)
+                return
+            if self.runs:
+                ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
             for actor in self.actors:
                 ray.kill(actor)
             if self.pg is not None:
