@@ -28,7 +28,7 @@ from enginecore import wire
 
 logger = logging.getLogger("xlaserve.engine_core")
 
-# While idle the loop wakes this often only to notice a vanished parent process.
+# While idle the loop wakes this often to notice a vanished parent process and to say it is alive.
 _IDLE_WAKE_MS = 2000
 
 
@@ -171,6 +171,8 @@ class EngineCoreLoop:
                 if self.parent_alive is not None and not self.parent_alive():
                     logger.error("the API process is gone; engine core exits")
                     return
+                # idle, yet alive: what tells an API server on another node that this core still is
+                self.out_sock.send(wire.pack({"e": self.engine_index}))
                 continue
             self._drain_inputs()
             if self.stopped:

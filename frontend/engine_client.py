@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Callable, Protocol
 
 import zmq
@@ -57,6 +58,9 @@ _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _EXIT_GRACE_S = 0.2
 # Seconds the API server waits for data-parallel cores of other nodes (or Ray actors) to connect.
 CORE_JOIN_TIMEOUT_S = 600.0
+# A core over tcp that sends nothing this long (an idle one says it is alive every 2 s; a step sends its
+# outputs) is gone with its node: the engine's death. Its local processes are watched by their exit instead.
+CORE_SILENCE_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -130,6 +134,8 @@ class AsyncEngineClient:
         self._children: dict[str, list[str]] = {}
         self._unready: set[int] = set()
         self._joined: set[int] = set()  # cores that said hello
+        self._last_heard = [0.0] * len(ranks)  # time.monotonic() of each core's latest message
+        self._watch_task: asyncio.Task | None = None
         self._tokenizer_future = tokenizer if isinstance(tokenizer, concurrent.futures.Future) else None
         if self._tokenizer_future is None:
             self._set_tokenizer(tokenizer)
@@ -223,6 +229,7 @@ class AsyncEngineClient:
                             "--data-parallel-start-rank) at %s", ", ".join(map(str, remote)), connect_out)
             if layout.tcp:
                 loop.call_later(CORE_JOIN_TIMEOUT_S, self._join_timeout, connect_out)
+                self._watch_task = asyncio.create_task(self._watch_remote_cores(), name="engine-core-watch")
         else:
             self._start_thread(in_addrs[0], out_addr, core_factory)
         if self._tokenizer_future is not None:  # while the engine core loads
@@ -284,6 +291,21 @@ class AsyncEngineClient:
 
         # a failing engine sends its reason just before exiting: give that message a moment to arrive
         loop.call_later(_EXIT_GRACE_S, exited)
+
+    async def _watch_remote_cores(self) -> None:
+        try:
+            await asyncio.shield(self._ready)
+        except Exception:  # the start failed: reported there
+            return
+        remote = [self._pos[r] for r in self.engine_ranks if r not in self._procs]
+        while not self._closing and not self.is_dead:
+            await asyncio.sleep(CORE_SILENCE_TIMEOUT_S / 6)
+            now = time.monotonic()
+            for core in remote:
+                if now - self._last_heard[core] > CORE_SILENCE_TIMEOUT_S and not self._closing:
+                    self._mark_dead(f"engine core {self.engine_ranks[core]} sent nothing for "
+                                    f"{CORE_SILENCE_TIMEOUT_S:.0f}s: its node or its process is gone")
+                    return
 
     def _join_timeout(self, address: str) -> None:
         missing = sorted(set(self.engine_ranks) - self._joined)
@@ -354,6 +376,8 @@ class AsyncEngineClient:
             await self._ray_cores.shutdown(timeout)
         if self._thread is not None:
             await loop.run_in_executor(None, self._thread.join, timeout)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if self._reader_task is not None:
             self._reader_task.cancel()
             try:
@@ -545,6 +569,7 @@ class AsyncEngineClient:
         if core is None:
             logger.error("a message from engine core %s, which this server does not drive", rank)
             return
+        self._last_heard[core] = time.monotonic()
         if "hello" in msg:
             self._joined.add(rank)
         if "startup_error" in msg:
