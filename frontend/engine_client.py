@@ -130,8 +130,7 @@ class AsyncEngineClient:
         self.engine_stats = [SchedulerStats() for _ in ranks]
         cc = config.cache_config
         self.router = DPRouter(len(ranks), cc.block_size, cc.enable_prefix_caching, cc.prefix_caching_hash_algo)
-        self._owner: dict[str, int] = {}  # request id (and its children's) -> index of the core it went to
-        self._children: dict[str, list[str]] = {}
+        self._owner: dict[str, int] = {}  # request id -> index of the core it went to
         self._unready: set[int] = set()
         self._joined: set[int] = set()  # cores that said hello
         self._last_heard = [0.0] * len(ranks)  # time.monotonic() of each core's latest message
@@ -428,14 +427,9 @@ class AsyncEngineClient:
             raise EngineDeadError(self._refusing)
         text, ids, reqs = self.input_processor.process(request_id, prompt, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
-        child_ids = [r.request_id for r in reqs]
-        self.output_processor.add_request(request_id, text, ids, params, child_ids,
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs],
                                           arrival_time=reqs[0].arrival_time, queue=queue)
-        core = self.router.choose(ids)
-        self._owner[request_id] = core
-        for cid in child_ids:
-            self._owner[cid] = core
-        self._children[request_id] = child_ids
+        core = self._owner[request_id] = self.router.choose(ids)  # (its n children with it: one prefix)
         fut = asyncio.get_running_loop().create_future()
         self._pending_adds[request_id] = fut
         try:
@@ -457,8 +451,6 @@ class AsyncEngineClient:
     def _release(self, request_id: str) -> int:
         """Drop its state (its unfinished children finish as aborted, counted on its core); -> its core."""
         core = self._owner.pop(request_id, 0)
-        for cid in self._children.pop(request_id, ()):
-            self._owner.pop(cid, None)
         self.output_processor.observer = self._observers[core]
         self.output_processor.abort(request_id)
         return core
