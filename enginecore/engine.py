@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from enginecore.config import EngineArgs, EngineConfig
+from enginecore.config import ConfigError, EngineArgs, EngineConfig
 from enginecore.faults import FaultInjector
 from enginecore.model_loader import ModelSource, resolve_model
 from enginecore.outputs import EngineCoreOutput, RequestOutput, SchedulerOutput
@@ -53,6 +53,9 @@ class EngineCore:
         self.config = config
         self.model = model
         t0 = time.perf_counter()
+        if config.parallel_config.data_parallel_size != 1:  # the server's client splits DP into DP-size-1 cores
+            raise ConfigError(f"--data-parallel-size {config.parallel_config.data_parallel_size}: one engine core is "
+                              "one data-parallel rank; `xlaserve serve` runs the N cores behind its API server")
         if runner is None:
             runner = create_runner(config, model)
             runner.load_model()

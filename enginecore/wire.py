@@ -5,7 +5,10 @@ API -> engine messages (tuples):
     ("abort", [child_id, ...])
     ("call", call_id, method, args)      utility calls (reset_prefix_cache, ...)
     ("shutdown",)
-Engine -> API messages (dicts, every key optional):
+Engine -> API messages (dicts, every key optional but e):
+    e: int                            the sending core's data-parallel rank (0 without data parallelism); a
+                                      message of `e` alone: an idle core is alive (every 2 s)
+    hello: pid                        once, as soon as the core connected (before it loads the model)
     ready: {num_blocks}               once, after the runner is warm
     startup_error: str                instead of ready
     outputs: [engine core output, ...]

@@ -352,7 +352,7 @@ def build_app(state: ServerState, opts: HTTPOptions) -> FastAPI:
             return {"version": __version__, "backend": cfg.device_config.backend,
                     "platform": cfg.device_config.platform, "num_blocks": client.num_blocks,
                     "block_size": cfg.cache_config.block_size, "multiprocess": client.multiprocess,
-                    "engine_pid": client.engine_pid,
+                    "engine_pid": client.engine_pid, "engine_pids": client.engine_pids,
                     "max_model_len": cfg.scheduler_config.max_model_len}
 
     # ---- middlewares (the last added runs first) -----------------------------------------------------

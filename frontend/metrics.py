@@ -45,72 +45,41 @@ def _token_buckets(max_model_len: int) -> list[int]:
         exp += 1
 
 
-class ServerMetrics:
-    """Owns a private registry (no global state); implements the engine client's StatsObserver."""
+class EngineMetrics:
+    """One engine core's series (vLLM's `engine` label under data parallelism); the engine client's observer of
+    that core: its stats and the events of the requests it ran."""
 
-    FINISH_REASONS = ("stop", "length", "abort", "error")
-    REJECT_REASONS = ("overloaded", "shutting_down")
+    def __init__(self, fam: dict, labels: dict):
+        def child(name):
+            return fam[name].labels(**labels)
 
-    def __init__(self, model_name: str, max_model_len: int, num_blocks: int = 0, block_size: int = 16):
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r, m = self.registry, {"model_name": model_name}
-
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(**m)
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(**m)
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**m)
-
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
-        self.free_blocks = gauge("xlaserve:kv_cache_free_blocks", "Free KV-cache blocks (excluding the null block).")
-        self.used_blocks = gauge("xlaserve:kv_cache_used_blocks", "KV-cache blocks held by requests.")
-        self.total_blocks = gauge("xlaserve:kv_cache_total_blocks", "Usable KV-cache blocks: free + used.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
-        self.structured_requests = counter("xlaserve:structured_output_requests",
-                                           "Requests (sequences) with a structured-output constraint.")
-        self.grammar_compiles = counter("xlaserve:grammar_compiles", "Grammars compiled (cache misses).")
-        self.grammar_compile_seconds = counter("xlaserve:grammar_compile_seconds",
-                                               "Time spent compiling structured-output grammars.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                          labels + ["finished_reason"], registry=r)
-        self.success = {reason: success.labels(model_name=model_name, finished_reason=reason)
-                        for reason in self.FINISH_REASONS}
-        self._success_family = success
-        rejected = Counter("xlaserve:num_requests_rejected", "HTTP requests refused before they were queued, by "
-                           "reason (overloaded: --max-waiting-requests reached; shutting_down).",
-                           labels + ["reason"], registry=r)
-        self.rejected = {reason: rejected.labels(model_name=model_name, reason=reason)
-                         for reason in self.REJECT_REASONS}
-        self._model_name = model_name
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        tb = _token_buckets(max_model_len)
-        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt length of finished requests.", tb)
-        self.req_generation = hist("vllm:request_generation_tokens", "Generated tokens of finished requests.", tb)
-        info = Gauge("vllm:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"],
-                     registry=r)
-        self._cache_info = info
-        self.set_cache_info(num_blocks, block_size)
+        self.running = child("running")
+        self.waiting = child("waiting")
+        self.kv_usage = child("kv_usage")
+        self.free_blocks = child("free_blocks")
+        self.used_blocks = child("used_blocks")
+        self.total_blocks = child("total_blocks")
+        self.prefix_queries = child("prefix_queries")
+        self.prefix_hits = child("prefix_hits")
+        self.preemptions = child("preemptions")
+        self.structured_requests = child("structured_requests")
+        self.grammar_compiles = child("grammar_compiles")
+        self.grammar_compile_seconds = child("grammar_compile_seconds")
+        self.prompt_tokens = child("prompt_tokens")
+        self.generation_tokens = child("generation_tokens")
+        self._success_family, self._labels = fam["success"], labels
+        self.success = {reason: fam["success"].labels(**labels, finished_reason=reason)
+                        for reason in ServerMetrics.FINISH_REASONS}
+        self.ttft = child("ttft")
+        self.itl = child("itl")
+        self.e2e = child("e2e")
+        self.req_prompt = child("req_prompt")
+        self.req_generation = child("req_generation")
         # plain running totals for the stats logger
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.stats = SchedulerStats()
         self._last_engine = SchedulerStats()
-
-    def set_cache_info(self, num_blocks: int, block_size: int) -> None:
-        self._cache_info.clear()
-        self._cache_info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
 
     # ---- StatsObserver -----------------------------------------------------------------
 
@@ -150,12 +119,100 @@ class ServerMetrics:
     def on_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         c = self.success.get(reason)
         if c is None:
-            c = self.success[reason] = self._success_family.labels(model_name=self._model_name,
-                                                                   finished_reason=reason)
+            c = self.success[reason] = self._success_family.labels(**self._labels, finished_reason=reason)
         c.inc()
         self.e2e.observe(e2e_s)
         self.req_prompt.observe(num_prompt_tokens)
         self.req_generation.observe(num_generation_tokens)
+
+
+class ServerMetrics:
+    """Owns a private registry (no global state). `engines`: the data-parallel ranks of the cores this server
+    drives; with more than one every engine series carries vLLM's `engine` label ("0", "1", ...) and
+    `engine(i)` is the i-th core's observer; one core keeps the unlabelled series, and the server's own
+    methods and attributes are that core's (it is the engine client's observer)."""
+
+    FINISH_REASONS = ("stop", "length", "abort", "error")
+    REJECT_REASONS = ("overloaded", "shutting_down")
+
+    def __init__(self, model_name: str, max_model_len: int, num_blocks: int = 0, block_size: int = 16,
+                 engines: list[int] | None = None):
+        self.registry = CollectorRegistry()
+        ranks = list(engines) if engines and len(engines) > 1 else [None]
+        labels = ["model_name"] + (["engine"] if ranks[0] is not None else [])
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        tb = _token_buckets(max_model_len)
+        fam = dict(
+            running=gauge("vllm:num_requests_running", "Requests in the running batch."),
+            waiting=gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
+            kv_usage=gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent."),
+            free_blocks=gauge("xlaserve:kv_cache_free_blocks", "Free KV-cache blocks (excluding the null block)."),
+            used_blocks=gauge("xlaserve:kv_cache_used_blocks", "KV-cache blocks held by requests."),
+            total_blocks=gauge("xlaserve:kv_cache_total_blocks", "Usable KV-cache blocks: free + used."),
+            prefix_queries=counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens."),
+            prefix_hits=counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."),
+            preemptions=counter("vllm:num_preemptions", "Cumulative preemptions."),
+            structured_requests=counter("xlaserve:structured_output_requests",
+                                        "Requests (sequences) with a structured-output constraint."),
+            grammar_compiles=counter("xlaserve:grammar_compiles", "Grammars compiled (cache misses)."),
+            grammar_compile_seconds=counter("xlaserve:grammar_compile_seconds",
+                                            "Time spent compiling structured-output grammars."),
+            prompt_tokens=counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating."),
+            generation_tokens=counter("vllm:generation_tokens", "Generated tokens."),
+            success=Counter("vllm:request_success", "Finished requests, by finish reason.",
+                            labels + ["finished_reason"], registry=r),
+            ttft=hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+            itl=hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS),
+            e2e=hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS),
+            req_prompt=hist("vllm:request_prompt_tokens", "Prompt length of finished requests.", tb),
+            req_generation=hist("vllm:request_generation_tokens", "Generated tokens of finished requests.", tb),
+        )
+        self.engines = [EngineMetrics(fam, {"model_name": model_name} if rank is None else
+                                      {"model_name": model_name, "engine": str(rank)}) for rank in ranks]
+        rejected = Counter("xlaserve:num_requests_rejected", "HTTP requests refused before they were queued, by "
+                           "reason (overloaded: --max-waiting-requests reached; shutting_down).",
+                           ["model_name", "reason"], registry=r)
+        self.rejected = {reason: rejected.labels(model_name=model_name, reason=reason)
+                         for reason in self.REJECT_REASONS}
+        info = Gauge("vllm:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"],
+                     registry=r)
+        self._cache_info = info
+        self.set_cache_info(num_blocks, block_size)
+
+    def __getattr__(self, name):  # one core: its series and observer methods are the server's
+        return getattr(self.__dict__["engines"][0], name)
+
+    def engine(self, index: int) -> EngineMetrics:
+        return self.engines[index]
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every core's stats summed (the stats log, /load)."""
+        from frontend.dp_router import sum_stats
+
+        return sum_stats([e.stats for e in self.engines])
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(e.total_prompt_tokens for e in self.engines)
+
+    @property
+    def total_generation_tokens(self) -> int:
+        return sum(e.total_generation_tokens for e in self.engines)
+
+    def set_cache_info(self, num_blocks: int, block_size: int) -> None:
+        self._cache_info.clear()
+        self._cache_info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
 
     def on_rejected(self, reason: str) -> None:
         self.rejected[reason].inc()

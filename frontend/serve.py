@@ -224,13 +224,28 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
     if engine_args.warmup == "auto":
         engine_args.warmup = "all"  # a server compiles every step shape before it answers: none while serving
     config, model = build_engine_config(engine_args)
+    if ns.headless and config.parallel_config.data_parallel_size > 1 and config.parallel_config.nnodes == 1:
+        from enginecore.engine_proc import run_dp_node
+
+        stop = threading.Event()  # SIGTERM / SIGINT: stop this node's cores, telling the head
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        return await asyncio.to_thread(run_dp_node, config, stop)
     if ns.headless or config.parallel_config.node_rank > 0 or _tpu_slice_follower(config):
         return await asyncio.to_thread(run_headless, ns, config, model)
+    if ns.api_server_count != 1:
+        raise ConfigError(f"--api-server-count {ns.api_server_count}: xlaserve runs one API server process (its "
+                          "engine client routes to every data-parallel core); give --api-server-count 1")
+    from enginecore.engine_proc import dp_layout
+
+    engine_ranks = dp_layout(config.parallel_config).served
     names = served_model_names(config, model)
     options = frontend_options(ns, config, model)
     http_opts = _http_options(ns)
     sock = bind_socket(ns.host, ns.port, ns.uds)
-    metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size)
+    metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len, block_size=config.cache_config.block_size,
+                            engines=engine_ranks)
     # the tokenizer loads while the engine core starts (client.start waits for both); what starting the core
     # imports is imported first, so the two threads never import the same modules at once
     import enginecore.engine_proc  # noqa: F401
@@ -260,7 +275,6 @@ async def _serve(ns: argparse.Namespace, core_factory=None) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         metrics.set_cache_info(client.num_blocks, config.cache_config.block_size)
-        metrics.on_engine_stats(client.stats)
         state = ServerState(client, metrics, names, options)
         app = build_app(state, http_opts)
         server = _make_uvicorn_server(_uvicorn_config(ns, app),
@@ -327,7 +341,8 @@ def run_headless(ns: argparse.Namespace, config, model) -> int:
                     pc.node_rank, pc.nnodes, config.device_config.backend, pc.master_addr, pc.master_port)
         return run_node(config, model)
     raise ConfigError("--headless runs a host's share of an engine: give --nnodes N --node-rank R (R > 0) "
-                      "--master-addr A --master-port P as on node 0")
+                      "--master-addr A --master-port P as on node 0, or this node's data-parallel cores: "
+                      "--data-parallel-size N --data-parallel-size-local L --data-parallel-start-rank S")
 
 
 def _version() -> str:

@@ -112,11 +112,6 @@ class JaxModelRunner:
         self.source = model
         mc, cc, sc, pc, dc = (config.model_config, config.cache_config, config.scheduler_config,
                               config.parallel_config, config.device_config)
-        if pc.data_parallel_size != 1:
-            raise ConfigError(
-                f"--data-parallel-size {pc.data_parallel_size} is not supported by the jax backend "
-                "(run one server per replica); use --tensor-parallel-size"
-            )
         self.platform = dc.platform
         self.devices = list(devices) if devices is not None else plat.devices_for(self.platform)
         # more devices than kv heads: each kv head repeated so that heads shard (jaxengine.sharding)

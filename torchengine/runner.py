@@ -115,9 +115,6 @@ class TorchModelRunner:
                               config.parallel_config, config.device_config)
         self.rank, self.tp_size = (placement.rank if placement else 0), pc.tensor_parallel_size
         local_rank, local_size = (placement.local_rank, placement.local_size) if placement else (0, 1)
-        if pc.data_parallel_size != 1:
-            raise ConfigError(f"--data-parallel-size {pc.data_parallel_size} is not supported by the torch backend; "
-                              "run one server per replica")
         self.placement = placement  # where this rank runs in the group; None: one rank
         capability = None
         if dc.platform == "cuda":
