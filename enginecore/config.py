@@ -141,8 +141,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # a MoE model's experts split over the tensor-parallel devices (EP size = TP x DP, as vLLM), each device
-    # holding whole experts, in place of every expert's columns split over them
+    # a MoE model's experts split over the tensor-parallel devices, each device holding whole experts, in place of
+    # every expert's columns split over them. EP size = TP: each data-parallel core is its own engine with all the
+    # experts over its own TP group (vLLM's EP spans TP x DP ranks that step together: not implemented)
     enable_expert_parallel: bool = False
     # Beyond one process (vLLM's flags). One engine over several hosts: `--nnodes N --node-rank R --master-addr A
     # --master-port P` on every host (jax: jax.distributed's multi-controller runtime, the coordinator at A:P;
@@ -502,6 +503,11 @@ class EngineArgs:
                                        max_model_len=max_model_len)
         cache_config = self._group(CacheConfig)
         parallel_config = self._group(ParallelConfig)
+        if parallel_config.enable_expert_parallel and parallel_config.data_parallel_size > 1:
+            logger.warning("--enable-expert-parallel with --data-parallel-size %d: the experts split over each core's "
+                           "--tensor-parallel-size %d devices (EP size %d), not over TP x DP as in vLLM: every "
+                           "data-parallel core holds all the experts", parallel_config.data_parallel_size,
+                           parallel_config.tensor_parallel_size, parallel_config.tensor_parallel_size)
         if self.attention_backend not in ("auto", "reference", "pallas", "triton", "torch"):
             raise ConfigError(
                 f"--attention-backend must be auto, reference, pallas, triton or torch; got {self.attention_backend!r}."

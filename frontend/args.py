@@ -89,8 +89,8 @@ ENGINE_FLAG_DOCS: dict[str, tuple[str, str, tuple | None]] = {
     "data_parallel_size": ("ParallelConfig", "Data-parallel replicas.", None),
     "pipeline_parallel_size": ("ParallelConfig", "Pipeline stages (only 1 is supported).", None),
     "enable_expert_parallel": ("ParallelConfig", "A Mixture-of-Experts model's experts split over the "
-                               "tensor-parallel devices (whole experts per device, EP size = TP x DP) instead of "
-                               "every expert's columns.", None),
+                               "tensor-parallel devices (whole experts per device; EP size = TP, each data-parallel "
+                               "core holding all the experts) instead of every expert's columns.", None),
     "nnodes": ("ParallelConfig", "Hosts one engine spans (jax: jax.distributed's processes, one per host; torch: "
                "torch.distributed's nodes). Run the same command on every host with its --node-rank.", None),
     "node_rank": ("ParallelConfig", "This host's rank among --nnodes (0 serves HTTP; the others run --headless).",

@@ -16,7 +16,7 @@ heads read, instead of every device holding all attention weights.
 A sparse layer's experts split like the dense MLP by default: each expert's
 columns (Ie) over 'model'. With `--enable-expert-parallel` whole experts split
 instead (E / N per device; vLLM's EP size is TP x DP, here the 'model' axis:
-the jax backend runs one data-parallel replica). Either way the routed
+each data-parallel core is an engine of its own). Either way the routed
 experts run under shard_map (`shard_experts`; GSPMD does not partition the
 grouped matmul well): every device routes every token, computes its experts'
 or columns' share and a psum adds them up.
