@@ -9,6 +9,9 @@ process):
   `TPU_WORKER_HOSTNAMES`): `jax.distributed.initialize()` with no arguments, so jax reads the process count and
   id from the TPU environment and the same `xlaserve serve ...` runs on every worker (worker 0, `TPU_WORKER_ID`,
   serves HTTP; the others run headless: `frontend.serve`).
+- `--nnodes N --distributed-executor-backend ray`: node 0 alone is started; its engine core places nodes 1..N-1
+  as Ray actors (`RayFollowers`, one placement group, a bundle each) that run `run_node` as a `--headless`
+  node does, then joins them on a coordinator at the address the cluster knows node 0's host by.
 - otherwise one process: nothing to join.
 A process that cannot join within XLASERVE_DISTRIBUTED_TIMEOUT seconds exits with an error naming the
 coordinator; once joined, jax's heartbeats (XLASERVE_DISTRIBUTED_HEARTBEAT seconds) end every process of the
@@ -30,6 +33,8 @@ requests pickles to ~0.65 KiB, their prefill to ~5 KiB): rank 0's `send` ~0.4-0.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -95,7 +100,8 @@ def initialize(config: EngineConfig) -> bool:
         # coordinator's port here first, to exit with an error that names it
         kw["initialization_timeout"] = _wait_for_coordinator(pc.master_addr, pc.master_port, timeout)
     others = "node 1" if pc.nnodes == 2 else f"nodes 1..{pc.nnodes - 1}"
-    waited_for = (f"{others} (--node-rank, --headless) to join coordinator {coordinator}"
+    how = "Ray actors" if pc.distributed_executor_backend == "ray" else "--node-rank, --headless"
+    waited_for = (f"{others} ({how}) to join coordinator {coordinator}"
                   if pc.nnodes > 1 and pc.node_rank == 0 else f"the jax group of coordinator {coordinator}")
     # past its deadline jax ends the process with a fatal log line that names no one: say first whom we waited for
     overdue = threading.Timer(timeout, lambda: logger.error(
@@ -185,39 +191,138 @@ class KVChannel:
 class MultiHostLeader(LeaderRunner):
     """Rank 0 of a multi-process engine: each call goes to the followers (`KVChannel`), then runs here."""
 
-    def __init__(self, local, channel: KVChannel):
+    def __init__(self, local, channel: KVChannel, followers: RayFollowers | None = None):
         super().__init__(local, channel.send)
         self.channel = channel
+        self.followers = followers  # (--distributed-executor-backend ray: the other nodes' actors)
 
     def shutdown(self) -> None:
         import jax
 
-        self.local.shutdown()
-        self.channel.send(Shutdown())
-        jax.distributed.shutdown()
+        try:
+            self.local.shutdown()
+            self.channel.send(Shutdown())
+            jax.distributed.shutdown()
+        finally:
+            if self.followers is not None:  # they end on Shutdown; killed in any case
+                self.followers.join(30.0)
+
+
+# what a follower actor needs of node 0's environment before it imports jax (devices, platforms, our knobs)
+_ENV_PREFIXES = ("JAX_", "XLA_", "XLASERVE_", "VLLM_", "HF_", "TPU_", "TRANSFORMERS_", "OMP_", "PYTHONPATH")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `jaxengine` is importable from
+
+
+class _FollowerActor:
+    """A Ray actor that is one headless node of the group: `run` returns `run_node`'s exit status."""
+
+    def run(self, config: EngineConfig, log_level: int) -> int:
+        from enginecore.logging_setup import configure_logging
+        from enginecore.model_loader import resolve_model
+
+        configure_logging(log_level, prefix=f"node {config.parallel_config.node_rank}")
+        return run_node(config, resolve_model(config.model_config.model), actor=True)
+
+
+class RayFollowers:
+    """Nodes 1..N-1 of `--nnodes N --distributed-executor-backend ray` as Ray actors, one bundle each of one
+    placement group: STRICT_SPREAD (one per host, as tpu-inference places a TPU slice's hosts) where the cluster
+    has a node for each besides this one, else PACK (a one-host cluster)."""
+
+    def __init__(self, config: EngineConfig):
+        from enginecore.ray_utils import bundle_options, init_ray, placement_group
+
+        ray = init_ray()
+        pc = config.parallel_config
+        node_id = ray.get_runtime_context().get_node_id()
+        others = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_id]
+        strategy = "STRICT_SPREAD" if len(others) >= pc.nnodes - 1 else "PACK"
+        bundle = {"TPU": 1} if config.device_config.platform == "tpu" else {"CPU": 1}
+        logger.info("ray: placing jax nodes 1..%d in one placement group (%s: the cluster has %d other node(s))",
+                    pc.nnodes - 1, strategy, len(others))
+        self.pg = placement_group([dict(bundle) for _ in range(pc.nnodes - 1)], strategy=strategy)
+        env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+        actor_cls = ray.remote(**({"num_cpus": 0, "resources": bundle} if "TPU" in bundle else {"num_cpus": 1})
+                               )(_FollowerActor)
+        level = logging.getLogger("xlaserve").getEffectiveLevel()
+        self.actors = [actor_cls.options(runtime_env={"env_vars": env}, **bundle_options(self.pg, i)).remote()
+                       for i in range(pc.nnodes - 1)]
+        self.runs = [a.run.remote(dataclasses.replace(config, parallel_config=dataclasses.replace(pc, node_rank=i + 1)),
+                                  level) for i, a in enumerate(self.actors)]
+        atexit.register(self.kill)
+
+    def join(self, timeout: float) -> None:
+        import ray
+
+        ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
+        self.kill()
+        atexit.unregister(self.kill)
+
+    def kill(self) -> None:
+        import ray
+
+        if self.pg is None or not ray.is_initialized():
+            return
+        for a in self.actors:
+            ray.kill(a)
+        ray.util.remove_placement_group(self.pg)
+        self.actors, self.pg = [], None
+
+
+def _ray_coordinator(config: EngineConfig) -> EngineConfig:
+    """`config` with the coordinator on a free port of this host, at the address the Ray cluster knows it by
+    (the followers may be on other hosts)."""
+    from enginecore.ray_utils import init_ray
+
+    ray = init_ray()
+    node_id = ray.get_runtime_context().get_node_id()
+    host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    pc = dataclasses.replace(config.parallel_config, master_addr=host, master_port=port)
+    return dataclasses.replace(config, parallel_config=pc)
 
 
 def create_runner(config: EngineConfig, model: ModelSource):
     """The jax backend's runner in node 0's engine core: one process's, or rank 0 of a group (joined here)."""
     from jaxengine.runner import JaxModelRunner
 
-    if not initialize(config):
-        return JaxModelRunner(config, model)
-    import jax
+    pc = config.parallel_config
+    followers = None
+    if pc.distributed_executor_backend == "ray" and pc.nnodes > 1:
+        if pc.node_rank != 0:
+            raise ConfigError("--distributed-executor-backend ray places nodes 1..N-1 from node 0 onto the Ray "
+                              "cluster: start only node 0 (no --node-rank, no --headless nodes)")
+        config = _ray_coordinator(config)
+        followers = RayFollowers(config)  # before `initialize`, which waits for them
+    try:
+        if not initialize(config):
+            return JaxModelRunner(config, model)
+        import jax
 
-    if jax.process_index() != 0:
-        raise ConfigError(f"process {jax.process_index()} of the jax group serves no HTTP: run it with --headless")
-    check_group_size(config)
-    return MultiHostLeader(JaxModelRunner(config, model), KVChannel())
+        if jax.process_index() != 0:
+            raise ConfigError(f"process {jax.process_index()} of the jax group serves no HTTP: run it with --headless")
+        check_group_size(config)
+        return MultiHostLeader(JaxModelRunner(config, model), KVChannel(), followers)
+    except BaseException:
+        if followers is not None:
+            followers.kill()
+        raise
 
 
-def run_node(config: EngineConfig, model: ModelSource) -> int:
-    """A headless process of the group (`--node-rank R > 0`, or a TPU slice's worker > 0): join, load this
-    host's shards, replay rank 0's commands until it sends Shutdown; the exit status."""
+def run_node(config: EngineConfig, model: ModelSource, *, actor: bool = False) -> int:
+    """A headless process of the group (`--node-rank R > 0`, or a TPU slice's worker > 0, or node 0's Ray actor
+    with `actor`): join, load this host's shards, replay rank 0's commands until it sends Shutdown; the exit
+    status."""
     import jax
 
     from jaxengine.runner import JaxModelRunner
 
+    if config.parallel_config.distributed_executor_backend == "ray" and not actor:
+        raise ConfigError("--distributed-executor-backend ray places nodes 1..N-1 from node 0 onto the Ray "
+                          "cluster: start no --headless nodes")
     try:
         joined = initialize(config)
     except RuntimeError as e:  # (the coordinator never came)

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks._server import LoggedProcess, free_port
-from tests.test_api_server import ServerProcess
+from tests.test_api_server import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,16 +59,22 @@ def _completions(url: str) -> list[str]:
     return out
 
 
-@pytest.mark.timeout(900)
-def test_two_processes_tp8_match_one_process(tiny_model_dir, tmp_path):
-    model = tiny_model_dir("llama")
-    one = ServerProcess([model, *FLAGS], str(tmp_path / "one.log"), _env(8))
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, tmp_path_factory) -> list[str]:
+    """The completions of one process with all 8 devices: what every multi-process layout must give."""
+    one = ServerProcess([tiny_model_dir("llama"), *FLAGS], str(tmp_path_factory.mktemp("one") / "one.log"), _env(8))
     try:
         one.wait_ready(300)
-        expected = _completions(one.url)
-        assert all(expected), expected
+        out = _completions(one.url)
+        assert all(out), out
+        return out
     finally:
         one.stop()
+
+
+@pytest.mark.timeout(900)
+def test_two_processes_tp8_match_one_process(tiny_model_dir, expected, tmp_path):
+    model = tiny_model_dir("llama")
     head, follower = _pair(model, tmp_path)
     try:
         assert _completions(head.url) == expected
@@ -78,6 +85,26 @@ def test_two_processes_tp8_match_one_process(tiny_model_dir, tmp_path):
         follower.proc.wait(60)
         follower.stop()
     assert follower.proc.returncode == 0, follower.log_tail()
+
+
+def _follower_actor_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if any("_FollowerActor" in a for a in p.info["cmdline"] or [])]
+
+
+@pytest.mark.timeout(900)
+def test_ray_executor_places_node1_as_actor(tiny_model_dir, expected, ray_cluster, tmp_path):
+    """`--distributed-executor-backend ray`: only node 0 is started; node 1 is its Ray actor (4 devices too)."""
+    head = ServerProcess([tiny_model_dir("llama"), *FLAGS, "--nnodes", "2", "--distributed-executor-backend", "ray"],
+                         str(tmp_path / "node0.log"), _env(4))
+    try:
+        head.wait_ready(300)
+        assert _follower_actor_pids()  # node 1 runs in the cluster's actor, not as a child of the server
+        assert _completions(head.url) == expected
+        assert "PACK" in open(head.log_path).read()  # (a one-host cluster)
+        assert head.stop() == 0
+        wait_for(lambda: not _follower_actor_pids(), timeout=60)
+    finally:
+        head.stop()
 
 
 def _stream_until_killed(url: str, victim: LoggedProcess) -> list[str]:
