@@ -58,3 +58,13 @@ def bundle_options(pg, index: int) -> dict:
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=True)}
+
+
+def release(actors: list, pg) -> None:
+    """Kill `actors` and remove their placement group `pg` (nothing to do once Ray is down)."""
+    ray = import_ray()
+    if pg is None or not ray.is_initialized():
+        return
+    for a in actors:
+        ray.kill(a)
+    ray.util.remove_placement_group(pg)

@@ -260,13 +260,9 @@ class RayFollowers:
         atexit.unregister(self.kill)
 
     def kill(self) -> None:
-        import ray
+        from enginecore.ray_utils import release
 
-        if self.pg is None or not ray.is_initialized():
-            return
-        for a in self.actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(self.pg)
+        release(self.actors, self.pg)
         self.actors, self.pg = [], None
 
 

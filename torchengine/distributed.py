@@ -221,13 +221,9 @@ class RayRankActors:
 
     def kill(self) -> None:
         """Kill the actors and free their placement group (once)."""
-        import ray
+        from enginecore.ray_utils import release
 
-        if self._pg is None or not ray.is_initialized():
-            return
-        for a in self._actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(self._pg)
+        release(self._actors, self._pg)
         self._actors, self._pg = [], None
 
 
