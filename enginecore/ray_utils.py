@@ -38,6 +38,19 @@ def init_ray(address: str | None = None):
     return ray
 
 
+def rendezvous_address() -> tuple[str, int]:
+    """(host, port) for a group's rendezvous in this process: this host's address as the Ray cluster knows it
+    (the actors may be on other hosts) and a port free there now."""
+    import socket
+
+    ray = init_ray()
+    node_id = ray.get_runtime_context().get_node_id()
+    host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
 def placement_group(bundles: list[dict], strategy: str = "PACK", timeout_s: float = 120.0):
     """A ready placement group of `bundles`, or a ConfigError saying what the cluster lacks."""
     ray = import_ray()

@@ -269,14 +269,9 @@ class RayFollowers:
 def _ray_coordinator(config: EngineConfig) -> EngineConfig:
     """`config` with the coordinator on a free port of this host, at the address the Ray cluster knows it by
     (the followers may be on other hosts)."""
-    from enginecore.ray_utils import init_ray
+    from enginecore.ray_utils import rendezvous_address
 
-    ray = init_ray()
-    node_id = ray.get_runtime_context().get_node_id()
-    host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    host, port = rendezvous_address()
     pc = dataclasses.replace(config.parallel_config, master_addr=host, master_port=port)
     return dataclasses.replace(config, parallel_config=pc)
 

@@ -335,14 +335,13 @@ def one_call_vs_python_layers(monkeypatch):
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real local Ray cluster (`ray start --head`), as a user runs one; its address, also in RAY_ADDRESS for
-    the servers the tests start. Stopped (`ray stop`) when the session ends."""
-    import socket
+    the servers the tests start. Its own processes are killed when the session ends (`_stop_ray_cluster`)."""
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from benchmarks._server import free_port
+
+    port = free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     tmp = str(tmp_path_factory.mktemp("ray"))
     # Ray turns token auth on for a `ray start` where ~/.ray/auth_token exists (any local `ray.init()` writes one)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from benchmarks._server import free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -82,14 +83,8 @@ def _worker(process_id: int, port: int, cases: list[dict], orbax_dir: str, out_p
     jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(cases, orbax_dir, tmp_path) -> list[list[dict]]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     outs = [str(tmp_path / f"rank{i}.json") for i in range(2)]

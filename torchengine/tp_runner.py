@@ -49,13 +49,10 @@ class TensorParallelRunner(LeaderRunner):
         pc = config.parallel_config
         self._ray = pc.distributed_executor_backend == "ray"
         if self._ray:
-            from enginecore.ray_utils import init_ray
+            from enginecore.ray_utils import rendezvous_address
 
-            ray = init_ray()
-            # the actors may be on other hosts: the rendezvous is on the address the cluster knows this host by
-            node_id = ray.get_runtime_context().get_node_id()
-            host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-            self._placement = RankPlacement(0, 0, 1, free_init_method(host))
+            host, port = rendezvous_address()
+            self._placement = RankPlacement(0, 0, 1, f"tcp://{host}:{port}")
         else:
             init_method = f"tcp://{pc.master_addr}:{pc.master_port}" if pc.nnodes > 1 else free_init_method()
             self._placement = node_placements(pc, init_method)[0]
